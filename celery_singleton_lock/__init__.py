@@ -1,0 +1,38 @@
+"""Run each Celery job once: a renewed, fenced Redis lock taken on the worker.
+
+::
+
+    from celery_singleton_lock import SingletonTask
+
+    @app.task(bind=True, base=SingletonTask, singleton_ttl=30)
+    def sync_account(self, account_id):
+        token = self.singleton.fencing_token
+"""
+
+from __future__ import annotations
+
+from . import signals
+from . import worker as _worker  # connects the worker-side hooks
+from .errors import (
+    DuplicateTaskError,
+    LockUnavailableError,
+    SingletonConfigError,
+    SingletonError,
+    SingletonKeyError,
+)
+from .task import LockHandle, SingletonTask, SkipInfo, skip_info
+
+__all__ = [
+    "DuplicateTaskError",
+    "LockHandle",
+    "LockUnavailableError",
+    "SingletonConfigError",
+    "SingletonError",
+    "SingletonKeyError",
+    "SingletonTask",
+    "SkipInfo",
+    "signals",
+    "skip_info",
+]
+
+del _worker

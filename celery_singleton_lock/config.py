@@ -1,0 +1,247 @@
+"""The settings table: every setting's name, default, check and documentation.
+
+Settings are read at use time from ``app.conf`` (``singleton_<name>``; with
+``namespace="CELERY"`` Celery maps ``CELERY_SINGLETON_<NAME>`` onto the same key). A task
+option ``singleton_<name>`` on the task overrides the app-wide value. Nothing here is
+written into ``app.conf``: ``add_defaults`` would override what the user configured.
+
+Knows nothing of Celery's classes: it reads any mapping with ``get``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import SingletonConfigError
+from .keys import check_prefix
+
+__all__ = [
+    "POLICIES",
+    "SETTINGS",
+    "Options",
+    "Setting",
+    "read_options",
+    "redact_url",
+    "resolve_redis_url",
+]
+
+POLICIES = ("skip", "retry", "raise")
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+class ConfLike(Protocol):
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise SingletonConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise SingletonConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _optional_positive(name: str, value: Any) -> float | None:
+    return None if value is None else _positive(name, value)
+
+
+def _policy(name: str, value: Any) -> str:
+    if value not in POLICIES:
+        choices = ", ".join(repr(p) for p in POLICIES)
+        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
+    return str(value)
+
+
+def _prefix(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise SingletonConfigError(f"{name} must be a string, got {value!r}")
+    try:
+        check_prefix(value)
+    except SingletonConfigError as exc:
+        raise SingletonConfigError(f"{name}: {exc}") from exc
+    return value
+
+
+def _key_args(name: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise SingletonConfigError(f"{name} must be a sequence of argument names, got {value!r}")
+    return tuple(value)
+
+
+def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
+    if value is not None and not callable(value):
+        raise SingletonConfigError(f"{name} must be a callable(args, kwargs) -> str, got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+def _url(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        shown = redact_url(value) if isinstance(value, str) else repr(value)
+        raise SingletonConfigError(
+            f"{name} must be a redis://, rediss:// or unix:// URL, got {shown}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    name: str
+    default: Any
+    check: Callable[[str, Any], Any]
+    doc: str
+    task_option: bool = True
+
+    @property
+    def conf_key(self) -> str:
+        return f"singleton_{self.name}"
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "redis_url",
+            None,
+            _url,
+            "Redis holding the locks. Default: `broker_url` when it is redis:// or "
+            "rediss://, else redis://localhost:6379/0.",
+            task_option=False,
+        ),
+        Setting(
+            "key_prefix",
+            "singleton:",
+            _prefix,
+            "Prefix of every key the library writes.",
+            task_option=False,
+        ),
+        Setting(
+            "on_duplicate",
+            "skip",
+            _policy,
+            'What a duplicate run does: "skip" (finish at once, result marked skipped), '
+            '"retry" (requeue every `retry_countdown` seconds until it can run) or '
+            '"raise" (fail with DuplicateTaskError).',
+        ),
+        Setting(
+            "key_args",
+            None,
+            _key_args,
+            "Names of the arguments that make up the key; None means all of them.",
+        ),
+        Setting(
+            "key",
+            None,
+            _key_fn,
+            "A callable(args, kwargs) -> str giving the key's identity instead of the arguments.",
+        ),
+        Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
+        Setting(
+            "retry_countdown",
+            5,
+            _non_negative,
+            'Seconds between tries of a duplicate under "retry", and after a Redis error.',
+        ),
+        Setting(
+            "max_hold",
+            None,
+            _optional_positive,
+            "Stop renewing a lock this many seconds after it was taken (a hung task then "
+            "loses it after one more ttl). None: renew for as long as the task runs.",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The checked settings that apply to one task."""
+
+    redis_url: str
+    key_prefix: str
+    on_duplicate: str
+    key_args: tuple[str, ...] | None
+    key: Callable[..., str] | None
+    ttl: float
+    retry_countdown: float
+    max_hold: float | None
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl * 1000))
+
+
+def resolve_redis_url(conf: ConfLike) -> str:
+    """``singleton_redis_url``, else a Redis broker URL, else the local default."""
+    url = _url("singleton_redis_url", conf.get("singleton_redis_url"))
+    if url:
+        return url
+    broker = conf.get("broker_url")
+    if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss"):
+        return broker.split(";", 1)[0]
+    return DEFAULT_REDIS_URL
+
+
+def read_options(conf: ConfLike, task: object | None = None) -> Options:
+    """Check and merge the app-wide settings with the task's ``singleton_*`` attributes."""
+    task_name = getattr(task, "name", None)
+    values: dict[str, Any] = {}
+    for setting in SETTINGS.values():
+        value = None
+        where = setting.conf_key
+        if setting.task_option and task is not None:
+            value = getattr(task, setting.conf_key, None)
+            where = f"{setting.conf_key} (task {task_name})"
+        if value is None:
+            value = conf.get(setting.conf_key)
+            where = setting.conf_key
+        if value is None:
+            value = setting.default
+        values[setting.name] = setting.check(where, value)
+    values["redis_url"] = resolve_redis_url(conf)
+    if values["key_args"] is not None and values["key"] is not None:
+        raise SingletonConfigError(
+            f"task {task_name}: set singleton_key_args or singleton_key, not both"
+        )
+    return Options(**values)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def describe(options: Options) -> Mapping[str, str]:
+    """The settings as shown in start-up banners (password hidden)."""
+    return {
+        "redis": redact_url(options.redis_url),
+        "prefix": options.key_prefix,
+        "ttl": f"{options.ttl:g}s",
+        "on_duplicate": options.on_duplicate,
+        "retry_countdown": f"{options.retry_countdown:g}s",
+        "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
+    }

@@ -1,0 +1,38 @@
+-- Take a lock, or hand it over to a later generation of its owner, and issue a fencing token.
+--
+-- KEYS[1]   the lock: a hash with fields owner, gen, token, since, renewals and metadata
+-- KEYS[2]   the fencing counter of that lock (same hash slot); outlives the lock, expires after ARGV[4]
+-- ARGV[1]   owner: the Celery task id
+-- ARGV[2]   generation: the Celery retries count; the same owner with a LARGER generation re-enters
+-- ARGV[3]   lock ttl, milliseconds
+-- ARGV[4]   fencing counter ttl, milliseconds
+-- ARGV[5..] metadata written into the lock hash: field, value, field, value, ...
+-- return    {1, token, reentered}                          taken (reentered is 1 on a hand-over)
+--           {0, holder, holder_gen, holder_token, pttl_ms}  held by another owner or generation
+--
+-- The token is max(counter + 1, server time in microseconds): strictly increasing per key,
+-- and still increasing after the counter has expired.
+local held = redis.call('HMGET', KEYS[1], 'owner', 'gen', 'token')
+local reentered = 0
+if held[1] then
+  if held[1] ~= ARGV[1] or tonumber(ARGV[2]) <= tonumber(held[2]) then
+    return {0, held[1], tonumber(held[2]), tonumber(held[3]), redis.call('PTTL', KEYS[1])}
+  end
+  reentered = 1
+end
+
+local now = redis.call('TIME')
+local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local token = redis.call('INCR', KEYS[2])
+if token < now_us then
+  token = now_us
+  redis.call('SET', KEYS[2], string.format('%d', token))
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+
+redis.call('HSET', KEYS[1],
+  'owner', ARGV[1], 'gen', ARGV[2], 'token', string.format('%d', token),
+  'since', string.format('%d', math.floor(now_us / 1000)), 'renewals', '0',
+  'ttl', ARGV[3], unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, token, reentered}

@@ -1,0 +1,197 @@
+"""One renewal timer per process for every lock that process holds.
+
+The renewer keeps a weak registry of :class:`HeldLock` records. Whenever the earliest of
+them is due (a third of its ttl after its last renewal) it renews *all* of them in one
+round trip, so the number of round trips per interval does not grow with the number of
+locks. A record whose run has ended and been garbage-collected simply drops out.
+
+Time is injected: :meth:`Renewer.run_due` takes ``now`` and returns how long to wait, so
+tests drive it without a thread or a sleep. :meth:`Renewer.ensure_started` starts a
+daemon thread in the *current* process (it restarts after a fork) that calls it.
+Knows nothing of Celery: outcomes reach the caller through the callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import LockUnavailableError
+from .lock import LockStore, RenewItem, RenewStatus
+
+__all__ = ["HeldLock", "Renewer"]
+
+logger = logging.getLogger("celery_singleton_lock.renewer")
+
+
+@dataclass(eq=False)
+class HeldLock:
+    """A lock this process holds and renews, as seen by the run that took it.
+
+    ``context`` is whatever the caller wants handed back to its callbacks (the task).
+    """
+
+    key: str
+    owner: str
+    generation: int
+    ttl_ms: int
+    token: int
+    acquired_at: float
+    max_hold_s: float | None = None
+    lost: bool = False
+    renewals: int = 0
+    context: Any = field(default=None, repr=False)
+    next_due: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.next_due = self.acquired_at + self.interval
+
+    @property
+    def interval(self) -> float:
+        """Seconds between renewals: a third of the ttl."""
+        return self.ttl_ms / 3000.0
+
+    def as_item(self) -> RenewItem:
+        return RenewItem(self.key, self.owner, self.generation, self.ttl_ms)
+
+
+LostCallback = Callable[[HeldLock, RenewStatus], None]
+HeldCallback = Callable[[HeldLock], None]
+ErrorCallback = Callable[[LockUnavailableError], None]
+
+
+def _ignore(*_args: object) -> None:
+    return None
+
+
+class Renewer:
+    """Renews every registered lock of this process in one batched round trip per interval."""
+
+    def __init__(
+        self,
+        store: LockStore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_lost: LostCallback = _ignore,
+        on_max_hold: HeldCallback = _ignore,
+        on_error: ErrorCallback = _ignore,
+        error_retry_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.on_lost = on_lost
+        self.on_max_hold = on_max_hold
+        self.on_error = on_error
+        self.error_retry_s = error_retry_s
+        self.round_trips = 0
+        self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
+        self._mutex = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    # -- registry ------------------------------------------------------------------------
+
+    def add(self, held: HeldLock) -> None:
+        """Start renewing ``held`` (the caller keeps the only strong reference)."""
+        with self._mutex:
+            self._held.add(held)
+        self._wake.set()
+
+    def remove(self, held: HeldLock) -> None:
+        """Stop renewing ``held`` at once; a renewal already on the wire may still land."""
+        with self._mutex:
+            self._held.discard(held)
+
+    def __len__(self) -> int:
+        with self._mutex:
+            return len(self._held)
+
+    # -- the timer's body -------------------------------------------------------------------
+
+    def run_due(self, now: float) -> float | None:
+        """Renew everything if anything is due at ``now``; return seconds until the next due."""
+        with self._mutex:
+            held = list(self._held)
+        if not held:
+            return None
+        expired = [
+            h for h in held if h.max_hold_s is not None and now - h.acquired_at >= h.max_hold_s
+        ]
+        for h in expired:
+            self.remove(h)
+            self.on_max_hold(h)
+        held = [h for h in held if h not in expired]
+        if not held:
+            return None
+        earliest = min(h.next_due for h in held)
+        if earliest > now:
+            return earliest - now
+        try:
+            statuses = self.store.renew([h.as_item() for h in held])
+        except LockUnavailableError as exc:
+            self.round_trips += 1
+            self.on_error(exc)
+            return self.error_retry_s
+        self.round_trips += 1
+        for h, status in zip(held, statuses, strict=True):
+            if status is RenewStatus.RENEWED:
+                h.renewals += 1
+                h.next_due = now + h.interval
+                continue
+            with self._mutex:
+                still_held = h in self._held
+                self._held.discard(h)
+            if still_held:  # else the run ended and released while we were on the wire
+                h.lost = True
+                self.on_lost(h, status)
+        with self._mutex:
+            remaining = list(self._held)
+        if not remaining:
+            return None
+        return max(0.0, min(h.next_due for h in remaining) - now)
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def ensure_started(self) -> None:
+        """Run the timer in a daemon thread of this process (again after a fork)."""
+        pid = os.getpid()
+        if self._pid == pid and self._thread is not None and self._thread.is_alive():
+            return
+        with self._mutex:
+            if self._pid == pid and self._thread is not None and self._thread.is_alive():
+                return
+            self._pid = pid
+            self._stop = threading.Event()
+            self._wake = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, name="celery-singleton-renewer", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the thread; registered locks are no longer renewed."""
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        stop, wake = self._stop, self._wake
+        while not stop.is_set():
+            try:
+                timeout = self.run_due(self.clock())
+            except Exception:  # keep renewing whatever a callback did
+                logger.exception("singleton: renewer tick failed")
+                timeout = self.error_retry_s
+            wake.wait(timeout)
+            wake.clear()

@@ -1,0 +1,38 @@
+"""The library's own signals, sent for every lock event.
+
+Connect like any Celery signal::
+
+    from celery_singleton_lock import signals
+
+    @signals.duplicate_skipped.connect
+    def on_skip(sender, key, task_id, holder, **kwargs):
+        ...
+
+``sender`` is the task (``None`` where no task is at hand). Every signal carries ``key``
+and ``task_id``; the others carry what the table in docs/configuration.md lists.
+Receivers run in the process where the event happened: the pool child (or the solo or
+threads worker), the renewer's thread for ``lock_lost`` and ``lock_max_hold``, and the
+worker's main process for releases after a lost child, a hard time limit or a terminate.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = [
+    "duplicate_raised",
+    "duplicate_retried",
+    "duplicate_skipped",
+    "lock_acquired",
+    "lock_lost",
+    "lock_max_hold",
+    "lock_released",
+]
+
+lock_acquired = Signal(name="singleton_lock_acquired")
+lock_released = Signal(name="singleton_lock_released")
+lock_lost = Signal(name="singleton_lock_lost")
+lock_max_hold = Signal(name="singleton_lock_max_hold")
+duplicate_skipped = Signal(name="singleton_duplicate_skipped")
+duplicate_retried = Signal(name="singleton_duplicate_retried")
+duplicate_raised = Signal(name="singleton_duplicate_raised")

@@ -1,0 +1,457 @@
+"""SingletonTask: take the lock right before the task body runs, keep it renewed, free it after.
+
+The lock is taken in :meth:`SingletonTask.before_start`, on the worker, so every way a
+message can arrive (``delay``, ``send_task``, canvas, beat) is covered. Its owner is the
+task id and its generation the retries count, so:
+
+- a retried message (same id, one more retry) takes the lock over from the run that
+  called ``retry()``; that run extends the lock to cover the countdown first, so nothing
+  can slip in between;
+- the worker's main process can release a lock its dead pool child held (see worker.py).
+
+The release runs from the ``task_postrun`` signal (worker.py), which fires for every
+outcome of a traced run: success, failure, Ignore, Reject and Retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task, states
+from celery.exceptions import Ignore, Retry
+
+from . import signals
+from .config import Options, read_options
+from .connection import renewer_for, store_for
+from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
+from .keys import LockKeys, derive_keys
+from .lock import Contended, ReleaseStatus, RenewItem, RenewStatus
+from .renewer import HeldLock, Renewer
+
+__all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
+
+logger = logging.getLogger("celery_singleton_lock")
+
+#: Key of the result a skipped duplicate stores (its value is True).
+SKIP_MARKER = "__singleton_skipped__"
+
+
+class LockHandle:
+    """What a run knows of its lock: ``self.singleton`` inside a bound task."""
+
+    __slots__ = ("_held", "key", "reentered", "task_id")
+
+    def __init__(
+        self,
+        key: str | None = None,
+        task_id: str | None = None,
+        held: HeldLock | None = None,
+        reentered: bool = False,
+    ) -> None:
+        self.key = key
+        self.task_id = task_id
+        self.reentered = reentered
+        self._held = held
+
+    @property
+    def held(self) -> bool:
+        """True while this run holds the lock (False outside a worker run, or once lost)."""
+        return self._held is not None and not self._held.lost
+
+    @property
+    def fencing_token(self) -> int | None:
+        """Strictly increasing per lock key; pass it to writes that must reject stale runs."""
+        return None if self._held is None else self._held.token
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewal found the lock gone or taken by another run."""
+        return self._held is not None and self._held.lost
+
+    def __repr__(self) -> str:
+        return (
+            f"<LockHandle key={self.key!r} task_id={self.task_id!r} "
+            f"token={self.fencing_token!r} lost={self.lost}>"
+        )
+
+
+NOT_HELD = LockHandle()
+
+
+@dataclass(frozen=True)
+class SkipInfo:
+    """Why a duplicate was skipped: its lock key and the task id holding it."""
+
+    key: str
+    holder: str
+    task_id: str
+
+
+def skip_info(value: Any) -> SkipInfo | None:
+    """The :class:`SkipInfo` when ``value`` (a result or an AsyncResult) is a skipped duplicate."""
+    if hasattr(value, "ready") and hasattr(value, "result"):
+        value = value.result if value.ready() else None
+    if isinstance(value, Mapping) and value.get(SKIP_MARKER) is True:
+        return SkipInfo(str(value["key"]), str(value["holder"]), str(value["task_id"]))
+    return None
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task that never runs twice at once for the same logical arguments.
+
+    Options (each falls back to the app setting ``singleton_<option>``, then to the
+    default in docs/configuration.md): ``singleton_on_duplicate``, ``singleton_key_args``,
+    ``singleton_key``, ``singleton_ttl``, ``singleton_retry_countdown``,
+    ``singleton_max_hold``.
+    """
+
+    singleton_on_duplicate: ClassVar[str | None] = None
+    singleton_key_args: ClassVar[Sequence[str] | None] = None
+    singleton_key: ClassVar[Any] = None
+    singleton_ttl: ClassVar[float | None] = None
+    singleton_retry_countdown: ClassVar[float | None] = None
+    singleton_max_hold: ClassVar[float | None] = None
+
+    _singleton_opts: Options | None = None
+
+    # -- what the task body sees ------------------------------------------------------------
+
+    @property
+    def singleton(self) -> LockHandle:
+        """This run's lock: ``fencing_token``, ``lost``, ``key``."""
+        handle = getattr(self.request, "_singleton_handle", None)
+        return handle if isinstance(handle, LockHandle) else NOT_HELD
+
+    def singleton_options(self) -> Options:
+        """The checked settings for this task (read from app.conf once, at first use)."""
+        opts = self._singleton_opts
+        if opts is None:
+            opts = self._singleton_opts = read_options(self.app.conf, self)
+        return opts
+
+    def singleton_keys(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> LockKeys:
+        """The lock keys for a call with these arguments."""
+        opts = self.singleton_options()
+        return derive_keys(
+            opts.key_prefix, self.name, self.run, args or (), kwargs or {}, opts.key_args, opts.key
+        )
+
+    # -- Celery hooks -----------------------------------------------------------------------
+
+    def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Take the lock, or deal with the duplicate by policy, before the body runs."""
+        super().before_start(task_id, args, kwargs)
+        self._singleton_acquire(task_id, args, kwargs)
+
+    def retry(  # noqa: PLR0917 - Celery's signature
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, handing the lock over to the retried message."""
+        handle = self.singleton
+        if handle.held:
+            delay = _retry_delay(eta, countdown, self.default_retry_delay)
+            self._singleton_hand_over(handle, delay)
+        return super().retry(
+            args=args,
+            kwargs=kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )
+
+    # -- acquire ------------------------------------------------------------------------------
+
+    def _singleton_acquire(
+        self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        opts = self.singleton_options()
+        request = self.request
+        try:
+            keys = self.singleton_keys(args, kwargs)
+        except SingletonKeyError as exc:
+            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+        generation = int(request.retries or 0)
+        store = store_for(opts.redis_url)
+        meta = {
+            "task": self.name,
+            "host": str(request.hostname or socket.gethostname()),
+            "pid": str(os.getpid()),
+        }
+        try:
+            outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+        except LockUnavailableError as exc:
+            logger.error(
+                "singleton: redis error on acquire, retrying in %ss: %s[%s] key=%s: %s",
+                opts.retry_countdown,
+                self.name,
+                task_id,
+                keys.lock,
+                exc,
+            )
+            self._singleton_requeue(opts.retry_countdown, exc)
+        if isinstance(outcome, Contended):
+            self._singleton_duplicate(opts, keys, outcome, task_id)
+        held = HeldLock(
+            key=keys.lock,
+            owner=task_id,
+            generation=generation,
+            ttl_ms=opts.ttl_ms,
+            token=outcome.token,
+            acquired_at=time.monotonic(),
+            max_hold_s=opts.max_hold,
+            context=self,
+        )
+        request._singleton_handle = LockHandle(keys.lock, task_id, held, outcome.reentered)
+        renewer_for(opts.redis_url, _configure_renewer).add(held)
+        logger.debug(
+            "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
+            self.name,
+            task_id,
+            keys.lock,
+            outcome.token,
+            outcome.reentered,
+        )
+        signals.lock_acquired.send(
+            sender=self,
+            key=keys.lock,
+            task_id=task_id,
+            token=outcome.token,
+            reentered=outcome.reentered,
+        )
+
+    def _singleton_duplicate(
+        self, opts: Options, keys: LockKeys, held: Contended, task_id: str
+    ) -> NoReturn:
+        request = self.request
+        error = DuplicateTaskError(
+            f"{self.name}[{task_id}] is a duplicate: {keys.lock} is held by {held.holder}",
+            key=keys.lock,
+            task_id=task_id,
+            holder=held.holder,
+        )
+        if held.holder == task_id:
+            # The same message again while its earlier delivery holds the lock (an acks_late
+            # redelivery). Skipping would drop the run or overwrite its result: wait until
+            # the holder releases, or its lock expires because the holder is dead.
+            countdown = min(opts.retry_countdown or 1.0, max(held.pttl_ms, 0) / 1000 + 0.1)
+            logger.warning(
+                "singleton: redelivered while held, retrying in %ss: %s[%s] key=%s",
+                round(countdown, 3),
+                self.name,
+                task_id,
+                keys.lock,
+            )
+            self._singleton_requeue(countdown, error)
+        policy = opts.on_duplicate
+        if policy == "retry" and not request.is_eager:
+            logger.info(
+                "singleton: duplicate retried in %ss: %s[%s] key=%s holder=%s",
+                opts.retry_countdown,
+                self.name,
+                task_id,
+                keys.lock,
+                held.holder,
+            )
+            signals.duplicate_retried.send(
+                sender=self,
+                key=keys.lock,
+                task_id=task_id,
+                holder=held.holder,
+                countdown=opts.retry_countdown,
+            )
+            self._singleton_requeue(opts.retry_countdown, error)
+        if policy == "skip":
+            logger.info(
+                "singleton: duplicate skipped: %s[%s] key=%s holder=%s",
+                self.name,
+                task_id,
+                keys.lock,
+                held.holder,
+            )
+            marker = {
+                SKIP_MARKER: True,
+                "key": keys.lock,
+                "holder": held.holder,
+                "task_id": task_id,
+            }
+            self.backend.mark_as_done(task_id, marker, request=request)
+            signals.duplicate_skipped.send(
+                sender=self, key=keys.lock, task_id=task_id, holder=held.holder
+            )
+            raise Ignore()
+        logger.info(
+            "singleton: duplicate raised: %s[%s] key=%s holder=%s",
+            self.name,
+            task_id,
+            keys.lock,
+            held.holder,
+        )
+        signals.duplicate_raised.send(
+            sender=self, key=keys.lock, task_id=task_id, holder=held.holder
+        )
+        raise error
+
+    def _singleton_requeue(self, countdown: float, reason: Exception) -> NoReturn:
+        """Publish this message again, retries unchanged, and end this delivery as RETRY."""
+        request = self.request
+        if request.is_eager or request.called_directly:
+            raise reason
+        signature = self.signature_from_request(request, countdown=countdown)
+        signature.apply_async()
+        raise Retry(f"singleton: requeued: {reason}", exc=reason, when=countdown)
+
+    # -- hand-over and release ----------------------------------------------------------------
+
+    def _singleton_hand_over(self, handle: LockHandle, delay: float) -> None:
+        """Stop renewing and stretch the lock over the retry's countdown."""
+        held = handle._held
+        assert held is not None
+        opts = self.singleton_options()
+        renewer_for(opts.redis_url, _configure_renewer).remove(held)
+        ttl_ms = round((max(delay, 0.0) + opts.ttl) * 1000)
+        item = RenewItem(held.key, held.owner, held.generation, ttl_ms)
+        try:
+            store_for(opts.redis_url).renew([item])
+        except LockUnavailableError as exc:
+            logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
+        logger.debug(
+            "singleton: handing over to retry in %ss: %s[%s] key=%s",
+            delay,
+            self.name,
+            held.owner,
+            held.key,
+        )
+
+    def _singleton_after_run(self, state: str) -> None:
+        """Stop renewing and release; on RETRY leave the lock for the retried message."""
+        handle = self.singleton
+        held = handle._held
+        if held is None:
+            return
+        opts = self.singleton_options()
+        renewer_for(opts.redis_url, _configure_renewer).remove(held)
+        handle._held = None if state != states.RETRY else held
+        if state == states.RETRY:
+            return
+        try:
+            status = store_for(opts.redis_url).release(held.key, held.owner, held.generation)
+        except LockUnavailableError as exc:
+            logger.warning(
+                "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
+                self.name,
+                held.owner,
+                held.key,
+                exc,
+            )
+            return
+        if status is ReleaseStatus.RELEASED:
+            logger.debug("singleton: released %s[%s] key=%s", self.name, held.owner, held.key)
+            signals.lock_released.send(sender=self, key=held.key, task_id=held.owner, reason=state)
+        elif not held.lost:
+            logger.warning(
+                "singleton: lock was no longer ours at release: %s[%s] key=%s",
+                self.name,
+                held.owner,
+                held.key,
+            )
+
+    def singleton_release_for(
+        self,
+        task_id: str,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        generation: int | None,
+        reason: str,
+    ) -> ReleaseStatus | None:
+        """Release the lock a run of this task held, from outside that run (main process)."""
+        try:
+            keys = self.singleton_keys(args, kwargs)
+            status = store_for(self.singleton_options().redis_url).release(
+                keys.lock, task_id, generation
+            )
+        except (SingletonKeyError, LockUnavailableError) as exc:
+            logger.warning(
+                "singleton: could not release after %s, lock expires in its ttl: %s[%s]: %s",
+                reason,
+                self.name,
+                task_id,
+                exc,
+            )
+            return None
+        if status is ReleaseStatus.RELEASED:
+            logger.warning(
+                "singleton: released by main process after %s: %s[%s] key=%s",
+                reason,
+                self.name,
+                task_id,
+                keys.lock,
+            )
+            signals.lock_released.send(sender=self, key=keys.lock, task_id=task_id, reason=reason)
+        return status
+
+
+def _retry_delay(eta: datetime | None, countdown: float | None, default: float | None) -> float:
+    if countdown is not None:
+        return float(countdown)
+    if eta is not None:
+        now = datetime.now(timezone.utc) if eta.tzinfo else datetime.now()
+        return (eta - now).total_seconds()
+    return float(default or 0)
+
+
+def _configure_renewer(renewer: Renewer) -> None:
+    renewer.on_lost = _on_lost
+    renewer.on_max_hold = _on_max_hold
+    renewer.on_error = _on_renew_error
+
+
+def _on_lost(held: HeldLock, status: RenewStatus) -> None:
+    reason = "taken" if status is RenewStatus.TAKEN else "gone"
+    task = held.context
+    logger.error(
+        "singleton: lock lost: %s[%s] key=%s token=%d reason=%s",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        held.token,
+        reason,
+    )
+    signals.lock_lost.send(
+        sender=task, key=held.key, task_id=held.owner, token=held.token, reason=reason
+    )
+
+
+def _on_max_hold(held: HeldLock) -> None:
+    task = held.context
+    logger.error(
+        "singleton: max hold reached, no longer renewing: %s[%s] key=%s held=%ss",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        held.max_hold_s,
+    )
+    signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
+
+
+def _on_renew_error(exc: LockUnavailableError) -> None:
+    logger.warning("singleton: renewal failed, retrying: %s", exc)

@@ -1,0 +1,124 @@
+"""Worker-side hooks: release on every path, settings check and the start-up banner.
+
+Connected once, when the package is imported (every SingletonTask import does that).
+Each handler acts only for SingletonTask instances.
+
+Where each release happens:
+
+==========================================  ==============================================
+run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing process
+``retry()``                                   no release: the retried message takes over
+pool child killed (WorkerLostError)           ``task_failure`` in the main process
+hard time limit                               ``task_failure`` in the main process
+``revoke(terminate=True)``                    ``task_revoked`` in the main process
+cold shutdown with runs still active          ``worker_shutdown`` in the main process
+whole node killed                             nobody: the lock expires after its ttl
+==========================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from celery import signals as celery_signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+
+from .config import describe, read_options
+from .errors import SingletonConfigError
+from .keys import check_key_args
+from .task import SingletonTask
+
+__all__: list[str] = []
+
+#: Signals after which a prefork child is gone, so its main process may release for it.
+_FATAL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGQUIT})
+
+
+def _release_after_run(task: Any = None, state: str | None = None, **_: Any) -> None:
+    if isinstance(task, SingletonTask):
+        task._singleton_after_run(state or "")
+
+
+def _release_after_child_loss(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    if not isinstance(sender, SingletonTask) or task_id is None:
+        return
+    if isinstance(exception, WorkerLostError):
+        sender.singleton_release_for(task_id, args, kwargs, None, "worker lost")
+    elif isinstance(exception, TimeLimitExceeded):
+        sender.singleton_release_for(task_id, args, kwargs, None, "hard time limit")
+
+
+def _release_after_terminate(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    signum: Any = None,
+    **_: Any,
+) -> None:
+    if not (terminated and isinstance(sender, SingletonTask) and request is not None):
+        return
+    try:
+        fatal = int(signum) in _FATAL_SIGNALS
+    except (TypeError, ValueError):
+        fatal = str(signum).upper() in {s.name for s in _FATAL_SIGNALS}
+    if fatal:  # other signals leave the child alive; its own postrun releases
+        sender.singleton_release_for(
+            request.id, request.args, request.kwargs, request.retries, "terminate"
+        )
+
+
+def _release_after_shutdown(**_: Any) -> None:
+    from celery.worker import state
+
+    for request in list(state.active_requests):
+        task = getattr(request, "task", None)
+        if isinstance(task, SingletonTask):
+            task.singleton_release_for(request.id, request.args, request.kwargs, None, "shutdown")
+
+
+def _check_and_announce(instance: Any = None, **_: Any) -> None:
+    """Fail start-up on a bad setting; add the lock settings to the worker banner."""
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    tasks = sorted(
+        (t for t in app.tasks.values() if isinstance(t, SingletonTask)), key=lambda t: t.name
+    )
+    if not tasks:
+        return
+    try:
+        for task in tasks:
+            check_key_args(task.run, task.singleton_options().key_args)
+    except SingletonConfigError as exc:
+        raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
+    banner = banner_lines(app.conf, tasks)
+    original = instance.extra_info
+
+    def extra_info() -> str:
+        return (original() or "") + banner
+
+    instance.extra_info = extra_info
+
+
+def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
+    """The ``[singleton]`` block of the start-up banner: app-wide settings and the tasks."""
+    settings = describe(read_options(conf))
+    lines = ["", "[singleton]"]
+    lines += [f"  .> {name + ':':<17}{value}" for name, value in settings.items()]
+    lines.append(f"  .> {'tasks:':<17}{', '.join(t.name for t in tasks)}")
+    return "\n".join(lines) + "\n"
+
+
+celery_signals.task_postrun.connect(_release_after_run, weak=False)
+celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
+celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
+celery_signals.worker_shutdown.connect(_release_after_shutdown, weak=False)
+celery_signals.celeryd_init.connect(_check_and_announce, weak=False)

@@ -1,0 +1,89 @@
+"""Shared fixtures: a Redis to test against, private key prefixes, private servers, workers.
+
+The shared Redis (127.0.0.1:6379, or ``SINGLETON_TEST_REDIS_URL``) is used by others at the same
+time: tests only touch keys under their ``key_prefix`` and never run server-wide commands on it.
+Anything destructive (kill, restart, pause) uses ``private_redis``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support.servers import RedisServer, shared_redis_url
+from tests.support.workers import WorkerFactory
+
+# tests/support holds helpers, not tests (test_app.py only looks like a test module)
+collect_ignore_glob = ["support/*"]
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> int:
+    """Delete every key starting with ``prefix`` (SCAN, never KEYS); return how many."""
+    deleted = 0
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += int(client.delete(*batch))
+            batch.clear()
+    if batch:
+        deleted += int(client.delete(*batch))
+    return deleted
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of the shared Redis if it answers, else of one private server for the session."""
+    url = shared_redis_url()
+    if url is not None:
+        yield url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted at teardown."""
+    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        delete_prefix(client, prefix)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A redis-py client for ``redis_url`` (only touch keys under ``key_prefix``)."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A fresh private server on a free port, free to kill, pause or restart; stopped after."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def worker_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[WorkerFactory]:
+    """Starts real worker processes; every one is SIGKILLed, with its children, at teardown.
+
+    Workers get ``SINGLETON_TEST_REDIS_URL`` and ``SINGLETON_TEST_PREFIX`` (``key_prefix``) by
+    default; depending on ``key_prefix`` also makes the key cleanup run after the workers died.
+    """
+    factory = WorkerFactory(
+        tmp_path,
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
+    )
+    yield factory
+    factory.close()

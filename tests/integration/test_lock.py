@@ -1,0 +1,161 @@
+"""The lock core against real Redis: acquire, re-entry, fencing, renew and release."""
+
+from __future__ import annotations
+
+import itertools
+
+import redis
+from redis.crc import key_slot
+
+from celery_singleton_lock.keys import LockKeys, lock_keys
+from celery_singleton_lock.lock import (
+    Acquired,
+    Contended,
+    LockStore,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+)
+
+
+def _keys(prefix: str, name: str = "job") -> LockKeys:
+    return lock_keys(prefix, f"tests.{name}", name.encode())
+
+
+def test_acquire_free_lock(redis_client: redis.Redis, key_prefix: str) -> None:
+    """A free lock is taken with a positive token and the owner written into its hash."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    outcome = store.acquire(keys, "task-1", 0, 5000, {"host": "h1"})
+    assert isinstance(outcome, Acquired)
+    assert outcome.token > 0
+    assert not outcome.reentered
+    fields = store.holder(keys.lock)
+    assert fields["owner"] == "task-1"
+    assert fields["gen"] == "0"
+    assert fields["token"] == str(outcome.token)
+    assert fields["host"] == "h1"
+    assert 0 < redis_client.pttl(keys.lock) <= 5000
+
+
+def test_second_owner_is_contended(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Another owner gets Contended with the holder's id, generation and token."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    first = store.acquire(keys, "task-1", 2, 5000)
+    assert isinstance(first, Acquired)
+    second = store.acquire(keys, "task-2", 0, 5000)
+    assert second == Contended("task-1", 2, first.token, second.pttl_ms)  # type: ignore[union-attr]
+    assert 0 < second.pttl_ms <= 5000  # type: ignore[union-attr]
+
+
+def test_same_generation_does_not_reenter(redis_client: redis.Redis, key_prefix: str) -> None:
+    """The same owner and generation again (a redelivery) does not get the lock."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    assert isinstance(store.acquire(keys, "task-1", 1, 5000), Acquired)
+    assert isinstance(store.acquire(keys, "task-1", 1, 5000), Contended)
+    assert isinstance(store.acquire(keys, "task-1", 0, 5000), Contended)
+
+
+def test_later_generation_reenters_with_new_token(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A retry (same owner, larger generation) takes the lock over with a larger token."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    first = store.acquire(keys, "task-1", 0, 5000)
+    again = store.acquire(keys, "task-1", 1, 5000)
+    assert isinstance(first, Acquired)
+    assert isinstance(again, Acquired)
+    assert again.reentered
+    assert again.token > first.token
+    assert store.holder(keys.lock)["gen"] == "1"
+    # the earlier generation can neither renew nor release it any more
+    assert store.renew([RenewItem(keys.lock, "task-1", 0, 5000)]) == [RenewStatus.TAKEN]
+    assert store.release(keys.lock, "task-1", 0) is ReleaseStatus.TAKEN
+
+
+def test_release_is_owner_checked(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Only the holder deletes the lock; others leave it alone."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    store.acquire(keys, "task-1", 0, 5000)
+    assert store.release(keys.lock, "task-2", 0) is ReleaseStatus.TAKEN
+    assert redis_client.exists(keys.lock)
+    assert store.release(keys.lock, "task-1", 0) is ReleaseStatus.RELEASED
+    assert not redis_client.exists(keys.lock)
+    assert store.release(keys.lock, "task-1", 0) is ReleaseStatus.NOT_HELD
+
+
+def test_release_any_generation(redis_client: redis.Redis, key_prefix: str) -> None:
+    """generation=None releases whatever generation of that owner holds the lock."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    store.acquire(keys, "task-1", 3, 5000)
+    assert store.release(keys.lock, "task-1", None) is ReleaseStatus.RELEASED
+
+
+def test_tokens_strictly_increase(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Tokens increase across acquire/release cycles, even after the counter is lost."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    tokens = []
+    for i in range(50):
+        outcome = store.acquire(keys, f"task-{i}", 0, 5000)
+        assert isinstance(outcome, Acquired)
+        tokens.append(outcome.token)
+        store.release(keys.lock, f"task-{i}", 0)
+        if i == 25:
+            redis_client.unlink(keys.fence)  # as if the counter had expired
+    assert all(b > a for a, b in itertools.pairwise(tokens))
+
+
+def test_counter_ahead_of_clock_still_increases(redis_client: redis.Redis, key_prefix: str) -> None:
+    """When the counter is ahead of the server clock, the token is counter + 1."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    ahead = 10**15 * 5
+    redis_client.set(keys.fence, ahead)
+    outcome = store.acquire(keys, "task-1", 0, 5000)
+    assert isinstance(outcome, Acquired)
+    assert outcome.token == ahead + 1
+    assert redis_client.pttl(keys.fence) > 0
+
+
+def test_lock_and_fence_share_a_slot(key_prefix: str) -> None:
+    """The lock and its fencing counter hash to one Redis Cluster slot."""
+    for i in range(20):
+        keys = _keys(key_prefix, f"job{i}")
+        assert key_slot(keys.lock.encode()) == key_slot(keys.fence.encode())
+
+
+def test_renew_batch(redis_client: redis.Redis, key_prefix: str) -> None:
+    """One call renews held locks and reports gone and taken ones."""
+    store = LockStore(redis_client)
+    held = [_keys(key_prefix, f"held{i}") for i in range(100)]
+    for keys in held:
+        store.acquire(keys, "owner", 0, 2000)
+    taken = _keys(key_prefix, "taken")
+    store.acquire(taken, "someone-else", 0, 2000)
+    gone = _keys(key_prefix, "gone")
+    items = [RenewItem(k.lock, "owner", 0, 60_000) for k in held]
+    items += [RenewItem(taken.lock, "owner", 0, 60_000), RenewItem(gone.lock, "owner", 0, 60_000)]
+    statuses = store.renew(items)
+    assert statuses[:100] == [RenewStatus.RENEWED] * 100
+    assert statuses[100:] == [RenewStatus.TAKEN, RenewStatus.GONE]
+    assert redis_client.pttl(held[0].lock) > 2000
+    assert redis_client.pttl(taken.lock) <= 2000
+    assert not redis_client.exists(gone.lock)  # a renewal never resurrects a lock
+    assert store.holder(held[0].lock)["renewals"] == "1"
+
+
+def test_lock_expires_by_ttl(redis_client: redis.Redis, key_prefix: str) -> None:
+    """An unrenewed lock is free again after its ttl."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    store.acquire(keys, "task-1", 0, 50)
+    redis_client.execute_command("PEXPIRE", keys.lock, 1)
+    while redis_client.exists(keys.lock):
+        pass
+    assert isinstance(store.acquire(keys, "task-2", 0, 5000), Acquired)

@@ -1,0 +1,217 @@
+"""Execution history in Redis, and the checker that proves mutual exclusion from it.
+
+Every guarded task body calls :func:`record_start` right after it got the lock and
+:func:`record_end` right before it releases it. Timestamps come from the Redis server's ``TIME``
+(microseconds), so every worker process, on any pool, writes on one clock. Each record is a JSON
+event appended with ``RPUSH`` to one list under ``history_key`` (append-only: no
+read-modify-write, nothing to lose between processes).
+
+:func:`check_history` then looks for two executions of one lock key whose intervals intersect,
+and for fencing tokens that do not strictly increase in start order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+Token = int | str | None
+
+
+def server_time_us(client: redis.Redis) -> int:
+    """The Redis server's clock, in microseconds since the epoch."""
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def record_start(  # noqa: PLR0917 - the documented positional API
+    client: redis.Redis,
+    history_key: str,
+    key: str,
+    token: Token,
+    worker: str,
+    pid: int,
+) -> str:
+    """Append a start event for lock ``key`` (server time) and return its execution id."""
+    exec_id = uuid.uuid4().hex
+    event = {
+        "ev": "start",
+        "exec_id": exec_id,
+        "key": key,
+        "token": token,
+        "worker": worker,
+        "pid": pid,
+        "ts": server_time_us(client),
+    }
+    client.rpush(history_key, json.dumps(event))
+    return exec_id
+
+
+def record_end(client: redis.Redis, history_key: str, exec_id: str) -> None:
+    """Append the end event (server time) of execution ``exec_id``."""
+    event = {"ev": "end", "exec_id": exec_id, "ts": server_time_us(client)}
+    client.rpush(history_key, json.dumps(event))
+
+
+@dataclass(frozen=True)
+class Execution:
+    """One guarded run: [start_us, end_us] on the server clock; end_us None if unfinished."""
+
+    exec_id: str
+    key: str
+    token: Token
+    worker: str
+    pid: int
+    start_us: int
+    end_us: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the end was recorded."""
+        return self.end_us is not None
+
+    @property
+    def end_or_inf(self) -> float:
+        """End time, or +infinity for an unfinished (open-ended) execution."""
+        return math.inf if self.end_us is None else self.end_us
+
+    def describe(self) -> str:
+        """One readable line for assertion messages."""
+        end = "unfinished" if self.end_us is None else str(self.end_us)
+        return (
+            f"{self.exec_id[:8]} key={self.key!r} token={self.token!r} "
+            f"worker={self.worker} pid={self.pid} [{self.start_us}, {end}]"
+        )
+
+
+def parse_history(raw_events: Iterable[bytes | str]) -> list[Execution]:
+    """Fold start/end events into executions, ordered by start time."""
+    starts: dict[str, dict[str, Any]] = {}
+    ends: dict[str, int] = {}
+    for raw in raw_events:
+        event = json.loads(raw)
+        if event["ev"] == "start":
+            starts[event["exec_id"]] = event
+        elif event["ev"] == "end":
+            ends[event["exec_id"]] = int(event["ts"])
+    executions = [
+        Execution(
+            exec_id=exec_id,
+            key=ev["key"],
+            token=ev["token"],
+            worker=ev["worker"],
+            pid=int(ev["pid"]),
+            start_us=int(ev["ts"]),
+            end_us=ends.get(exec_id),
+        )
+        for exec_id, ev in starts.items()
+    ]
+    executions.sort(key=lambda e: (e.start_us, e.exec_id))
+    return executions
+
+
+def load_history(client: redis.Redis, history_key: str) -> list[Execution]:
+    """Every execution recorded under ``history_key``, ordered by start time."""
+    return parse_history(client.lrange(history_key, 0, -1))
+
+
+@dataclass
+class HistoryReport:
+    """What :func:`check_history` found."""
+
+    executions: list[Execution]
+    overlaps: list[tuple[Execution, Execution]] = field(default_factory=list)
+    token_regressions: list[tuple[Execution, Execution]] = field(default_factory=list)
+    unfinished: list[Execution] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no overlap and no token regression was found."""
+        return not self.overlaps and not self.token_regressions
+
+    def finished(self) -> list[Execution]:
+        """Executions whose end was recorded."""
+        return [e for e in self.executions if e.finished]
+
+    def summary(self) -> str:
+        """A readable multi-line account of every problem found."""
+        lines = [
+            f"{len(self.executions)} executions, {len(self.overlaps)} overlaps, "
+            f"{len(self.token_regressions)} token regressions, {len(self.unfinished)} unfinished"
+        ]
+        for first, second in self.overlaps:
+            lines.append("OVERLAP:")
+            lines.append(f"  {first.describe()}")
+            lines.append(f"  {second.describe()}")
+        for previous, current in self.token_regressions:
+            lines.append("TOKEN REGRESSION (not strictly greater than the previous run's):")
+            lines.append(f"  previous {previous.describe()}")
+            lines.append(f"  current  {current.describe()}")
+        for execution in self.unfinished:
+            lines.append(f"UNFINISHED: {execution.describe()}")
+        return "\n".join(lines)
+
+
+def _token_le(current: Token, previous: Token) -> bool:
+    """True if ``current`` is not strictly greater than ``previous`` (None is never compared)."""
+    if current is None or previous is None:
+        return False
+    if isinstance(current, str) and isinstance(previous, str):
+        if current.isdigit() and previous.isdigit():
+            return int(current) <= int(previous)
+        return current <= previous
+    return int(current) <= int(previous)
+
+
+def check_history(executions: Iterable[Execution]) -> HistoryReport:
+    """Find overlapping executions of one key and fencing tokens that did not increase.
+
+    Intervals are closed on the server clock but touching ones (one ends at the very microsecond
+    the next starts) do not count as overlapping. An unfinished execution is open-ended: it
+    overlaps everything of its key that starts after it.
+    """
+    ordered = sorted(executions, key=lambda e: (e.start_us, e.exec_id))
+    report = HistoryReport(executions=ordered)
+    by_key: dict[str, list[Execution]] = defaultdict(list)
+    for execution in ordered:
+        by_key[execution.key].append(execution)
+        if not execution.finished:
+            report.unfinished.append(execution)
+
+    for runs in by_key.values():
+        for i, first in enumerate(runs):
+            for second in runs[i + 1 :]:
+                # runs are sorted by start, so second.start_us >= first.start_us
+                if second.start_us >= first.end_or_inf:
+                    break
+                report.overlaps.append((first, second))
+        previous_with_token: Execution | None = None
+        for execution in runs:
+            if execution.token is None:
+                continue
+            if previous_with_token is not None and _token_le(
+                execution.token, previous_with_token.token
+            ):
+                report.token_regressions.append((previous_with_token, execution))
+            previous_with_token = execution
+    return report
+
+
+def assert_no_overlap(
+    report: HistoryReport, *, check_tokens: bool = True, allow_unfinished: bool = True
+) -> None:
+    """Raise AssertionError, with a readable account, if mutual exclusion was broken."""
+    failed = bool(report.overlaps)
+    if check_tokens and report.token_regressions:
+        failed = True
+    if not allow_unfinished and report.unfinished:
+        failed = True
+    if failed:
+        raise AssertionError("mutual exclusion violated:\n" + report.summary())

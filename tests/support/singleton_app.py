@@ -1,0 +1,171 @@
+"""The Celery app the SingletonTask integration tests run in real worker processes.
+
+Configured from the environment like ``test_app`` (``SINGLETON_TEST_REDIS_URL``,
+``SINGLETON_TEST_PREFIX``, ``SINGLETON_TEST_QUEUE``); ``SINGLETON_TEST_TTL`` sets the lock
+ttl of every task (default 1 s, so any task longer than a second needs renewal).
+Every task records its execution (start, end, fencing token) in the history list.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery.exceptions import Ignore, Reject
+
+from celery_singleton_lock import SingletonTask
+from tests.support.history import record_end, record_start
+from tests.support.test_app import _client, history_key, make_app
+
+__test__ = False
+
+TTL = float(os.environ.get("SINGLETON_TEST_TTL", "1"))
+
+app = make_app()
+app.main = "tests.support.singleton_app"
+app.conf.singleton_redis_url = app.conf.singleton_test_redis_url
+app.conf.singleton_key_prefix = app.conf.singleton_test_prefix + "lock:"
+app.conf.singleton_ttl = TTL
+
+
+def _run(task: Any, key: str, seconds: float) -> dict[str, Any]:
+    """Record this execution in the history while it sleeps ``seconds``."""
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    token = task.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
+    time.sleep(seconds)
+    record_end(client, hkey, exec_id)
+    return {"token": token, "lost": task.singleton.lost, "pid": os.getpid()}
+
+
+@app.task(bind=True, base=SingletonTask, name="t.hold", singleton_key_args=("key",))
+def hold(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Hold the lock of ``key`` for ``seconds`` (default policy: skip)."""
+    return _run(self, key, seconds)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_retry",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="retry",
+    singleton_retry_countdown=0.2,
+)
+def hold_retry(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Like hold, but duplicates are requeued until they can run."""
+    return _run(self, key, seconds)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_raise",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="raise",
+)
+def hold_raise(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Like hold, but duplicates fail with DuplicateTaskError."""
+    return _run(self, key, seconds)
+
+
+@app.task(bind=True, base=SingletonTask, name="t.retrying", max_retries=5)
+def retrying(self: Any, key: str, times: int, countdown: float = 0.3) -> dict[str, Any]:
+    """Retry ``times`` times (each run recorded), then succeed."""
+    result = _run(self, key, 0.2)
+    if self.request.retries < times:
+        raise self.retry(countdown=countdown)
+    return {**result, "retries": self.request.retries}
+
+
+@app.task(bind=True, base=SingletonTask, name="t.outcome")
+def outcome(self: Any, key: str, kind: str, seconds: float = 0.0) -> dict[str, Any]:
+    """End with ``kind``: "ok", "fail", "ignore", "reject", after ``seconds``."""
+    result = _run(self, key, seconds)
+    if kind == "fail":
+        raise ValueError("failed on purpose")
+    if kind == "ignore":
+        raise Ignore()
+    if kind == "reject":
+        raise Reject("rejected on purpose", requeue=False)
+    return result
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.limited",
+    soft_time_limit=1,
+    time_limit=2,
+)
+def limited(self: Any, key: str, seconds: float, swallow_soft: bool = False) -> dict[str, Any]:
+    """Run into the soft (and, with ``swallow_soft``, the hard) time limit."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    try:
+        return _run(self, key, seconds)
+    except SoftTimeLimitExceeded:
+        if swallow_soft:
+            time.sleep(seconds)
+        raise
+
+
+@app.task(bind=True, base=SingletonTask, name="t.hung", singleton_max_hold=1.5)
+def hung(self: Any, key: str, seconds: float) -> dict[str, Any]:
+    """A task that runs past its max_hold; reports whether it noticed the loss."""
+    return _run(self, key, seconds)
+
+
+@app.task(bind=True, base=SingletonTask, name="t.whole_args")
+def whole_args(self: Any, account_id: int, full: bool = False) -> int | None:
+    """Keyed on all its arguments; returns its fencing token after a short nap."""
+    time.sleep(0.5)
+    token: int | None = self.singleton.fencing_token
+    return token
+
+
+# -- added for test_policies: a log of the library's signals, and a bad setting on demand --------
+
+from celery_singleton_lock import signals as _singleton_signals  # noqa: E402
+
+SIGNALS_SUFFIX = "signals"
+
+
+def signals_key(prefix: str) -> str:
+    """The list every library signal is logged to (``"<signal name> <task_id>"``)."""
+    return f"{prefix}{SIGNALS_SUFFIX}"
+
+
+def _signal_logger(signal_name: str) -> Any:
+    def receiver(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+        client = _client(app.conf.singleton_test_redis_url)
+        client.rpush(signals_key(app.conf.singleton_test_prefix), f"{signal_name} {task_id}")
+
+    return receiver
+
+
+for _signal_name in _singleton_signals.__all__:
+    getattr(_singleton_signals, _signal_name).connect(_signal_logger(_signal_name), weak=False)
+
+# SINGLETON_TEST_BAD_POLICY=<value> sets singleton_on_duplicate app-wide to that (invalid) value,
+# so the worker must refuse to start.
+if os.environ.get("SINGLETON_TEST_BAD_POLICY"):
+    app.conf.singleton_on_duplicate = os.environ["SINGLETON_TEST_BAD_POLICY"]
+
+
+# -- added for test_release_paths: an acks_late task whose lost messages are redelivered ------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_late",
+    singleton_key_args=("key",),
+    acks_late=True,
+    task_reject_on_worker_lost=True,
+)
+def hold_late(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Like hold, but acked late: a killed child's message is redelivered, same task id."""
+    return _run(self, key, seconds)

@@ -1,0 +1,91 @@
+"""A tiny Celery app for the test bed's self-test (placeholder until the library's test apps).
+
+Configured from the environment so a worker subprocess and the test share one private space:
+
+- ``SINGLETON_TEST_REDIS_URL``: broker and result backend (default ``redis://127.0.0.1:6379/0``);
+- ``SINGLETON_TEST_PREFIX``: prefix of every broker and result key (kombu's and celery's
+  ``global_keyprefix`` transport option), and of the history list;
+- ``SINGLETON_TEST_QUEUE``: the default queue name.
+
+Run a worker with ``celery -A tests.support.test_app worker``; build the same app in the test
+process with :func:`make_app` and the same three values.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from tests.support.history import record_end, record_start
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "cslt:default:"
+DEFAULT_QUEUE = "cslt-testbed"
+RECORD_TASK = "tests.support.test_app.record"
+HISTORY_SUFFIX = "history"
+
+__test__ = False  # not a test module, despite its name
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def history_key(prefix: str) -> str:
+    """The history list the ``record`` task appends to, for a given prefix."""
+    return f"{prefix}{HISTORY_SUFFIX}"
+
+
+def _client(url: str) -> redis.Redis:
+    # redis-py pools reset themselves after fork, so one client per process is enough
+    if url not in _clients:
+        _clients[url] = redis.Redis.from_url(url)
+    return _clients[url]
+
+
+def make_app(
+    redis_url: str | None = None,
+    prefix: str | None = None,
+    queue: str | None = None,
+    *,
+    set_as_current: bool = False,
+) -> Celery:
+    """A Celery app whose broker keys, result keys and queue are private to ``prefix``."""
+    redis_url = redis_url or os.environ.get("SINGLETON_TEST_REDIS_URL") or DEFAULT_REDIS_URL
+    prefix = prefix or os.environ.get("SINGLETON_TEST_PREFIX") or DEFAULT_PREFIX
+    queue = queue or os.environ.get("SINGLETON_TEST_QUEUE") or DEFAULT_QUEUE
+
+    app = Celery("tests.support.test_app", set_as_current=set_as_current)
+    app.conf.update(
+        broker_url=redis_url,
+        result_backend=redis_url,
+        broker_transport_options={"global_keyprefix": prefix},
+        result_backend_transport_options={"global_keyprefix": prefix},
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_expires=3600,
+        worker_hijack_root_logger=False,
+        worker_prefetch_multiplier=1,
+    )
+    app.conf.singleton_test_prefix = prefix
+    app.conf.singleton_test_redis_url = redis_url
+
+    @app.task(name=RECORD_TASK, bind=True)
+    def record(self: Any, sleep_s: float = 0.0, key: str = "testbed", token: Any = None) -> str:
+        """Record start, sleep ``sleep_s`` seconds, record end; return the execution id."""
+        client = _client(redis_url)
+        hkey = history_key(prefix)
+        exec_id = record_start(client, hkey, key, token, str(self.request.hostname), os.getpid())
+        time.sleep(sleep_s)
+        record_end(client, hkey, exec_id)
+        return exec_id
+
+    return app
+
+
+app = make_app()
