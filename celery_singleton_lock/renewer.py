@@ -125,8 +125,9 @@ class Renewer:
         expired = [
             h for h in held if h.max_hold_s is not None and now - h.acquired_at >= h.max_hold_s
         ]
-        for h in expired:
+        for h in expired:  # the lock now expires within a ttl: the run cannot count on it
             self.remove(h)
+            h.lost = True
             self.on_max_hold(h)
         held = [h for h in held if h not in expired]
         if not held:

@@ -27,10 +27,12 @@ __all__ = [
     "lock_lost",
     "lock_max_hold",
     "lock_released",
+    "lock_unavailable",
 ]
 
 lock_acquired = Signal(name="singleton_lock_acquired")
 lock_released = Signal(name="singleton_lock_released")
+lock_unavailable = Signal(name="singleton_lock_unavailable")
 lock_lost = Signal(name="singleton_lock_lost")
 lock_max_hold = Signal(name="singleton_lock_max_hold")
 duplicate_skipped = Signal(name="singleton_duplicate_skipped")

@@ -72,7 +72,7 @@ class LockHandle:
 
     @property
     def lost(self) -> bool:
-        """True once a renewal found the lock gone or taken by another run."""
+        """True once a renewal found the lock gone or taken, or max_hold stopped renewing it."""
         return self._held is not None and self._held.lost
 
     def __repr__(self) -> str:
@@ -208,6 +208,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys.lock,
                 exc,
             )
+            signals.lock_unavailable.send(
+                sender=self,
+                key=keys.lock,
+                task_id=task_id,
+                error=exc,
+                countdown=opts.retry_countdown,
+            )
             self._singleton_requeue(opts.retry_countdown, exc)
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
@@ -260,6 +267,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self.name,
                 task_id,
                 keys.lock,
+            )
+            signals.duplicate_retried.send(
+                sender=self, key=keys.lock, task_id=task_id, holder=held.holder, countdown=countdown
             )
             self._singleton_requeue(countdown, error)
         policy = opts.on_duplicate

@@ -8,17 +8,27 @@ Where each release happens:
 ==========================================  ==============================================
 run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing process
 ``retry()``                                   no release: the retried message takes over
-pool child killed (WorkerLostError)           ``task_failure`` in the main process
-hard time limit                               ``task_failure`` in the main process
-``revoke(terminate=True)``                    ``task_revoked`` in the main process
-cold shutdown with runs still active          ``worker_shutdown`` in the main process
+pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
+hard time limit                               ``task_failure`` in the main process, after a
+                                              grace for the child to die
+``revoke(terminate=True)``                    ``task_revoked`` in the main process, after the
+                                              same grace (the child usually releases first)
+cold shutdown                                 the child's SIGTERM becomes SystemExit, and its
+                                              own ``task_postrun`` releases
 whole node killed                             nobody: the lock expires after its ttl
 ==========================================  ==============================================
+
+The main process releases with the task id as owner (compare-and-delete), so it never
+deletes a lock another run holds; the grace keeps it from freeing a lock while the
+terminated child might still be running.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery import signals as celery_signals
@@ -33,6 +43,17 @@ __all__: list[str] = []
 
 #: Signals after which a prefork child is gone, so its main process may release for it.
 _FATAL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGQUIT})
+
+#: Seconds the main process waits before releasing for a child it is terminating
+#: (billiard sends SIGKILL 0.1 s after SIGTERM on a hard time limit).
+CHILD_EXIT_GRACE_S = 0.5
+
+
+def _after_grace(release: Callable[[], object]) -> None:
+    """Run ``release`` once a terminated child has had time to die (in a timer thread)."""
+    timer = threading.Timer(CHILD_EXIT_GRACE_S, release)
+    timer.daemon = True
+    timer.start()
 
 
 def _release_after_run(task: Any = None, state: str | None = None, **_: Any) -> None:
@@ -53,7 +74,9 @@ def _release_after_child_loss(
     if isinstance(exception, WorkerLostError):
         sender.singleton_release_for(task_id, args, kwargs, None, "worker lost")
     elif isinstance(exception, TimeLimitExceeded):
-        sender.singleton_release_for(task_id, args, kwargs, None, "hard time limit")
+        _after_grace(
+            partial(sender.singleton_release_for, task_id, args, kwargs, None, "hard time limit")
+        )
 
 
 def _release_after_terminate(
@@ -70,18 +93,16 @@ def _release_after_terminate(
     except (TypeError, ValueError):
         fatal = str(signum).upper() in {s.name for s in _FATAL_SIGNALS}
     if fatal:  # other signals leave the child alive; its own postrun releases
-        sender.singleton_release_for(
-            request.id, request.args, request.kwargs, request.retries, "terminate"
+        _after_grace(
+            partial(
+                sender.singleton_release_for,
+                request.id,
+                request.args,
+                request.kwargs,
+                request.retries,
+                "terminate",
+            )
         )
-
-
-def _release_after_shutdown(**_: Any) -> None:
-    from celery.worker import state
-
-    for request in list(state.active_requests):
-        task = getattr(request, "task", None)
-        if isinstance(task, SingletonTask):
-            task.singleton_release_for(request.id, request.args, request.kwargs, None, "shutdown")
 
 
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
@@ -120,5 +141,4 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
 celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
-celery_signals.worker_shutdown.connect(_release_after_shutdown, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)

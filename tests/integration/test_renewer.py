@@ -105,6 +105,7 @@ def test_max_hold_stops_renewal(redis_client: redis.Redis, key_prefix: str) -> N
     assert stopped == [held]
     assert len(renewer) == 0
     assert held.renewals == 1
+    assert held.lost  # no longer renewed: the run cannot count on the lock any more
 
 
 def test_forgotten_lock_drops_out(redis_client: redis.Redis, key_prefix: str) -> None:

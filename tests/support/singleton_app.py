@@ -155,7 +155,7 @@ if os.environ.get("SINGLETON_TEST_BAD_POLICY"):
     app.conf.singleton_on_duplicate = os.environ["SINGLETON_TEST_BAD_POLICY"]
 
 
-# -- added for test_release_paths: an acks_late task whose lost messages are redelivered ------
+# -- added for test_release_paths: a late-acked task, and one with a slow finally block -------
 
 
 @app.task(
@@ -164,8 +164,22 @@ if os.environ.get("SINGLETON_TEST_BAD_POLICY"):
     name="t.hold_late",
     singleton_key_args=("key",),
     acks_late=True,
-    task_reject_on_worker_lost=True,
+    reject_on_worker_lost=True,
 )
 def hold_late(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
     """Like hold, but acked late: a killed child's message is redelivered, same task id."""
     return _run(self, key, seconds)
+
+
+@app.task(bind=True, base=SingletonTask, name="t.hold_cleanup", singleton_key_args=("key",))
+def hold_cleanup(self: Any, key: str, seconds: float = 0.0, cleanup: float = 0.0) -> None:
+    """Hold ``key`` for ``seconds``, then a finally block (it runs on SIGTERM too) ``cleanup``."""
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    token = self.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(self.request.hostname), os.getpid())
+    try:
+        time.sleep(seconds)
+    finally:
+        time.sleep(cleanup)
+        record_end(client, hkey, exec_id)

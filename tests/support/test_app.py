@@ -75,7 +75,7 @@ def make_app(
     app.conf.singleton_test_prefix = prefix
     app.conf.singleton_test_redis_url = redis_url
 
-    @app.task(name=RECORD_TASK, bind=True)
+    @app.task(name=RECORD_TASK, bind=True, shared=False)
     def record(self: Any, sleep_s: float = 0.0, key: str = "testbed", token: Any = None) -> str:
         """Record start, sleep ``sleep_s`` seconds, record end; return the execution id."""
         client = _client(redis_url)

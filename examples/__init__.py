@@ -1,0 +1,1 @@
+"""Runnable examples of celery_singleton_lock (``python -m examples.demo``)."""

@@ -1,0 +1,352 @@
+"""The settings table: defaults, task overrides, namespaced config, checks and URL redaction."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_singleton_lock import SingletonConfigError, SingletonTask
+from celery_singleton_lock.config import (
+    DEFAULT_REDIS_URL,
+    SETTINGS,
+    Options,
+    describe,
+    read_options,
+    redact_url,
+    resolve_redis_url,
+)
+
+
+def _app(**conf: Any) -> Celery:
+    app = Celery("tests.unit.test_config", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+# -- defaults ---------------------------------------------------------------------------------
+
+
+def test_defaults_from_an_empty_conf() -> None:
+    """An empty conf gives every documented default."""
+    opts = read_options({})
+    assert opts == Options(
+        redis_url=DEFAULT_REDIS_URL,
+        key_prefix="singleton:",
+        on_duplicate="skip",
+        key_args=None,
+        key=None,
+        ttl=30.0,
+        retry_countdown=5.0,
+        max_hold=None,
+    )
+    assert opts.ttl_ms == 30_000
+    assert DEFAULT_REDIS_URL == "redis://localhost:6379/0"
+
+
+def test_defaults_from_a_fresh_celery_app() -> None:
+    """A fresh Celery app (amqp broker by default) gives the same defaults."""
+    opts = read_options(_app().conf)
+    assert opts.redis_url == DEFAULT_REDIS_URL
+    assert (opts.on_duplicate, opts.ttl, opts.retry_countdown) == ("skip", 30.0, 5.0)
+    assert opts.key_prefix == "singleton:"
+    assert opts.max_hold is None
+
+
+def test_settings_table_conf_keys() -> None:
+    """Every setting is read from ``singleton_<name>``; redis_url and key_prefix are app-wide."""
+    assert all(s.conf_key == f"singleton_{name}" for name, s in SETTINGS.items())
+    task_settings = {"on_duplicate", "key_args", "key", "ttl", "retry_countdown", "max_hold"}
+    assert {"redis_url", "key_prefix", *task_settings} <= set(SETTINGS)
+    assert not SETTINGS["redis_url"].task_option
+    assert not SETTINGS["key_prefix"].task_option
+    assert all(SETTINGS[name].task_option for name in task_settings)
+
+
+def test_app_conf_values_are_read() -> None:
+    """App-wide ``singleton_*`` values replace the defaults."""
+    conf = {
+        "singleton_ttl": 12,
+        "singleton_on_duplicate": "raise",
+        "singleton_retry_countdown": 0,
+        "singleton_max_hold": 60,
+        "singleton_key_prefix": "app:",
+        "singleton_key_args": "account_id",
+        "singleton_redis_url": "redis://locks:6379/3",
+    }
+    opts = read_options(conf)
+    assert opts.ttl == 12.0
+    assert opts.ttl_ms == 12_000
+    assert opts.on_duplicate == "raise"
+    assert opts.retry_countdown == 0.0
+    assert opts.max_hold == 60.0
+    assert opts.key_prefix == "app:"
+    assert opts.key_args == ("account_id",)  # a single name is accepted
+    assert opts.redis_url == "redis://locks:6379/3"
+
+
+def test_ttl_ms_never_zero() -> None:
+    """A tiny ttl still gives at least one millisecond."""
+    assert read_options({"singleton_ttl": 0.0001}).ttl_ms == 1
+    assert read_options({"singleton_ttl": 1.5}).ttl_ms == 1500
+
+
+# -- task overrides ---------------------------------------------------------------------------
+
+
+def test_task_attributes_override_app_conf() -> None:
+    """A task's ``singleton_*`` attributes win over app conf; unset ones fall back to it."""
+    conf = {"singleton_ttl": 12, "singleton_on_duplicate": "raise", "singleton_max_hold": 9}
+    task = SimpleNamespace(
+        name="t.x", singleton_ttl=3, singleton_on_duplicate="retry", singleton_key_args=["a"]
+    )
+    opts = read_options(conf, task)
+    assert opts.ttl == 3.0
+    assert opts.on_duplicate == "retry"
+    assert opts.key_args == ("a",)
+    assert opts.max_hold == 9.0  # not set on the task: app conf
+    assert opts.retry_countdown == 5.0  # set nowhere: default
+
+
+def test_task_cannot_override_app_wide_settings() -> None:
+    """redis_url and key_prefix are app-wide: task attributes of those names are ignored."""
+    conf = {"singleton_key_prefix": "app:", "singleton_redis_url": "redis://a:1/0"}
+    task = SimpleNamespace(
+        name="t.x", singleton_key_prefix="task:", singleton_redis_url="redis://b:2/0"
+    )
+    opts = read_options(conf, task)
+    assert opts.key_prefix == "app:"
+    assert opts.redis_url == "redis://a:1/0"
+
+
+def test_real_singleton_task_options() -> None:
+    """Options given to ``@app.task(base=SingletonTask, ...)`` override the app's conf."""
+    app = _app(singleton_ttl=20, singleton_on_duplicate="raise", singleton_retry_countdown=2)
+
+    @app.task(name="t.cfg", base=SingletonTask, singleton_ttl=4, singleton_key_args=("account_id",))
+    def cfg(account_id: int, other: int = 0) -> None:
+        return None
+
+    @app.task(name="t.plain", base=SingletonTask)
+    def plain(account_id: int) -> None:
+        return None
+
+    opts = cfg.singleton_options()
+    assert opts.ttl == 4.0
+    assert opts.key_args == ("account_id",)
+    assert opts.on_duplicate == "raise"
+    assert opts.retry_countdown == 2.0
+    assert plain.singleton_options().ttl == 20.0
+    assert plain.singleton_options().key_args is None
+
+
+def test_task_key_args_and_key_together_rejected() -> None:
+    """Setting both key_args and key on one task is a SingletonConfigError naming both."""
+    task = SimpleNamespace(name="t.both", singleton_key_args=["a"], singleton_key=lambda a, k: "x")
+    with pytest.raises(SingletonConfigError) as info:
+        read_options({}, task)
+    assert "singleton_key_args" in str(info.value)
+    assert "singleton_key" in str(info.value)
+    assert "t.both" in str(info.value)
+
+
+def test_invalid_task_option_names_the_task() -> None:
+    """A bad task option is reported with the setting and the task name."""
+    task = SimpleNamespace(name="t.badttl", singleton_ttl=-1)
+    with pytest.raises(SingletonConfigError) as info:
+        read_options({"singleton_ttl": 5}, task)
+    message = str(info.value)
+    assert "singleton_ttl" in message
+    assert "t.badttl" in message
+    assert "-1" in message
+
+
+# -- namespaced config ------------------------------------------------------------------------
+
+
+def test_celery_namespace_setting_is_found() -> None:
+    """With ``namespace="CELERY"``, ``CELERY_SINGLETON_TTL`` is read as the ttl."""
+    app = Celery("tests.unit.test_config", namespace="CELERY", set_as_current=False)
+    app.config_from_object(
+        {
+            "CELERY_SINGLETON_TTL": 7,
+            "CELERY_SINGLETON_ON_DUPLICATE": "retry",
+            "CELERY_BROKER_URL": "redis://broker:6379/4",
+        },
+        namespace="CELERY",
+    )
+    assert app.conf.get("singleton_ttl") == 7
+    opts = read_options(app.conf)
+    assert opts.ttl == 7.0
+    assert opts.on_duplicate == "retry"
+    assert opts.redis_url == "redis://broker:6379/4"
+
+
+def test_celery_namespace_setting_seen_by_task() -> None:
+    """A SingletonTask of a namespaced app gets the namespaced value."""
+    app = Celery("tests.unit.test_config", namespace="CELERY", set_as_current=False)
+    app.config_from_object({"CELERY_SINGLETON_TTL": 7}, namespace="CELERY")
+
+    @app.task(name="t.ns", base=SingletonTask)
+    def ns() -> None:
+        return None
+
+    assert ns.singleton_options().ttl == 7.0
+
+
+# -- redis_url --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("broker", "expected"),
+    [
+        ("redis://broker:6379/2", "redis://broker:6379/2"),
+        ("rediss://:pw@broker:6380/0", "rediss://:pw@broker:6380/0"),
+        ("redis://a:6379/0;redis://b:6379/0", "redis://a:6379/0"),
+        ("amqp://guest@localhost//", DEFAULT_REDIS_URL),
+        ("sqs://", DEFAULT_REDIS_URL),
+        (None, DEFAULT_REDIS_URL),
+    ],
+)
+def test_redis_url_defaults_to_a_redis_broker(broker: str | None, expected: str) -> None:
+    """A redis:// or rediss:// broker is used for the locks, anything else falls back."""
+    assert resolve_redis_url({"broker_url": broker}) == expected
+    assert read_options({"broker_url": broker}).redis_url == expected
+
+
+def test_redis_url_setting_wins_over_broker() -> None:
+    """``singleton_redis_url`` is used even when the broker is Redis."""
+    conf = {"broker_url": "redis://broker:6379/0", "singleton_redis_url": "unix:///tmp/r.sock"}
+    assert resolve_redis_url(conf) == "unix:///tmp/r.sock"
+
+
+def test_redis_url_from_celery_app_broker() -> None:
+    """A Celery app's redis broker_url is picked up."""
+    assert read_options(_app(broker_url="redis://b:1/5").conf).redis_url == "redis://b:1/5"
+
+
+# -- invalid values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True, [], float("nan")])
+def test_invalid_ttl(value: Any) -> None:
+    """A ttl that is not a positive number is rejected, naming singleton_ttl."""
+    with pytest.raises(SingletonConfigError, match="singleton_ttl"):
+        read_options({"singleton_ttl": value})
+
+
+@pytest.mark.parametrize("value", [-0.5, "1", False])
+def test_invalid_retry_countdown(value: Any) -> None:
+    """A negative or non-numeric retry_countdown is rejected, naming the setting."""
+    with pytest.raises(SingletonConfigError, match="singleton_retry_countdown"):
+        read_options({"singleton_retry_countdown": value})
+
+
+@pytest.mark.parametrize("value", [0, -3, "10"])
+def test_invalid_max_hold(value: Any) -> None:
+    """A max_hold that is set but not positive is rejected, naming the setting."""
+    with pytest.raises(SingletonConfigError, match="singleton_max_hold"):
+        read_options({"singleton_max_hold": value})
+
+
+@pytest.mark.parametrize("value", ["bogus", "SKIP", "", 1])
+def test_invalid_policy(value: Any) -> None:
+    """An unknown on_duplicate policy is rejected, naming the setting and the choices."""
+    with pytest.raises(SingletonConfigError) as info:
+        read_options({"singleton_on_duplicate": value})
+    message = str(info.value)
+    assert "singleton_on_duplicate" in message
+    for policy in ("skip", "retry", "raise"):
+        assert repr(policy) in message
+
+
+@pytest.mark.parametrize(
+    "value", ["http://host:6379/0", "localhost:6379", "amqp://guest@localhost//", 6379]
+)
+def test_invalid_redis_url(value: Any) -> None:
+    """A lock URL that is not redis://, rediss:// or unix:// is rejected, naming the setting."""
+    with pytest.raises(SingletonConfigError, match="singleton_redis_url"):
+        read_options({"singleton_redis_url": value})
+
+
+def test_invalid_redis_url_message_hides_password() -> None:
+    """The error for a bad URL never shows its password."""
+    with pytest.raises(SingletonConfigError) as info:
+        read_options({"singleton_redis_url": "http://user:s3cret@host:6379/0"})
+    assert "s3cret" not in str(info.value)
+    assert "***" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["", "a b:", "x{y}:", "p*", "tab\t", "x" * 65, 5])
+def test_invalid_prefix(value: Any) -> None:
+    """A key prefix that is empty, too long, not a str or has a forbidden char is rejected."""
+    with pytest.raises(SingletonConfigError, match="singleton_key_prefix"):
+        read_options({"singleton_key_prefix": value})
+
+
+@pytest.mark.parametrize("value", [[1, 2], 5, ("a", None)])
+def test_invalid_key_args(value: Any) -> None:
+    """key_args that are not argument names are rejected, naming the setting."""
+    with pytest.raises(SingletonConfigError, match="singleton_key_args"):
+        read_options({"singleton_key_args": value})
+
+
+def test_invalid_key_fn() -> None:
+    """A key that is not callable is rejected, naming the setting."""
+    with pytest.raises(SingletonConfigError, match="singleton_key"):
+        read_options({"singleton_key": "account_id"})
+
+
+def test_config_error_is_a_value_error() -> None:
+    """SingletonConfigError is also a ValueError (so generic handlers catch it)."""
+    with pytest.raises(ValueError, match="singleton_ttl"):
+        read_options({"singleton_ttl": 0})
+
+
+# -- redaction --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://user:pass@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://:pass@host/0", "redis://:***@host/0"),
+        (
+            "rediss://u:p4ss@h:6380/1?ssl_cert_reqs=none",
+            "rediss://u:***@h:6380/1?ssl_cert_reqs=none",
+        ),
+        ("redis://u:p%40ss@h/0", "redis://u:***@h/0"),
+        ("unix://:pw@/tmp/redis.sock?db=1", "unix://:***@/tmp/redis.sock?db=1"),
+    ],
+)
+def test_redact_url_hides_password(url: str, expected: str) -> None:
+    """The password is replaced by *** and everything else kept."""
+    redacted = redact_url(url)
+    assert redacted == expected
+    password = url.split("@", maxsplit=1)[0].rsplit(":", 1)[1]
+    assert password not in redacted
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://host:6379/0", "redis://user@host/0", "rediss://h", "unix:///tmp/r.sock"]
+)
+def test_redact_url_without_password_is_unchanged(url: str) -> None:
+    """A URL without a password comes back as it was."""
+    assert redact_url(url) == url
+
+
+def test_redact_url_keeps_ipv6_brackets() -> None:
+    """An IPv6 host keeps its brackets after redaction."""
+    assert redact_url("redis://u:p@[::1]:6379/0") == "redis://u:***@[::1]:6379/0"
+
+
+def test_describe_hides_password() -> None:
+    """The start-up banner's settings show the lock URL without its password."""
+    opts = read_options({"singleton_redis_url": "redis://:topsecret@h:6379/0", "singleton_ttl": 2})
+    shown = describe(opts)
+    assert shown["redis"] == "redis://:***@h:6379/0"
+    assert "topsecret" not in " ".join(shown.values())
+    assert shown["ttl"] == "2s"
+    assert shown["max_hold"] == "none"
