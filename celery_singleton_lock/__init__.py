@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from . import signals
 from . import worker as _worker  # connects the worker-side hooks
+from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .errors import (
     DuplicateTaskError,
     LockUnavailableError,
@@ -29,6 +30,8 @@ __all__ = [
     "SingletonConfigError",
     "SingletonError",
     "SingletonKeyError",
+    "SingletonScheduler",
+    "SingletonSchedulerMixin",
     "SingletonTask",
     "SkipInfo",
     "signals",

@@ -21,14 +21,17 @@ from .keys import check_prefix
 __all__ = [
     "POLICIES",
     "SETTINGS",
+    "BeatOptions",
     "Options",
     "Setting",
+    "read_beat_options",
     "read_options",
     "redact_url",
     "resolve_redis_url",
 ]
 
 POLICIES = ("skip", "retry", "raise")
+BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
@@ -55,6 +58,13 @@ def _optional_positive(name: str, value: Any) -> float | None:
 def _policy(name: str, value: Any) -> str:
     if value not in POLICIES:
         choices = ", ".join(repr(p) for p in POLICIES)
+        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
+    return str(value)
+
+
+def _beat_mode(name: str, value: Any) -> str:
+    if value not in BEAT_MODES:
+        choices = ", ".join(repr(m) for m in BEAT_MODES)
         raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
     return str(value)
 
@@ -163,13 +173,81 @@ SETTINGS: dict[str, Setting] = {
             "Stop renewing a lock this many seconds after it was taken (a hung task then "
             "loses it after one more ttl). None: renew for as long as the task runs.",
         ),
+        Setting(
+            "beat_mode",
+            "active",
+            _beat_mode,
+            'How SingletonScheduler instances share the schedule: "active" (every instance '
+            'runs and claims each run before publishing it) or "leader" (one instance '
+            "publishes under a renewed lease, the others stand by).",
+            task_option=False,
+        ),
+        Setting(
+            "beat_skew",
+            1.0,
+            _non_negative,
+            "The largest clock difference between beat instances, in seconds. Claims are "
+            "kept long enough that an instance this far behind still finds them.",
+            task_option=False,
+        ),
+        Setting(
+            "lock_at_least",
+            0,
+            _non_negative,
+            "Keep each scheduled run's claim at least this many seconds after it was "
+            "published (the claim is otherwise kept for two schedule periods).",
+            task_option=False,
+        ),
+        Setting(
+            "beat_lease",
+            10,
+            _positive,
+            'Leader lease ttl in seconds under beat_mode "leader": a standby takes over at '
+            "most this long after the leader's last renewal.",
+            task_option=False,
+        ),
     )
 }
 
 
 @dataclass(frozen=True)
+class BeatOptions:
+    """The checked settings of SingletonScheduler."""
+
+    redis_url: str
+    key_prefix: str
+    mode: str
+    skew: float
+    lock_at_least: float
+    lease: float
+
+
+def read_beat_options(conf: ConfLike) -> BeatOptions:
+    """Check the settings SingletonScheduler uses."""
+    values = {
+        name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
+        for name in ("key_prefix", "beat_mode", "beat_skew", "lock_at_least", "beat_lease")
+    }
+    return BeatOptions(
+        redis_url=resolve_redis_url(conf),
+        key_prefix=values["key_prefix"],
+        mode=values["beat_mode"],
+        skew=values["beat_skew"],
+        lock_at_least=values["lock_at_least"],
+        lease=values["beat_lease"],
+    )
+
+
+def _conf_value(conf: ConfLike, name: str) -> Any:
+    value = conf.get(SETTINGS[name].conf_key)
+    return SETTINGS[name].default if value is None else value
+
+
+@dataclass(frozen=True)
 class Options:
     """The checked settings that apply to one task."""
+
+    # the field names below are the settings read_options checks
 
     redis_url: str
     key_prefix: str
@@ -183,6 +261,9 @@ class Options:
     @property
     def ttl_ms(self) -> int:
         return max(1, round(self.ttl * 1000))
+
+
+_TASK_SETTINGS = frozenset(Options.__dataclass_fields__)
 
 
 def resolve_redis_url(conf: ConfLike) -> str:
@@ -201,6 +282,8 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
     task_name = getattr(task, "name", None)
     values: dict[str, Any] = {}
     for setting in SETTINGS.values():
+        if setting.name not in _TASK_SETTINGS:
+            continue
         value = None
         where = setting.conf_key
         if setting.task_option and task is not None:
@@ -230,6 +313,8 @@ def redact_url(url: str) -> str:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -44,7 +44,9 @@ __all__ = [
     "check_key_args",
     "check_prefix",
     "derive_keys",
+    "leader_keys",
     "lock_keys",
+    "run_claim_key",
     "safe_name",
 ]
 
@@ -396,6 +398,19 @@ def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
     """Keys for ``identity`` of ``task_name``: ``{prefix}{name:digest}:lock`` and ``:fence``."""
     tag = f"{{{safe_name(task_name)}:{argument_digest(task_name, identity)}}}"
     return LockKeys(lock=f"{prefix}{tag}:lock", fence=f"{prefix}{tag}:fence")
+
+
+def run_claim_key(prefix: str, entry_name: str, run_id: str) -> str:
+    """Claim key of one scheduled run: ``{prefix}{beat.<entry>:<digest>}:run:<run id>``.
+
+    All runs of one entry share a hash tag, so they live in one Redis Cluster slot."""
+    tag = f"{{beat.{safe_name(entry_name)}:{argument_digest('beat', entry_name.encode())}}}"
+    return f"{prefix}{tag}:run:{run_id}"
+
+
+def leader_keys(prefix: str, group: str) -> LockKeys:
+    """The lease of the leader among the beat instances of ``group`` (a lock of its own)."""
+    return lock_keys(prefix, "beat-leader", group.encode())
 
 
 def check_prefix(prefix: str) -> None:

@@ -81,7 +81,7 @@ class ReleaseStatus(enum.IntEnum):
     TAKEN = -1
 
 
-def _script(name: str) -> str:
+def load_script(name: str) -> str:
     return resources.files(__package__).joinpath("lua").joinpath(name).read_text(encoding="utf-8")
 
 
@@ -93,9 +93,9 @@ class LockStore:
             raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
         self.client = client
         self.fence_ttl_ms = fence_ttl_ms
-        self._acquire = client.register_script(_script("acquire.lua"))
-        self._renew = client.register_script(_script("renew.lua"))
-        self._release = client.register_script(_script("release.lua"))
+        self._acquire = client.register_script(load_script("acquire.lua"))
+        self._renew = client.register_script(load_script("renew.lua"))
+        self._release = client.register_script(load_script("release.lua"))
 
     # -- public API: validate, then delegate -------------------------------------------
 
@@ -148,7 +148,7 @@ class LockStore:
 
     def holder(self, key: str) -> dict[str, str]:
         """The lock's hash (owner, gen, token, since, renewals, metadata); empty when free."""
-        return {_text(k): _text(v) for k, v in self.client.hgetall(key).items()}
+        return {as_text(k): as_text(v) for k, v in self.client.hgetall(key).items()}
 
     # -- Redis round trips --------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class LockStore:
         )
         if reply[0] == 1:
             return Acquired(token=int(reply[1]), reentered=bool(reply[2]))
-        holder = _text(reply[1])
+        holder = as_text(reply[1])
         token = None if reply[3] is None else int(reply[3])
         return Contended(holder, int(reply[2]), token, int(reply[4]))
 
@@ -177,7 +177,7 @@ class LockStore:
         return ReleaseStatus(int(self._release(keys=[key], args=[owner, gen])))
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 

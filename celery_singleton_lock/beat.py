@@ -1,0 +1,339 @@
+"""SingletonScheduler: several beat instances, each scheduled run published once.
+
+Active-active (the default): every instance ticks its own schedule. Right before it
+publishes a run, it claims the run in Redis under the entry's name and the run's
+*nominal* time (schedules.py): the interval slot, the cron minute or the solar event.
+The first claim wins; the others log and move on. Interval schedules are aligned to the
+Unix epoch, so every instance computes the same slots whatever its start time.
+
+Leader mode: one instance holds a renewed lease and publishes; the others poll for the
+lease. Runs are still claimed, so a failover never publishes a run twice.
+
+:class:`SingletonSchedulerMixin` goes in front of any scheduler class;
+:class:`SingletonScheduler` is the mixin on Celery's PersistentScheduler.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery.beat import PersistentScheduler, ScheduleEntry
+from celery.schedules import crontab, schedstate, schedule, solar
+
+from .claims import RunClaims
+from .config import BeatOptions, read_beat_options, redact_url
+from .connection import client_for
+from .errors import LockUnavailableError
+from .keys import leader_keys, run_claim_key
+from .lock import Acquired, LockStore, RenewItem, RenewStatus
+from .schedules import interval_slot, nominal_run, run_id, slot_start
+
+__all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
+
+logger = logging.getLogger("celery_singleton_lock.beat")
+
+#: How long a claim may stay unconfirmed while its instance publishes the run. An
+#: instance that dies in that window delays the run by at most this much.
+PUBLISH_LEASE_S = 10.0
+#: How soon to try again a run that could not be claimed because Redis failed.
+ERROR_RETRY_S = 1.0
+#: Header carrying "<entry name>@<run id>" on every message a SingletonScheduler publishes.
+RUN_HEADER = "singleton_beat_run"
+
+
+def _is_interval(sched: object) -> bool:
+    return isinstance(sched, schedule) and not isinstance(sched, crontab | solar)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One scheduled run: its entry, nominal run id, claim key and how long to keep it."""
+
+    entry_name: str
+    run: str
+    key: str
+    keep_ms: int
+
+
+class SingletonSchedulerMixin:
+    """Publish each scheduled run from one beat instance only; put it before a Scheduler."""
+
+    app: Any
+    schedule: Any
+    max_interval: float
+
+    #: Wall clock (epoch seconds) and monotonic clock; tests may replace them.
+    singleton_clock: Callable[[], float] = staticmethod(time.time)
+    singleton_monotonic: Callable[[], float] = staticmethod(time.monotonic)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._singleton: _BeatState | None = None
+        self._aligned_last: dict[str, int] = {}
+        self._due_slot: dict[str, int] = {}
+        #: runs to claim again at a monotonic time: their claimer may have died, or Redis failed
+        self._rechecks: dict[_Run, float] = {}
+        super().__init__(*args, **kwargs)
+
+    # -- settings and connections ----------------------------------------------------------
+
+    @property
+    def singleton_options(self) -> BeatOptions:
+        return read_beat_options(self.app.conf)
+
+    def _singleton_state(self) -> _BeatState:
+        state = self._singleton
+        if state is None or state.pid != os.getpid():
+            opts = self.singleton_options
+            client = client_for(opts.redis_url)
+            claimer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+            state = self._singleton = _BeatState(
+                opts=opts,
+                pid=os.getpid(),
+                claimer=claimer,
+                claims=RunClaims(client, claimer),
+                store=LockStore(client),
+            )
+            logger.info(
+                "beat: singleton scheduler started: mode=%s redis=%s prefix=%s instance=%s",
+                opts.mode,
+                redact_url(opts.redis_url),
+                opts.key_prefix,
+                claimer,
+            )
+        return state
+
+    @property
+    def info(self) -> str:
+        """Celery's scheduler info plus the singleton settings, for beat's banner."""
+        opts = self.singleton_options
+        base = str(super().info or "")  # type: ignore[misc]
+        line = (
+            f"    . singleton -> mode={opts.mode} redis={redact_url(opts.redis_url)} "
+            f"prefix={opts.key_prefix} skew={opts.skew:g}s"
+        )
+        if opts.mode == "leader":
+            line += f" lease={opts.lease:g}s"
+        return f"{base}\n{line}" if base else line
+
+    # -- the schedule ----------------------------------------------------------------------
+
+    def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
+        """Interval entries are due at epoch-aligned slots; others as Celery decides."""
+        sched = entry.schedule
+        if not _is_interval(sched):
+            state: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
+            return state
+        interval = sched.run_every.total_seconds()
+        now = self.singleton_clock()
+        slot = interval_slot(interval, now)
+        last = self._aligned_last.get(entry.name)
+        if last is None:
+            last_run = entry.last_run_at
+            last = slot if last_run is None else min(slot, _slot_of(interval, last_run))
+            self._aligned_last[entry.name] = last
+        due = slot > last
+        if due:
+            self._aligned_last[entry.name] = slot
+            self._due_slot[entry.name] = slot
+        next_in = slot_start(interval, slot + 1).timestamp() - now
+        return schedstate(due, max(next_in, 0.0))  # type: ignore[no-any-return]
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Stand by unless leading (leader mode); retry pending claims; then Celery's tick."""
+        state = self._singleton_state()
+        if state.opts.mode == "leader" and not self._singleton_lead(state):
+            return min(self.max_interval, state.opts.lease / 10)
+        self._run_rechecks(state)
+        delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
+        if self._rechecks:
+            first = min(self._rechecks.values())
+            delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
+        return delay
+
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        """Publish ``entry``'s due run if this instance claims it first."""
+        state = self._singleton_state()
+        if advance:
+            entry = self.reserve(entry)  # type: ignore[attr-defined]
+        if state.opts.mode == "leader" and not self._singleton_lead(state):
+            logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
+            return None
+        return self._claim_and_publish(
+            state, entry, self._run(entry, state.opts), producer, **kwargs
+        )
+
+    def close(self) -> None:
+        """Give up the leader lease (if held) so a standby takes over at once."""
+        state = self._singleton
+        if state is not None and state.leading and state.pid == os.getpid():
+            keys = leader_keys(state.opts.key_prefix, self._group())
+            try:
+                state.store.release(keys.lock, state.claimer, 0)
+                logger.info("beat: leadership released: instance=%s", state.claimer)
+            except LockUnavailableError as exc:
+                logger.warning("beat: could not release leadership: %s", exc)
+            state.leading = False
+        super().close()  # type: ignore[misc]
+
+    # -- claims ------------------------------------------------------------------------------
+
+    def _claim_and_publish(
+        self, state: _BeatState, entry: ScheduleEntry, run: _Run, producer: Any, **kwargs: Any
+    ) -> Any:
+        key = run.key
+        try:
+            claim = state.claims.claim(key, round(PUBLISH_LEASE_S * 1000))
+        except LockUnavailableError as exc:
+            logger.error(
+                "beat: redis error, run not published yet, retrying: entry=%s run=%s: %s",
+                entry.name,
+                run.run,
+                exc,
+            )
+            self._recheck_later(run, ERROR_RETRY_S)
+            return None
+        if not claim.won:
+            logger.info(
+                "beat: run already claimed: entry=%s run=%s by=%s published=%s",
+                entry.name,
+                run.run,
+                claim.holder,
+                claim.published,
+            )
+            if not claim.published:  # its claimer may die before publishing: look again
+                self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
+            return None
+        labelled = copy.copy(entry)
+        labelled.options = copy.deepcopy(entry.options)
+        labelled.options.setdefault("headers", {})[RUN_HEADER] = f"{entry.name}@{run.run}"
+        try:
+            result = super().apply_async(  # type: ignore[misc]
+                labelled, producer=producer, advance=False, **kwargs
+            )
+        except BaseException:
+            _quietly(state.claims.unclaim, key)
+            raise
+        task_id = str(getattr(result, "id", "") or "-")
+        try:
+            state.claims.confirm(key, task_id, run.keep_ms)
+        except LockUnavailableError as exc:  # the pending claim still blocks others
+            logger.warning(
+                "beat: could not confirm run: entry=%s run=%s: %s", entry.name, run.run, exc
+            )
+        logger.info("beat: published run: entry=%s run=%s task_id=%s", entry.name, run.run, task_id)
+        return result
+
+    def _recheck_later(self, run: _Run, delay: float) -> None:
+        self._rechecks[run] = self.singleton_monotonic() + delay
+
+    def _run_rechecks(self, state: _BeatState) -> None:
+        now = self.singleton_monotonic()
+        for run, due in list(self._rechecks.items()):
+            if due > now:
+                continue
+            del self._rechecks[run]
+            entry = self.schedule.get(run.entry_name)
+            if entry is not None:
+                self._claim_and_publish(state, entry, run, self.producer)  # type: ignore[attr-defined]
+
+    def _run(self, entry: ScheduleEntry, opts: BeatOptions) -> _Run:
+        """``entry``'s due run: its nominal run id and claim key."""
+        run, keep_ms = self._nominal(entry, opts)
+        return _Run(entry.name, run, run_claim_key(opts.key_prefix, entry.name, run), keep_ms)
+
+    def _nominal(self, entry: ScheduleEntry, opts: BeatOptions) -> tuple[str, int]:
+        """The run id of ``entry``'s due run, and how long to keep its claim (ms)."""
+        sched = entry.schedule
+        margin = 2 * opts.skew + 60
+        if _is_interval(sched):
+            interval = sched.run_every.total_seconds()
+            slot = self._due_slot.pop(entry.name, None)
+            if slot is None:
+                slot = interval_slot(interval, self.singleton_clock())
+            keep = max(opts.lock_at_least, 2 * interval + margin)
+            return run_id(slot_start(interval, slot)), round(keep * 1000)
+        now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
+        nominal = nominal_run(sched, now)
+        if nominal is None:  # a schedule type we cannot place: buckets of the skew bound
+            bucket = max(2 * opts.skew, 1.0)
+            keep = max(opts.lock_at_least, margin)
+            return f"b{int(now.timestamp() // bucket)}", round(keep * 1000)
+        if isinstance(sched, solar):  # the nearest event to a second earlier is this one
+            period = 86400.0
+        else:
+            previous = nominal_run(sched, nominal - timedelta(seconds=1))
+            period = (nominal - previous).total_seconds() if previous else 7 * 86400
+        keep = max(opts.lock_at_least, 2 * period + margin)
+        return run_id(nominal), round(keep * 1000)
+
+    # -- leader mode -------------------------------------------------------------------------
+
+    def _group(self) -> str:
+        return str(self.app.main or "celery")
+
+    def _singleton_lead(self, state: _BeatState) -> bool:
+        """True if this instance holds the leader lease, confirmed within a third of its ttl."""
+        now = self.singleton_monotonic()
+        lease_ms = round(state.opts.lease * 1000)
+        if state.leading and now - state.lead_confirmed < state.opts.lease / 3:
+            return True
+        keys = leader_keys(state.opts.key_prefix, self._group())
+        try:
+            if state.leading:
+                status = state.store.renew([RenewItem(keys.lock, state.claimer, 0, lease_ms)])[0]
+                if status is RenewStatus.RENEWED:
+                    state.lead_confirmed = now
+                    return True
+                state.leading = False
+                logger.error(
+                    "beat: leadership lost: instance=%s reason=%s", state.claimer, status.name
+                )
+            outcome = state.store.acquire(keys, state.claimer, 0, lease_ms, {"role": "beat-leader"})
+        except LockUnavailableError as exc:
+            state.leading = False
+            logger.error("beat: redis error, standing by: %s", exc)
+            return False
+        if isinstance(outcome, Acquired):
+            state.leading, state.lead_confirmed = True, now
+            logger.info("beat: became leader: instance=%s token=%d", state.claimer, outcome.token)
+            return True
+        return False
+
+
+@dataclass
+class _BeatState:
+    opts: BeatOptions
+    pid: int
+    claimer: str
+    claims: RunClaims
+    store: LockStore
+    leading: bool = False
+    lead_confirmed: float = 0.0
+
+
+def _slot_of(interval: float, when: datetime) -> int:
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return interval_slot(interval, when.timestamp())
+
+
+def _quietly(fn: Callable[[str], object], key: str) -> None:
+    try:
+        fn(key)
+    except LockUnavailableError as exc:
+        logger.warning("beat: could not give up claim %s: %s", key, exc)
+
+
+class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):  # type: ignore[misc]
+    """Celery's PersistentScheduler, publishing each scheduled run once across instances."""

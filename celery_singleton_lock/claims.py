@@ -1,0 +1,74 @@
+"""Run claims: which beat instance publishes one scheduled run.
+
+A claim key names one run (an entry and its nominal time). The first instance to claim it
+holds a short *pending* claim while it publishes, then *confirms* it, which keeps the key
+for a while so no other instance publishes the same run. An instance that dies between
+claim and confirm leaves a pending claim that expires after the publish lease; any
+instance that saw it pending claims it again then, so the run is late but not lost.
+
+Knows nothing of Celery. Each method is one round trip running a script from ``lua/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .errors import LockUnavailableError
+from .lock import as_text, load_script
+
+__all__ = ["Claim", "RunClaims"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of a claim: ``won``, or who holds it and in which state."""
+
+    won: bool
+    holder: str | None = None
+    published: bool = False
+    pttl_ms: int = 0
+
+
+class RunClaims:
+    """Claim, confirm and give up scheduled runs on one Redis client."""
+
+    def __init__(self, client: redis.Redis, claimer: str) -> None:
+        if not claimer or " " in claimer:
+            raise ValueError(f"claimer must be a non-empty id without spaces, got {claimer!r}")
+        self.client = client
+        self.claimer = claimer
+        self._claim = client.register_script(load_script("claim.lua"))
+        self._confirm = client.register_script(load_script("confirm.lua"))
+        self._unclaim = client.register_script(load_script("unclaim.lua"))
+
+    def claim(self, key: str, lease_ms: int) -> Claim:
+        """Claim the run at ``key`` for ``lease_ms`` while it is being published."""
+        if lease_ms <= 0:
+            raise ValueError(f"lease_ms must be positive, got {lease_ms!r}")
+        try:
+            reply: list[Any] = self._claim(keys=[key], args=[self.claimer, lease_ms])
+        except redis.RedisError as exc:
+            raise LockUnavailableError(f"could not claim {key}: {exc}", key=key) from exc
+        if reply[0] == 1:
+            return Claim(won=True, holder=self.claimer)
+        state, holder, *_ = [*as_text(reply[1]).split(" "), ""]
+        return Claim(False, holder, published=state == "done", pttl_ms=int(reply[2]))
+
+    def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
+        """Mark the run published as ``task_id`` and keep the claim ``keep_ms``."""
+        if keep_ms <= 0:
+            raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
+        try:
+            return bool(self._confirm(keys=[key], args=[self.claimer, task_id or "-", keep_ms]))
+        except redis.RedisError as exc:
+            raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
+
+    def unclaim(self, key: str) -> bool:
+        """Give up our pending claim at ``key`` (publishing failed)."""
+        try:
+            return bool(self._unclaim(keys=[key], args=[self.claimer]))
+        except redis.RedisError as exc:
+            raise LockUnavailableError(f"could not unclaim {key}: {exc}", key=key) from exc
