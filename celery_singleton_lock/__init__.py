@@ -21,10 +21,12 @@ from .errors import (
     SingletonError,
     SingletonKeyError,
 )
+from .fencing import FencedWrite, fenced_get, fenced_set
 from .task import LockHandle, SingletonTask, SkipInfo, skip_info
 
 __all__ = [
     "DuplicateTaskError",
+    "FencedWrite",
     "LockHandle",
     "LockUnavailableError",
     "SingletonConfigError",
@@ -34,6 +36,8 @@ __all__ = [
     "SingletonSchedulerMixin",
     "SingletonTask",
     "SkipInfo",
+    "fenced_get",
+    "fenced_set",
     "signals",
     "skip_info",
 ]

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 POLICIES = ("skip", "retry", "raise")
+REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -58,6 +59,13 @@ def _optional_positive(name: str, value: Any) -> float | None:
 def _policy(name: str, value: Any) -> str:
     if value not in POLICIES:
         choices = ", ".join(repr(p) for p in POLICIES)
+        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
+    return str(value)
+
+
+def _redis_error_policy(name: str, value: Any) -> str:
+    if value not in REDIS_ERROR_POLICIES:
+        choices = ", ".join(repr(p) for p in REDIS_ERROR_POLICIES)
         raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
     return str(value)
 
@@ -146,6 +154,14 @@ SETTINGS: dict[str, Setting] = {
             'What a duplicate run does: "skip" (finish at once, result marked skipped), '
             '"retry" (requeue every `retry_countdown` seconds until it can run) or '
             '"raise" (fail with DuplicateTaskError).',
+        ),
+        Setting(
+            "on_redis_error",
+            "fail",
+            _redis_error_policy,
+            'What a run does when Redis cannot be asked at acquire: "fail" (it does not run; it '
+            "is requeued after `retry_countdown` seconds, and fails if even that cannot be "
+            'published) or "run" (it runs without the lock, and logs so).',
         ),
         Setting(
             "key_args",
@@ -252,6 +268,7 @@ class Options:
     redis_url: str
     key_prefix: str
     on_duplicate: str
+    on_redis_error: str
     key_args: tuple[str, ...] | None
     key: Callable[..., str] | None
     ttl: float
@@ -327,6 +344,7 @@ def describe(options: Options) -> Mapping[str, str]:
         "prefix": options.key_prefix,
         "ttl": f"{options.ttl:g}s",
         "on_duplicate": options.on_duplicate,
+        "on_redis_error": options.on_redis_error,
         "retry_countdown": f"{options.retry_countdown:g}s",
         "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
     }

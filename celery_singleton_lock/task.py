@@ -200,22 +200,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
         except LockUnavailableError as exc:
-            logger.error(
-                "singleton: redis error on acquire, retrying in %ss: %s[%s] key=%s: %s",
-                opts.retry_countdown,
-                self.name,
-                task_id,
-                keys.lock,
-                exc,
-            )
-            signals.lock_unavailable.send(
-                sender=self,
-                key=keys.lock,
-                task_id=task_id,
-                error=exc,
-                countdown=opts.retry_countdown,
-            )
-            self._singleton_requeue(opts.retry_countdown, exc)
+            self._singleton_redis_down(opts, keys, task_id, exc)
+            return
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
         held = HeldLock(
@@ -321,13 +307,50 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         raise error
 
+    def _singleton_redis_down(
+        self, opts: Options, keys: LockKeys, task_id: str, error: LockUnavailableError
+    ) -> None:
+        """Redis failed at acquire: requeue ("fail"), or run without the lock ("run")."""
+        run_anyway = opts.on_redis_error == "run"
+        countdown = None if run_anyway else opts.retry_countdown
+        signals.lock_unavailable.send(
+            sender=self, key=keys.lock, task_id=task_id, error=error, countdown=countdown
+        )
+        if run_anyway:
+            logger.error(
+                "singleton: redis error on acquire, running without the lock: %s[%s] key=%s: %s",
+                self.name,
+                task_id,
+                keys.lock,
+                error,
+            )
+            return
+        logger.error(
+            "singleton: redis error on acquire, retrying in %ss: %s[%s] key=%s: %s",
+            opts.retry_countdown,
+            self.name,
+            task_id,
+            keys.lock,
+            error,
+        )
+        self._singleton_requeue(opts.retry_countdown, error)
+
     def _singleton_requeue(self, countdown: float, reason: Exception) -> NoReturn:
         """Publish this message again, retries unchanged, and end this delivery as RETRY."""
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
         signature = self.signature_from_request(request, countdown=countdown)
-        signature.apply_async()
+        try:
+            signature.apply_async()
+        except Exception as exc:  # the broker is down too: fail loudly, never run unguarded
+            logger.error(
+                "singleton: could not requeue, failing the run: %s[%s]: %s",
+                self.name,
+                request.id,
+                exc,
+            )
+            raise reason from exc
         raise Retry(f"singleton: requeued: {reason}", exc=reason, when=countdown)
 
     # -- hand-over and release ----------------------------------------------------------------

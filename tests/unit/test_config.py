@@ -36,6 +36,7 @@ def test_defaults_from_an_empty_conf() -> None:
         redis_url=DEFAULT_REDIS_URL,
         key_prefix="singleton:",
         on_duplicate="skip",
+        on_redis_error="fail",
         key_args=None,
         key=None,
         ttl=30.0,
