@@ -192,6 +192,7 @@ class SingletonSchedulerMixin:
         self, state: _BeatState, entry: ScheduleEntry, run: _Run, producer: Any, **kwargs: Any
     ) -> Any:
         key = run.key
+        claimed_at = self.singleton_monotonic()
         try:
             claim = state.claims.claim(key, round(PUBLISH_LEASE_S * 1000))
         except LockUnavailableError as exc:
@@ -214,6 +215,15 @@ class SingletonSchedulerMixin:
             if not claim.published:  # its claimer may die before publishing: look again
                 self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
             return None
+        if self.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2:
+            # paused right after claiming: the claim may be about to expire and be taken by
+            # another instance, which would then publish the run too. Let it go and look again.
+            _quietly(state.claims.unclaim, key)
+            logger.warning(
+                "beat: claim too old to publish, retrying: entry=%s run=%s", entry.name, run.run
+            )
+            self._recheck_later(run, 0.0)
+            return None
         labelled = copy.copy(entry)
         labelled.options = copy.deepcopy(entry.options)
         labelled.options.setdefault("headers", {})[RUN_HEADER] = f"{entry.name}@{run.run}"
@@ -226,11 +236,20 @@ class SingletonSchedulerMixin:
             raise
         task_id = str(getattr(result, "id", "") or "-")
         try:
-            state.claims.confirm(key, task_id, run.keep_ms)
+            confirmed = state.claims.confirm(key, task_id, run.keep_ms)
         except LockUnavailableError as exc:  # the pending claim still blocks others
             logger.warning(
                 "beat: could not confirm run: entry=%s run=%s: %s", entry.name, run.run, exc
             )
+        else:
+            if not confirmed:  # our claim expired while publishing: another may publish too
+                logger.error(
+                    "beat: claim expired while publishing, run may be duplicated: "
+                    "entry=%s run=%s task_id=%s",
+                    entry.name,
+                    run.run,
+                    task_id,
+                )
         logger.info("beat: published run: entry=%s run=%s task_id=%s", entry.name, run.run, task_id)
         return result
 
