@@ -11,8 +11,10 @@ run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing p
 pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
 hard time limit                               ``task_failure`` in the main process, after a
                                               grace for the child to die
-``revoke(terminate=True)``                    ``task_revoked`` in the main process, after the
-                                              same grace (the child usually releases first)
+``revoke(terminate=True)``                    SIGTERM (default): the child's ``task_postrun``
+                                              once its ``finally`` blocks ran; SIGKILL or
+                                              SIGQUIT: ``task_revoked`` in the main process,
+                                              after the same grace
 cold shutdown                                 the child's SIGTERM becomes SystemExit, and its
                                               own ``task_postrun`` releases
 whole node killed                             nobody: the lock expires after its ttl
@@ -41,8 +43,10 @@ from .task import SingletonTask
 
 __all__: list[str] = []
 
-#: Signals after which a prefork child is gone, so its main process may release for it.
-_FATAL_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGQUIT})
+#: Terminate signals that end a prefork child at once, so its main process may release for
+#: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``
+#: blocks still run; the child's own ``task_postrun`` releases after them.
+_FATAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGQUIT})
 
 #: Seconds the main process waits before releasing for a child it is terminating
 #: (billiard sends SIGKILL 0.1 s after SIGTERM on a hard time limit).

@@ -1,0 +1,566 @@
+"""The lock is freed on every way a run can end, each path against a real worker process.
+
+Every test starts its own ``celery worker`` (tests.support.singleton_app) on a private key
+prefix, drives one release path and asserts the lock's state in Redis (gone, or held by whom)
+and, where the path has one, the worker's ``singleton: `` log line. See the table in
+``celery_singleton_lock/worker.py`` for which hook releases on which path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from celery_singleton_lock import skip_info
+from tests.support.history import (
+    Execution,
+    assert_no_overlap,
+    check_history,
+    load_history,
+    server_time_us,
+)
+from tests.support.singleton_app import signals_key
+from tests.support.test_app import history_key, make_app
+from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
+
+APP_MODULE = "tests.support.singleton_app"
+
+#: Log lines that must never appear on a path that releases correctly.
+BAD_LINES = (
+    "singleton: lock lost",
+    "singleton: lock was no longer ours",
+    "singleton: release failed",
+    "singleton: could not release",
+)
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str = "condition") -> T:
+    """Poll ``predicate`` every 50 ms until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Bed:
+    """The client-side app, a Redis client and the worker factory, all on one key prefix."""
+
+    def __init__(
+        self, app: Celery, client: redis.Redis, prefix: str, factory: WorkerFactory
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.prefix = prefix
+        self.factory = factory
+
+    def start(
+        self, pool: str = "prefork", concurrency: int = 2, ttl: float | None = None
+    ) -> WorkerProcess:
+        """Start a worker of the singleton app and wait until it answers ping."""
+        env = {} if ttl is None else {"SINGLETON_TEST_TTL": str(ttl)}
+        worker = self.factory.start(APP_MODULE, pool=pool, concurrency=concurrency, env=env)
+        worker.wait_ready(self.app)
+        return worker
+
+    def send(self, name: str, *args: Any, **kwargs: Any) -> AsyncResult:
+        """Send task ``name`` by name."""
+        return self.app.send_task(name, args=args, kwargs=kwargs)
+
+    def locks(self) -> dict[str, dict[str, str]]:
+        """Every lock under the prefix: key -> its hash."""
+        found = {}
+        for raw in self.client.scan_iter(match=f"{self.prefix}lock:*:lock"):
+            fields = self.client.hgetall(raw)
+            if fields:
+                found[raw.decode()] = {k.decode(): v.decode() for k, v in fields.items()}
+        return found
+
+    def lock(self, key: str) -> dict[str, str]:
+        """The hash of lock ``key``; empty when it is free."""
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
+
+    def lock_of(self, task_id: str) -> str | None:
+        """The key of the lock ``task_id`` holds, if any."""
+        for key, fields in self.locks().items():
+            if fields.get("owner") == task_id:
+                return key
+        return None
+
+    def wait_held(self, task_id: str, timeout: float = 15.0) -> str:
+        """Wait until ``task_id`` holds a lock; return its key."""
+        return wait_until(lambda: self.lock_of(task_id), timeout, f"a lock held by {task_id}")
+
+    def wait_gone(self, key: str, timeout: float) -> float:
+        """Wait until lock ``key`` is gone; return how long that took."""
+        started = time.monotonic()
+        wait_until(lambda: not self.client.exists(key), timeout, f"{key} to be released")
+        return time.monotonic() - started
+
+    def signals(self, entry: str) -> int:
+        """How often the worker's processes sent a library signal (``"<name> <task id>"``)."""
+        return bed_signals(self.client, self.prefix).count(entry)
+
+    def history(self) -> list[Execution]:
+        """Every execution the worker's tasks recorded."""
+        return load_history(self.client, history_key(self.prefix))
+
+    def logs(self) -> str:
+        """The tail of every worker's log (for failure messages)."""
+        return self.factory.logs()
+
+
+@pytest.fixture
+def bed(
+    redis_url: str, key_prefix: str, redis_client: redis.Redis, worker_factory: WorkerFactory
+) -> Iterator[Bed]:
+    """A client app and Redis client on ``key_prefix``.
+
+    The workers' logs are printed at teardown: pytest shows them for failed tests only.
+    """
+    app = make_app(redis_url, key_prefix)
+    bed = Bed(app, redis_client, key_prefix, worker_factory)
+    try:
+        yield bed
+    finally:
+        app.close()
+        print(worker_factory.logs())
+
+
+def bed_signals(client: redis.Redis, prefix: str) -> list[str]:
+    """The library signals singleton_app's workers logged, oldest first."""
+    return [raw.decode() for raw in client.lrange(signals_key(prefix), 0, -1)]
+
+
+def new_key() -> str:
+    """A lock key argument no other test uses."""
+    return f"k-{uuid.uuid4().hex[:8]}"
+
+
+def assert_clean_log(worker: WorkerProcess, allow: tuple[str, ...] = ()) -> None:
+    """No lost lock, no foreign lock at release, no failed release in the worker's log."""
+    log = worker.log_text()
+    lines = [line for line in log.splitlines() if not any(a in line for a in allow)]
+    bad = [line for line in lines if any(b in line for b in BAD_LINES)]
+    assert not bad, "\n".join(bad)
+
+
+def wait_result(result: AsyncResult, timeout: float = 20.0) -> AsyncResult:
+    """Wait until ``result`` is ready (success or failure)."""
+    wait_until(result.ready, timeout, f"the result of {result.id}")
+    return result
+
+
+def exc_name(result: AsyncResult) -> str:
+    """Class name of a failed result's exception."""
+    return type(result.result).__name__
+
+
+def kill_child(client: redis.Redis, pid: int) -> int:
+    """SIGKILL a pool child, wait until it is gone; return the server time (us) just after."""
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not is_alive(pid), 5, f"child {pid} to die")
+    return server_time_us(client)
+
+
+# -- 1. the run ends by itself ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "state", "error"),
+    [
+        ("ok", "SUCCESS", None),
+        ("fail", "FAILURE", "ValueError"),
+        ("reject", "FAILURE", "Reject"),
+    ],
+)
+def test_run_end_releases(bed: Bed, kind: str, state: str, error: str | None) -> None:
+    """Success, failure and Reject(requeue=False): the lock is gone right after the result."""
+    worker = bed.start()
+    key = new_key()
+    result = bed.send("t.outcome", key, kind, seconds=0.5)
+    lock = bed.wait_held(result.id)
+
+    wait_result(result)
+    assert bed.wait_gone(lock, 1.0) < 1.0
+    assert result.state == state
+    if error is not None:
+        assert exc_name(result) == error
+    if kind == "reject":
+        wait_until(
+            lambda: f"t.outcome[{result.id}] reject requeue=False" in worker.log_text(), 5, "log"
+        )
+    assert bed.locks() == {}
+    assert len([e for e in bed.history() if e.finished]) == 1
+    assert_clean_log(worker)
+
+
+def test_ignore_releases(bed: Bed) -> None:
+    """Ignore: no result is stored, the lock is gone and the worker logged "ignored"."""
+    worker = bed.start()
+    result = bed.send("t.outcome", new_key(), "ignore", seconds=0.5)
+    lock = bed.wait_held(result.id)
+
+    bed.wait_gone(lock, 10)
+    wait_until(lambda: f"t.outcome[{result.id}] ignored" in worker.log_text(), 5, "ignored log")
+    assert result.state == "PENDING"
+    assert bed.locks() == {}
+    assert_clean_log(worker)
+
+
+# -- 2. retry: the lock is handed over, never released in between -------------------------------
+
+
+def test_retry_hands_the_lock_over(bed: Bed) -> None:
+    """retry(): the same task id holds the lock through every countdown; a duplicate is skipped."""
+    worker = bed.start()  # ttl 1 s: the countdown (1 s) only fits if the hand-over extends it
+    key = new_key()
+    result = bed.send("t.retrying", key, 2, 1.0)
+    lock = bed.wait_held(result.id)
+
+    samples: list[tuple[int, int]] = []  # (gen, pttl) while the task is not done
+    gaps = 0
+    duplicate: AsyncResult | None = None
+    deadline = time.monotonic() + 20
+    while not result.ready():
+        assert time.monotonic() < deadline, "t.retrying did not finish"
+        fields, pttl = bed.lock(lock), bed.client.pttl(lock)
+        if not fields:
+            gaps += not result.ready()  # the final release comes after the result
+            time.sleep(0.02)
+            continue
+        assert fields["owner"] == result.id
+        samples.append((int(fields["gen"]), pttl))
+        if duplicate is None and fields["gen"] == "0":
+            finished = [e for e in bed.history() if e.finished]
+            if finished:  # the first run is over: we are in its retry countdown
+                duplicate = bed.send("t.retrying", key, 2, 1.0)
+        time.sleep(0.02)
+
+    assert result.get(timeout=5)["retries"] == 2
+    assert gaps == 0, "the lock was free between two runs of a retried task"
+    gens = [gen for i, (gen, _) in enumerate(samples) if i == 0 or samples[i - 1][0] != gen]
+    assert gens == [0, 1, 2]
+    for gen in (0, 1):
+        # ttl alone is 1000 ms: more than that means the hand-over stretched it over the countdown
+        assert max(p for g, p in samples if g == gen) > 1500, samples
+    bed.wait_gone(lock, 1.0)
+
+    assert duplicate is not None
+    info = skip_info(duplicate.get(timeout=10))
+    assert info is not None
+    assert info.holder == result.id
+    assert info.key == lock
+    assert "singleton: duplicate skipped" in worker.log_text()
+
+    report = check_history(bed.history())
+    assert len(report.finished()) == 3
+    assert_no_overlap(report, allow_unfinished=False)
+    assert_clean_log(worker)
+
+
+# -- 3./4. time limits ----------------------------------------------------------------------------
+
+
+def test_soft_time_limit_releases(bed: Bed) -> None:
+    """Soft time limit: the run fails with SoftTimeLimitExceeded and its lock is gone."""
+    worker = bed.start()
+    result = bed.send("t.limited", new_key(), 3)
+    lock = bed.wait_held(result.id)
+
+    wait_result(result)
+    assert result.state == "FAILURE"
+    assert exc_name(result) == "SoftTimeLimitExceeded"
+    bed.wait_gone(lock, 1.0)
+    assert_clean_log(worker)
+
+
+def test_hard_time_limit_releases_long_before_the_ttl(bed: Bed) -> None:
+    """Hard time limit: the killed run's lock (ttl 30 s) is gone within 3 s of the failure."""
+    worker = bed.start(ttl=30)
+    result = bed.send("t.limited", new_key(), 3, swallow_soft=True)
+    lock = bed.wait_held(result.id)
+
+    wait_result(result)
+    assert result.state == "FAILURE"
+    assert exc_name(result) == "TimeLimitExceeded"
+    assert bed.wait_gone(lock, 3.0) < 3.0
+    # billiard turns the child's SIGTERM into SystemExit, so the child's own task_postrun may
+    # release before its SIGKILL (0.1 s later); otherwise the main process releases for it
+    time.sleep(1.0)  # the main process's release may come after a grace: let it land
+    assert bed.signals(f"lock_released {result.id}") == 1
+    by_main = "singleton: released by main process after hard time limit" in worker.log_text()
+    print(f"released by {'the main process' if by_main else 'the dying child'}")
+    assert_clean_log(worker)
+
+
+def test_hard_time_limit_main_process_waits_for_the_child(bed: Bed) -> None:
+    """Hard time limit: the main process does not free the lock while the child is alive."""
+    worker = bed.start(ttl=30)
+    result = bed.send("t.limited", new_key(), 3, swallow_soft=True)
+    lock = bed.wait_held(result.id)
+    pid = int(bed.lock(lock)["pid"])
+
+    deadline = time.monotonic() + 10
+    while bed.client.exists(lock):  # poll tightly: billiard kills the child 0.1 s after TERM
+        assert time.monotonic() < deadline, "the lock was never released"
+        time.sleep(0.001)
+    alive_at_release = is_alive(pid)
+    wait_result(result)
+    time.sleep(1.0)  # let a delayed release by the main process land in the log
+    by_main = "singleton: released by main process after hard time limit" in worker.log_text()
+    # the child releasing in its own task_postrun (its body and finally blocks are over) is
+    # fine; the main process deleting the lock while the child may still run task code is not
+    assert not (by_main and alive_at_release), (
+        f"the main process freed the lock while child {pid}, still running the task, was alive"
+    )
+
+
+# -- 5. revoke ------------------------------------------------------------------------------------
+
+
+def test_revoke_terminate_releases(bed: Bed) -> None:
+    """revoke(terminate=True) of a running task: the lock (ttl 30 s) is gone within 3 s."""
+    worker = bed.start(ttl=30)
+    result = bed.send("t.hold", new_key(), seconds=10)
+    lock = bed.wait_held(result.id)
+
+    bed.app.control.revoke(result.id, terminate=True, destination=[worker.nodename])
+    assert bed.wait_gone(lock, 3.0) < 3.0
+    wait_until(lambda: result.state == "REVOKED", 5, "REVOKED state")
+    time.sleep(1.0)  # the main process's release may come after a grace: let it land
+    assert bed.signals(f"lock_released {result.id}") == 1
+    assert_clean_log(worker)
+
+
+def test_revoke_terminate_keeps_the_lock_through_the_child_cleanup(bed: Bed) -> None:
+    """revoke(terminate=True): a finally block the SIGTERMed child still runs keeps its lock."""
+    worker = bed.start(ttl=30)
+    key = new_key()
+    first = bed.send("t.hold_cleanup", key, seconds=10, cleanup=1.5)
+    lock = bed.wait_held(first.id)
+    pid = int(bed.lock(lock)["pid"])
+    wait_until(bed.history, 5, "the body (and its try block) to start")
+
+    bed.app.control.revoke(first.id, terminate=True, destination=[worker.nodename])
+    bed.wait_gone(lock, 5)
+    child_alive = is_alive(pid)
+    duplicate = bed.send("t.hold_cleanup", key, seconds=0.2)
+    wait_result(duplicate)
+    wait_until(lambda: all(e.finished for e in bed.history()), 5, "the first run's cleanup")
+    assert_no_overlap(check_history(bed.history()), allow_unfinished=False)
+    by_main = "singleton: released by main process after terminate" in worker.log_text()
+    assert not (by_main and child_alive), (
+        f"the main process freed the lock while child {pid} still ran its finally block"
+    )
+
+
+def test_revoke_without_terminate_keeps_running_lock(bed: Bed) -> None:
+    """revoke() of a running task does not stop it: the lock stays until the run ends."""
+    worker = bed.start(ttl=1)
+    result = bed.send("t.hold", new_key(), seconds=2)
+    lock = bed.wait_held(result.id)
+
+    bed.app.control.revoke(result.id, destination=[worker.nodename])
+    while not [e for e in bed.history() if e.finished]:
+        fields = bed.lock(lock)
+        assert fields.get("owner") == result.id, "the lock went away while its run went on"
+        time.sleep(0.05)
+    bed.wait_gone(lock, 1.0)
+    wait_result(result)
+    assert result.state == "SUCCESS"
+    assert result.result["lost"] is False
+    assert_clean_log(worker)
+
+
+def test_revoke_of_queued_message_never_locks(bed: Bed) -> None:
+    """revoke() of a message still queued: it never runs and never takes a lock."""
+    worker = bed.start(concurrency=1)
+    first = bed.send("t.hold", new_key(), seconds=1.5)
+    first_lock = bed.wait_held(first.id)
+    queued_key = new_key()
+    queued = bed.send("t.hold", queued_key, seconds=0.2)
+    bed.app.control.revoke(queued.id, destination=[worker.nodename])
+
+    deadline = time.monotonic() + 20
+    while queued.state != "REVOKED":
+        assert time.monotonic() < deadline, f"still {queued.state}"
+        assert bed.lock_of(queued.id) is None, "a revoked message took a lock"
+        time.sleep(0.05)
+    assert first.get(timeout=10)["lost"] is False
+    bed.wait_gone(first_lock, 1.0)
+    time.sleep(0.3)  # in case it ran anyway: give its record time to land
+    assert bed.locks() == {}
+    assert queued_key not in {e.key for e in bed.history()}
+    assert_clean_log(worker)
+
+
+# -- 6. pool child killed -------------------------------------------------------------------------
+
+
+def test_child_sigkill_released_by_main_process(bed: Bed) -> None:
+    """SIGKILL of the pool child: the main process releases (ttl 30 s) and a duplicate then runs."""
+    worker = bed.start(ttl=30)
+    key = new_key()
+    result = bed.send("t.hold", key, seconds=10)
+    lock = bed.wait_held(result.id)
+    pid = int(bed.lock(lock)["pid"])
+    assert pid in worker.child_pids()
+
+    kill_child(bed.client, pid)
+    # billiard notices a dead child at once, or at its next maintain_pool (every 5 s): 7 s is
+    # still far below the 30 s ttl, so only the main process can have released it
+    assert bed.wait_gone(lock, 7.0) < 7.0
+    wait_until(
+        lambda: "singleton: released by main process after worker lost" in worker.log_text(),
+        3,
+        "the worker lost release log",
+    )
+    wait_result(result)
+    assert result.state == "FAILURE"
+    assert exc_name(result) == "WorkerLostError"
+
+    second = bed.send("t.hold", key, seconds=0.2)
+    value = second.get(timeout=10)
+    assert skip_info(value) is None
+    assert value["pid"] != pid
+    bed.wait_gone(lock, 1.0)
+    assert_clean_log(worker)
+
+
+# -- 7. warm shutdown -----------------------------------------------------------------------------
+
+
+def test_warm_shutdown_lets_the_run_finish(bed: Bed) -> None:
+    """SIGTERM (warm shutdown) while a run holds the lock: it completes, releases, exit code 0."""
+    worker = bed.start(ttl=30)  # a long ttl: only a release can make the lock go away
+    result = bed.send("t.hold", new_key(), seconds=3)
+    lock = bed.wait_held(result.id)
+
+    assert worker.terminate(timeout=30) == 0
+    value = result.get(timeout=5)
+    assert value["lost"] is False
+    assert not bed.client.exists(lock)
+    assert [e.finished for e in bed.history()] == [True]
+    assert "released by main process after shutdown" not in worker.log_text()
+    assert_clean_log(worker)
+
+
+# -- 8. whole node killed -------------------------------------------------------------------------
+
+
+def test_node_sigkill_lock_expires_by_ttl(bed: Bed) -> None:
+    """SIGKILL of the whole worker: the lock stays, expires in its ttl, then a new worker runs."""
+    worker = bed.start(ttl=2)
+    key = new_key()
+    result = bed.send("t.hold", key, seconds=10)
+    lock = bed.wait_held(result.id)
+
+    worker.kill()
+    fields, pttl = bed.lock(lock), bed.client.pttl(lock)
+    assert fields.get("owner") == result.id, "nobody may release for a killed node"
+    assert 0 < pttl <= 2000
+    assert bed.wait_gone(lock, 3.0) < 3.0
+
+    second_worker = bed.start(ttl=2)
+    second = bed.send("t.hold", key, seconds=0.2)
+    value = second.get(timeout=10)
+    assert skip_info(value) is None
+    assert value["token"] > int(fields["token"])
+    bed.wait_gone(lock, 1.0)
+    assert_clean_log(second_worker)
+
+
+# -- 9. acks_late redelivery ----------------------------------------------------------------------
+
+
+def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
+    """acks_late + reject_on_worker_lost: the redelivered message waits out the lock, runs once."""
+    # billiard may take up to its 5 s maintain_pool interval to notice the dead child and
+    # requeue the message: a 9 s ttl (renewed every 3 s) is still held when it comes back
+    worker = bed.start(ttl=9)
+    key = new_key()
+    result = bed.send("t.hold_late", key, seconds=1.0)
+    lock = bed.wait_held(result.id)
+    first = bed.lock(lock)
+    pid = int(first["pid"])
+    wait_until(bed.history, 5, "the first run to start")
+
+    killed_at = kill_child(bed.client, pid)
+    pttl = bed.client.pttl(lock)
+
+    # the same task id takes the lock again, with a new token, once the old one expired
+    wait_until(
+        lambda: bed.lock(lock).get("token", first["token"]) != first["token"],
+        15,
+        "the redelivered run to take the lock",
+    )
+    assert bed.lock(lock)["owner"] == result.id
+    value = result.get(timeout=15)
+    assert skip_info(value) is None
+    assert value["pid"] != pid
+    assert result.state == "SUCCESS"
+    bed.wait_gone(lock, 1.0)
+    assert "singleton: redelivered while held" in worker.log_text()
+
+    killed, rerun = bed.history()
+    assert not killed.finished
+    assert rerun.finished
+    # the killed run did nothing after its death; the rerun began once the lock had expired
+    assert rerun.start_us >= killed_at + (pttl - 100) * 1000
+    report = check_history([dataclasses.replace(killed, end_us=killed_at), rerun])
+    assert_no_overlap(report, allow_unfinished=False)
+    assert_clean_log(worker)
+
+
+# -- 10. other pools ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pool", "concurrency"), [("threads", 4), ("solo", 1)])
+def test_other_pools_release_and_skip(bed: Bed, pool: str, concurrency: int) -> None:
+    """-P threads / -P solo: a renewed run succeeds and releases; a duplicate is skipped."""
+    worker = bed.start(pool=pool, concurrency=concurrency)  # ttl 1 s: renewal needed
+    key = new_key()
+    first = bed.send("t.hold", key, seconds=1.5)
+    lock = bed.wait_held(first.id)
+    if pool == "threads":  # only a pool running two tasks at once can meet a running holder
+        duplicate = bed.send("t.hold", key)
+        info = skip_info(duplicate.get(timeout=10))
+        assert info is not None
+        assert info.holder == first.id
+        assert bed.lock(lock).get("owner") == first.id
+    assert first.get(timeout=10)["lost"] is False
+    bed.wait_gone(lock, 1.0)
+
+    # a lock held across a retry countdown meets a duplicate on every pool, solo included
+    retried = bed.send("t.retrying", key, 1, 1.0)
+    retry_lock = bed.wait_held(retried.id)
+    wait_until(lambda: len([e for e in bed.history() if e.finished]) == 2, 10, "first try")
+    assert bed.lock(retry_lock)["gen"] == "0"
+    duplicate = bed.send("t.retrying", key, 1, 1.0)
+    info = skip_info(duplicate.get(timeout=10))
+    assert info is not None
+    assert info.holder == retried.id
+    assert retried.get(timeout=10)["retries"] == 1
+    bed.wait_gone(retry_lock, 1.0)
+
+    report = check_history(bed.history())
+    assert len(report.finished()) == 3
+    assert_no_overlap(report, allow_unfinished=False)
+    assert "singleton: duplicate skipped" in worker.log_text()
+    assert_clean_log(worker)
