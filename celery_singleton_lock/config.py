@@ -56,25 +56,16 @@ def _optional_positive(name: str, value: Any) -> float | None:
     return None if value is None else _positive(name, value)
 
 
-def _policy(name: str, value: Any) -> str:
-    if value not in POLICIES:
-        choices = ", ".join(repr(p) for p in POLICIES)
-        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
-    return str(value)
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    """A check that accepts one of ``choices``."""
 
+    def check(name: str, value: Any) -> str:
+        if value not in choices:
+            listed = ", ".join(repr(c) for c in choices)
+            raise SingletonConfigError(f"{name} must be one of {listed}, got {value!r}")
+        return str(value)
 
-def _redis_error_policy(name: str, value: Any) -> str:
-    if value not in REDIS_ERROR_POLICIES:
-        choices = ", ".join(repr(p) for p in REDIS_ERROR_POLICIES)
-        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
-    return str(value)
-
-
-def _beat_mode(name: str, value: Any) -> str:
-    if value not in BEAT_MODES:
-        choices = ", ".join(repr(m) for m in BEAT_MODES)
-        raise SingletonConfigError(f"{name} must be one of {choices}, got {value!r}")
-    return str(value)
+    return check
 
 
 def _prefix(name: str, value: Any) -> str:
@@ -150,7 +141,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "on_duplicate",
             "skip",
-            _policy,
+            _choice(POLICIES),
             'What a duplicate run does: "skip" (finish at once, result marked skipped), '
             '"retry" (requeue every `retry_countdown` seconds until it can run) or '
             '"raise" (fail with DuplicateTaskError).',
@@ -158,7 +149,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "on_redis_error",
             "fail",
-            _redis_error_policy,
+            _choice(REDIS_ERROR_POLICIES),
             'What a run does when Redis cannot be asked at acquire: "fail" (it does not run; it '
             "is requeued after `retry_countdown` seconds, and fails if even that cannot be "
             'published) or "run" (it runs without the lock, and logs so).',
@@ -192,7 +183,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "beat_mode",
             "active",
-            _beat_mode,
+            _choice(BEAT_MODES),
             'How SingletonScheduler instances share the schedule: "active" (every instance '
             'runs and claims each run before publishing it) or "leader" (one instance '
             "publishes under a renewed lease, the others stand by).",
