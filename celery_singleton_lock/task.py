@@ -107,12 +107,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     """A Celery task that never runs twice at once for the same logical arguments.
 
     Options (each falls back to the app setting ``singleton_<option>``, then to the
-    default in docs/configuration.md): ``singleton_on_duplicate``, ``singleton_key_args``,
-    ``singleton_key``, ``singleton_ttl``, ``singleton_retry_countdown``,
-    ``singleton_max_hold``.
+    default in docs/configuration.md): ``singleton_on_duplicate``,
+    ``singleton_on_redis_error``, ``singleton_key_args``, ``singleton_key``,
+    ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``.
     """
 
     singleton_on_duplicate: ClassVar[str | None] = None
+    singleton_on_redis_error: ClassVar[str | None] = None
     singleton_key_args: ClassVar[Sequence[str] | None] = None
     singleton_key: ClassVar[Any] = None
     singleton_ttl: ClassVar[float | None] = None
