@@ -32,7 +32,7 @@ from celery.schedules import crontab, schedstate, schedule, solar
 from .claims import RunClaims
 from .config import BeatOptions, read_beat_options, redact_url
 from .connection import client_for
-from .errors import LockUnavailableError
+from .errors import LockUnavailableError, SingletonConfigError
 from .keys import leader_keys, run_claim_key
 from .lock import Acquired, LockStore, RenewItem, RenewStatus
 from .schedules import interval_slot, nominal_run, run_id, slot_start
@@ -113,8 +113,15 @@ class SingletonSchedulerMixin:
 
     @property
     def info(self) -> str:
-        """Celery's scheduler info plus the singleton settings, for beat's banner."""
-        opts = self.singleton_options
+        """Celery's scheduler info plus the singleton settings, for beat's banner.
+
+        The banner is the first thing ``celery beat`` reads the settings for: a bad one stops
+        beat here, at start-up, with one line naming it (as a worker does).
+        """
+        try:
+            opts = self.singleton_options
+        except SingletonConfigError as exc:
+            raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
         base = str(super().info or "")  # type: ignore[misc]
         line = (
             f"    . singleton -> mode={opts.mode} redis={redact_url(opts.redis_url)} "

@@ -10,10 +10,13 @@ Knows nothing of Celery's classes: it reads any mapping with ``get``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
+
+from redis.connection import parse_url
 
 from .errors import SingletonConfigError
 from .keys import check_prefix
@@ -97,12 +100,29 @@ def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+    if not isinstance(value, str) or _scheme(value) not in ("redis", "rediss", "unix"):
         shown = redact_url(value) if isinstance(value, str) else repr(value)
         raise SingletonConfigError(
             f"{name} must be a redis://, rediss:// or unix:// URL, got {shown}"
         )
+    try:  # what redis-py would refuse at the first task: the port, the db, query options
+        parse_url(value)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        reason = str(exc)
+        password = _split_password(value)[1] or ""
+        if any(part and part in reason for part in re.split(r"[/?#@:\[\]]", password)):
+            reason = "malformed"  # the parser split the password: its reason would show part
+        raise SingletonConfigError(
+            f"{name} is not a usable Redis URL ({reason}), got {redact_url(value)}"
+        ) from None
     return value
+
+
+def _scheme(url: str) -> str:
+    try:
+        return urlsplit(url).scheme
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return ""
 
 
 @dataclass(frozen=True)
@@ -311,21 +331,32 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
     return Options(**values)
 
 
+#: A URL's scheme and the slashes after it ("redis://", also the malformed "redis:/").
+_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/+")
+
+
+def _split_password(url: str) -> tuple[str, str | None]:
+    """``(url up to the password, the password or None)``; never raises.
+
+    Everything between the scheme and the *last* ``@`` is taken as the user info, so a
+    password with an unescaped ``/``, ``?`` or ``#`` (which URL parsers split wrongly) is
+    found too; a URL without a password gives ``(url, None)``.
+    """
+    head, at, _hostinfo = url.rpartition("@")
+    match = _SCHEME_PREFIX.match(head)
+    prefix = match.group(0) if match else ""
+    user, colon, password = head[len(prefix) :].partition(":")
+    if not at or not colon:
+        return url, None
+    return f"{prefix}{user}:", password
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
+    """The URL with any password replaced by ``***``; never raises."""
+    start, password = _split_password(url)
+    if password is None:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 address keeps its brackets
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return f"{start}***{url[len(start) + len(password) :]}"
 
 
 def describe(options: Options) -> Mapping[str, str]:

@@ -183,3 +183,66 @@ def hold_cleanup(self: Any, key: str, seconds: float = 0.0, cleanup: float = 0.0
     finally:
         time.sleep(cleanup)
         record_end(client, hkey, exec_id)
+
+
+# -- added for test_chaos: fenced writes after a pause, and a broker redelivery ----------------
+
+from celery_singleton_lock import fenced_set as _fenced_set  # noqa: E402
+from tests.support.chaos import configure_visibility, deliveries_key  # noqa: E402
+
+# SINGLETON_TEST_VISIBILITY=<s>: the broker restores a message left unacked for <s> seconds
+# (kombu's visibility_timeout), sweeping every second (see tests.support.chaos).
+if os.environ.get("SINGLETON_TEST_VISIBILITY"):
+    configure_visibility(app, float(os.environ["SINGLETON_TEST_VISIBILITY"]))
+
+
+@app.task(bind=True, base=SingletonTask, name="t.fenced_hold", singleton_key_args=("key",))
+def fenced_hold(self: Any, key: str, record: str, value: str, seconds: float) -> dict[str, Any]:
+    """Hold ``key`` for ``seconds``, then write ``value`` to ``record`` fenced by the token."""
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    token = self.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(self.request.hostname), os.getpid())
+    time.sleep(seconds)
+    lost_before_write = self.singleton.lost
+    write = _fenced_set(client, record, value, token)
+    record_end(client, hkey, exec_id)
+    return {
+        "token": token,
+        "lost": lost_before_write,
+        "written": write.written,
+        "record_token": write.token,
+        "pid": os.getpid(),
+    }
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_redelivered",
+    singleton_key_args=("key",),
+    acks_late=True,
+)
+def hold_redelivered(self: Any, key: str, seconds: float, again: float = 0.3) -> dict[str, Any]:
+    """Acked late: the first run of a task id lasts ``seconds``, any later run ``again``."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    return {**_run(self, key, seconds if run == 1 else again), "run": run}
+
+
+# -- added for test_redis_faults and test_bad_settings: the lock store elsewhere, settings ------
+#
+# SINGLETON_TEST_LOCK_URL         singleton_redis_url: the locks on another server (a private one
+#                                 a test may stop, pause or restart) while the broker, the results
+#                                 and the history stay on SINGLETON_TEST_REDIS_URL; any string
+#                                 is taken as is, so an invalid URL must stop the worker
+# SINGLETON_TEST_ON_REDIS_ERROR   singleton_on_redis_error app-wide ("fail", "run", or invalid)
+# SINGLETON_TEST_RETRY_COUNTDOWN  singleton_retry_countdown app-wide, in seconds
+# (an invalid ttl: SINGLETON_TEST_TTL=0 or -1; an invalid policy: SINGLETON_TEST_BAD_POLICY)
+
+if os.environ.get("SINGLETON_TEST_LOCK_URL"):
+    app.conf.singleton_redis_url = os.environ["SINGLETON_TEST_LOCK_URL"]
+if os.environ.get("SINGLETON_TEST_ON_REDIS_ERROR"):
+    app.conf.singleton_on_redis_error = os.environ["SINGLETON_TEST_ON_REDIS_ERROR"]
+if os.environ.get("SINGLETON_TEST_RETRY_COUNTDOWN"):
+    app.conf.singleton_retry_countdown = float(os.environ["SINGLETON_TEST_RETRY_COUNTDOWN"])

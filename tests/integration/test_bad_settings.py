@@ -1,0 +1,153 @@
+"""Invalid settings stop a real worker or beat at start-up with one line naming the setting
+(and never showing a password), instead of failing at the first task or tick."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from celery_singleton_lock import SingletonConfigError
+from celery_singleton_lock.config import read_beat_options, read_options, redact_url
+from celery_singleton_lock.connection import client_for
+from tests.support.beats import BeatFactory
+from tests.support.workers import WorkerFactory
+
+APP = "tests.support.singleton_app"
+PASSWORD = "s3cret-Pw-52e"
+INVALID = "celery_singleton_lock: invalid setting: "
+
+
+@pytest.fixture
+def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
+    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
+    factory = BeatFactory(
+        tmp_path / "beats",
+        base_env={
+            "SINGLETON_TEST_REDIS_URL": redis_url,
+            "SINGLETON_TEST_PREFIX": key_prefix,
+            "SINGLETON_TEST_ROLE": "beat",
+        },
+    )
+    yield factory
+    factory.close()
+
+
+def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
+    """Exit code, the one ``invalid setting`` line naming the setting and value, no password."""
+    assert code != 0, log
+    (line,) = [line for line in log.splitlines() if INVALID in line]
+    assert setting in line, line
+    assert value in line, line
+    assert PASSWORD not in log
+
+
+@pytest.mark.parametrize(
+    ("env", "setting", "shown"),
+    [
+        ({"SINGLETON_TEST_TTL": "0"}, "singleton_ttl", "got 0.0"),
+        ({"SINGLETON_TEST_TTL": "-1"}, "singleton_ttl", "got -1.0"),
+        ({"SINGLETON_TEST_BAD_POLICY": "sometimes"}, "singleton_on_duplicate", "'sometimes'"),
+        ({"SINGLETON_TEST_ON_REDIS_ERROR": "bogus"}, "singleton_on_redis_error", "'bogus'"),
+        ({"SINGLETON_TEST_LOCK_URL": "http://x"}, "singleton_redis_url", "http://x"),
+        (
+            {"SINGLETON_TEST_LOCK_URL": f"redis://:{PASSWORD}@127.0.0.1:notaport/0"},
+            "singleton_redis_url",
+            "redis://:***@127.0.0.1:notaport/0",
+        ),
+    ],
+    ids=["ttl-zero", "ttl-negative", "policy", "on-redis-error", "url-scheme", "url-port"],
+)
+def test_worker_refuses_to_start(
+    worker_factory: WorkerFactory, env: dict[str, str], setting: str, shown: str
+) -> None:
+    """The worker exits before it is ready, with one line naming the setting and its value."""
+    worker = worker_factory.start(APP, concurrency=1, env=env)
+    code = worker.wait(timeout=30)
+    log = worker.log_text()
+    _assert_refused(log, code, setting, shown)
+    assert " ready." not in log
+    assert "Traceback" not in log
+
+
+def test_beat_refuses_to_start_with_bad_beat_mode(beat_factory: BeatFactory) -> None:
+    """celery beat -S singleton with singleton_beat_mode="bogus" exits at start-up, no tick."""
+    beat = beat_factory.start(env={"SINGLETON_TEST_BEAT_MODE": "bogus"})
+    code = beat.wait(timeout=30)
+    log = beat.log_text()
+    _assert_refused(log, code, "singleton_beat_mode", "'bogus'")
+    assert "Traceback" not in log
+    assert "beat: Starting" not in log
+
+
+def test_beat_refuses_to_start_with_bad_url(beat_factory: BeatFactory) -> None:
+    """A beat whose lock URL is not a Redis URL exits at start-up; the password stays hidden."""
+    url = f"redis://:{PASSWORD}@127.0.0.1:99999/0"
+    beat = beat_factory.start(env={"SINGLETON_TEST_LOCK_URL": url})
+    code = beat.wait(timeout=30)
+    _assert_refused(beat.log_text(), code, "singleton_redis_url", "redis://:***@127.0.0.1:99999/0")
+
+
+# -- the checks behind it, without processes --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{PASSWORD}@127.0.0.1:notaport/0",
+        f"redis://:{PASSWORD}@127.0.0.1:99999/0",
+        f"rediss://user:{PASSWORD}@host/0?db=x",
+        f"redis://:{PASSWORD}@host/0?socket_timeout=soon",
+        f"redis://:{PASSWORD}@[::1/0",
+        f"http://user:{PASSWORD}@host:6379/0",
+        f"redis:/user:{PASSWORD}@host/0",
+        # a password with an unescaped "/": the URL parser sees a port ":s3cret-..." before it
+        f"redis://:ab/{PASSWORD}@host:6379/0",
+    ],
+)
+def test_bad_url_named_without_password(url: str) -> None:
+    """A URL redis-py would refuse is a SingletonConfigError naming the setting, password hidden."""
+    with pytest.raises(SingletonConfigError, match="singleton_redis_url") as info:
+        read_options({"singleton_redis_url": url})
+    assert PASSWORD not in str(info.value)
+    assert "ab/" not in str(info.value)
+    with pytest.raises(SingletonConfigError, match="singleton_redis_url"):
+        read_beat_options({"singleton_redis_url": url})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{PASSWORD}@127.0.0.1:notaport/0",
+        f"redis://:ab/{PASSWORD}@host:6379/0",
+        f"redis://u:{PASSWORD}@host:6379/0?x=a@b",
+    ],
+)
+def test_redact_url_never_fails_and_never_shows_the_password(url: str) -> None:
+    """redact_url copes with URLs urllib cannot fully parse, and hides what may be a password."""
+    shown = redact_url(url)
+    assert PASSWORD not in shown
+    assert "***" in shown
+
+
+def test_client_for_bad_url_hides_password() -> None:
+    """client_for's ValueError for a URL it cannot use shows the URL without its password."""
+    with pytest.raises(ValueError, match="bad Redis URL") as info:
+        client_for(f"redis://:{PASSWORD}@127.0.0.1:notaport/0")
+    assert PASSWORD not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        f"redis://:{PASSWORD}@localhost/3",
+        f"rediss://user:{PASSWORD}@host:6380/0?ssl_cert_reqs=none",
+        "unix:///tmp/redis.sock?db=2",
+        "redis://[::1]:6379/0",
+    ],
+)
+def test_good_urls_still_accepted(url: str) -> None:
+    """Valid redis://, rediss:// and unix:// URLs pass the check unchanged."""
+    assert read_options({"singleton_redis_url": url}).redis_url == url
