@@ -193,15 +193,13 @@ def _crontab_nominal(sched: Any, now_utc: datetime, lookback: timedelta) -> date
             # inside it with the offset from before the gap (fold=0), i.e. to one of the real
             # minutes [gap start, gap start + gap length), all later than `instant`.
             gap_start = instant + _MINUTE
-            first = max(gap_start, earliest)
             last = min(gap_start + (later_offset - offset) - _MINUTE, top)
-            hit = _gap_match(matches, first, last, offset)
-            if hit is not None:
-                return hit
-        if instant >= earliest:
-            if matches(local):
-                return instant
-        elif instant < detect_until:
+            hit = _gap_match(matches, gap_start, last, offset)
+            if hit is not None:  # the latest run; outside the window means no run in it
+                return hit if hit >= earliest else None
+        if matches(local):
+            return instant if instant >= earliest else None
+        if instant < detect_until:
             return None
         later_offset = offset
 

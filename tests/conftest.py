@@ -7,15 +7,22 @@ Anything destructive (kill, restart, pause) uses ``private_redis``.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings
 
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.workers import WorkerFactory
+
+# CI runs property tests with a fixed seed, so a run is repeatable; locally they explore.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # tests/support holds helpers, not tests (test_app.py only looks like a test module)
 collect_ignore_glob = ["support/*"]
