@@ -69,3 +69,115 @@ if os.environ.get("SINGLETON_TEST_ROLE") != "beat":
 # banner test gives one with a password, which the banner must hide).
 if os.environ.get("SINGLETON_TEST_LOCK_URL"):
     app.conf.singleton_redis_url = os.environ["SINGLETON_TEST_LOCK_URL"]
+
+
+# -- added for test_chaos and test_load: late acks, scheduled runs' task ids, a singleton load ---
+#
+# SINGLETON_TEST_VISIBILITY=<s>: every task is acked late and requeued if its pool child dies,
+#   and the broker restores a message left unacked for <s> seconds (a killed node's messages).
+# SINGLETON_TEST_LOAD_KEYS=<n>: registers ``b.load`` (a retry-policy SingletonTask, ttl 1 s,
+#   recorded in the history under ``load:<key>``) and ``b.fanout``, adds the entry
+#   ``load-fanout`` (every second: one b.load for key ``k<slot % n>``), and records the label
+#   and task id of every scheduled run that starts (history.record_beat_run).
+
+if os.environ.get("SINGLETON_TEST_VISIBILITY"):
+    from tests.support.chaos import configure_visibility
+
+    configure_visibility(app, float(os.environ["SINGLETON_TEST_VISIBILITY"]))
+    app.conf.task_acks_late = True
+    app.conf.task_reject_on_worker_lost = True
+
+if os.environ.get("SINGLETON_TEST_LOAD_KEYS"):
+    import time
+
+    from celery.signals import task_prerun
+
+    from celery_singleton_lock import SingletonTask
+    from tests.support.chaos import done_key, load_key, load_key_name, sent_key
+    from tests.support.history import beat_runs_key, record_beat_run
+
+    LOAD_KEYS = int(os.environ["SINGLETON_TEST_LOAD_KEYS"])
+    app.conf.beat_schedule["load-fanout"] = {
+        "task": "b.fanout",
+        "schedule": 1.0,
+        "args": ("load-fanout",),
+    }
+
+    @task_prerun.connect(weak=False)
+    def _record_scheduled_run(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+        label = task.request.get("singleton_beat_run") if task is not None else None
+        if label:
+            record_beat_run(
+                _client(app.conf.singleton_test_redis_url),
+                beat_runs_key(app.conf.singleton_test_prefix),
+                str(label),
+                str(task_id),
+                str(task.request.hostname),
+                os.getpid(),
+            )
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="b.load",
+        singleton_key_args=("key",),
+        singleton_on_duplicate="retry",
+        singleton_retry_countdown=0.5,
+        singleton_ttl=1,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def load(self: Any, key: str, seconds: float) -> int:
+        """Hold the lock of ``key`` for ``seconds``; recorded as ``load:<key>``."""
+        client = _client(app.conf.singleton_test_redis_url)
+        prefix = app.conf.singleton_test_prefix
+        token = self.singleton.fencing_token
+        exec_id = record_start(
+            client,
+            history_key(prefix),
+            load_key(key),
+            token,
+            str(self.request.hostname),
+            os.getpid(),
+        )
+        time.sleep(seconds)
+        record_end(client, history_key(prefix), exec_id)
+        client.sadd(done_key(prefix), str(self.request.id))
+        return int(token)
+
+    @app.task(bind=True, name="b.fanout")
+    def fanout(self: Any, entry: str) -> str:
+        """A scheduled run (recorded like b.record) that sends one b.load for its slot's key."""
+        run = _record(self, entry)
+        slot = run.rsplit("@", 1)[1]
+        index = int(slot) // 1000 % LOAD_KEYS if slot.isdigit() else 0
+        # one task id per scheduled run, counted as sent before it is: a redelivered fan-out
+        # (its node was killed) sends the same id again, so no send is lost or counted twice
+        load_id = f"fanout-{self.request.id}"
+        _client(app.conf.singleton_test_redis_url).sadd(
+            sent_key(app.conf.singleton_test_prefix), load_id
+        )
+        load.apply_async(kwargs={"key": load_key_name(index), "seconds": 1.5}, task_id=load_id)
+        return run
+
+
+# SINGLETON_TEST_DIE_ON_PUBLISH=<before|after>:<entry>: this beat notes the label of the first
+# run of <entry> it publishes in the list "<prefix>died-on", then SIGKILLs itself right before
+# (claimed, not published) or right after (published, claim not confirmed) the publish.
+if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
+    import signal as _signal
+
+    from celery.signals import after_task_publish, before_task_publish
+
+    _when, _die_entry = os.environ["SINGLETON_TEST_DIE_ON_PUBLISH"].split(":", 1)
+
+    def _die_on_publish(headers: Any = None, **_: Any) -> None:
+        label = str((headers or {}).get("singleton_beat_run") or "")
+        if label.rsplit("@", 1)[0] == _die_entry:
+            client = _client(app.conf.singleton_test_redis_url)
+            client.rpush(f"{app.conf.singleton_test_prefix}died-on", label)
+            os.kill(os.getpid(), _signal.SIGKILL)
+
+    (before_task_publish if _when == "before" else after_task_publish).connect(
+        _die_on_publish, weak=False
+    )

@@ -215,3 +215,191 @@ def assert_no_overlap(
         failed = True
     if failed:
         raise AssertionError("mutual exclusion violated:\n" + report.summary())
+
+
+# -- scheduled runs: fired twice, or not at all while a beat lived (test_chaos, test_load) ------
+
+BEAT_RUNS_SUFFIX = "beat-runs"
+#: a beat killed between claiming a run and publishing it leaves a pending claim that the other
+#: beats retry when it expires: the 10 s publish lease (celery_singleton_lock.beat), plus slack
+CLAIM_GRACE_S = 12.0
+
+
+def beat_runs_key(prefix: str) -> str:
+    """The list :func:`record_beat_run` appends to, for a given prefix."""
+    return f"{prefix}{BEAT_RUNS_SUFFIX}"
+
+
+def record_beat_run(  # noqa: PLR0917 - mirrors record_start
+    client: redis.Redis,
+    runs_key: str,
+    label: str,
+    task_id: str,
+    worker: str,
+    pid: int,
+) -> None:
+    """Append that the message of scheduled run ``label`` (``<entry>@<run id>``) started."""
+    event = {
+        "label": label,
+        "task_id": task_id,
+        "worker": worker,
+        "pid": pid,
+        "ts": server_time_us(client),
+    }
+    client.rpush(runs_key, json.dumps(event))
+
+
+@dataclass(frozen=True)
+class BeatRun:
+    """One execution (or publication) of a scheduled run; ``task_id`` None when unknown."""
+
+    label: str
+    task_id: str | None = None
+
+    @property
+    def entry(self) -> str:
+        """The schedule entry's name."""
+        return self.label.rsplit("@", 1)[0]
+
+    @property
+    def run_ms(self) -> int | None:
+        """The nominal run id (epoch ms), None for an unlabelled run."""
+        run = self.label.rsplit("@", 1)[-1]
+        return int(run) if run.isdigit() else None
+
+
+def load_beat_runs(client: redis.Redis, runs_key: str) -> list[BeatRun]:
+    """Every run :func:`record_beat_run` recorded under ``runs_key``."""
+    runs = []
+    for raw in client.lrange(runs_key, 0, -1):
+        event = json.loads(raw)
+        runs.append(BeatRun(str(event["label"]), str(event["task_id"])))
+    return runs
+
+
+def beat_runs_from_history(executions: Iterable[Execution]) -> list[BeatRun]:
+    """The scheduled runs among recorded executions (keys ``<entry>@<run id>``), ids unknown."""
+    return [BeatRun(e.key) for e in executions if "@" in e.key]
+
+
+@dataclass(frozen=True)
+class BeatWindow:
+    """When a beat instance could publish: from its first tick to its kill or stop (epoch s)."""
+
+    name: str
+    ready: float
+    end: float
+
+
+@dataclass
+class BeatRunReport:
+    """What :func:`check_beat_runs` found."""
+
+    #: label -> how many distinct messages carried it (executed or published)
+    fired: dict[str, int]
+    #: labels fired more than once, with their count
+    fired_twice: dict[str, int] = field(default_factory=dict)
+    #: entry -> nominal run ids (epoch ms) that were due while a beat lived but never ran
+    lost: dict[str, list[int]] = field(default_factory=dict)
+    #: entry -> how many runs were due while a beat lived
+    required: dict[str, int] = field(default_factory=dict)
+    #: labels without a run id (published without the run header)
+    unlabelled: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no run fired twice, none was lost and every run carried its label."""
+        return not self.fired_twice and not self.lost_count and not self.unlabelled
+
+    @property
+    def lost_count(self) -> int:
+        """How many required runs never ran."""
+        return sum(len(ids) for ids in self.lost.values())
+
+    def summary(self) -> str:
+        """A readable multi-line account."""
+        lines = [
+            f"{len(self.fired)} scheduled runs, {len(self.fired_twice)} fired twice, "
+            f"{self.lost_count} lost of {sum(self.required.values())} due while a beat lived, "
+            f"{len(self.unlabelled)} unlabelled"
+        ]
+        for label, count in sorted(self.fired_twice.items()):
+            lines.append(f"FIRED TWICE: {label} x{count}")
+        for entry, ids in sorted(self.lost.items()):
+            lines.append(f"LOST: {entry} {ids}")
+        lines.extend(f"UNLABELLED: {label}" for label in self.unlabelled)
+        return "\n".join(lines)
+
+
+def required_runs(
+    period_s: float,
+    windows: Iterable[BeatWindow],
+    beat_kills: Iterable[float] = (),
+    margin_s: float = 1.0,
+    claim_grace_s: float = CLAIM_GRACE_S,
+) -> list[int]:
+    """Nominal runs (epoch ms) of an epoch-aligned ``period_s`` entry that some beat had to fire.
+
+    A run at ``s`` is required when one beat was ready before ``s`` and lived until
+    ``s + margin_s``; if a beat was killed around ``s`` (it may have claimed the run and died
+    before publishing it), a survivor publishes it when the claim's lease ran out, so it must
+    have lived until ``s + claim_grace_s``.
+    """
+    windows = list(windows)
+    kills = list(beat_kills)
+    if not windows:
+        return []
+    step_ms = round(period_s * 1000)
+    first = math.ceil(min(w.ready for w in windows) * 1000 / step_ms) * step_ms
+    last = math.floor(max(w.end for w in windows) * 1000 / step_ms) * step_ms
+    required = []
+    for run_ms in range(first, last + 1, step_ms):
+        s = run_ms / 1000
+        near_kill = any(s - 0.5 <= k <= s + margin_s + 1.0 for k in kills)
+        grace = claim_grace_s if near_kill else margin_s
+        if any(w.ready < s and s + grace <= w.end for w in windows):
+            required.append(run_ms)
+    return required
+
+
+def check_beat_runs(  # noqa: PLR0917
+    executed: Iterable[BeatRun],
+    periods: dict[str, float],
+    windows: Iterable[BeatWindow],
+    published: Iterable[BeatRun] = (),
+    beat_kills: Iterable[float] = (),
+    margin_s: float = 1.0,
+) -> BeatRunReport:
+    """Find scheduled runs fired twice, or never run although a beat lived to fire them.
+
+    ``executed`` are the runs that started on a worker, ``published`` the runs the beats logged
+    as published (``beat: published run``). A run fired once per distinct task id; runs
+    executed without a known task id count once per execution. ``periods`` maps each
+    epoch-aligned entry to check to its period (60 for a crontab firing every minute).
+    """
+    windows = list(windows)
+    kills = list(beat_kills)
+    ids: dict[str, set[str]] = defaultdict(set)
+    anonymous: dict[str, int] = defaultdict(int)
+    for run in [*executed, *published]:
+        if run.task_id is None:
+            anonymous[run.label] += 1
+        else:
+            ids[run.label].add(run.task_id)
+    labels = set(ids) | set(anonymous)
+    fired = {label: max(len(ids[label]), anonymous[label]) for label in labels}
+    report = BeatRunReport(fired=fired)
+    report.fired_twice = {label: n for label, n in fired.items() if n > 1}
+    report.unlabelled = sorted(label for label in labels if BeatRun(label).run_ms is None)
+    ran: dict[str, set[int]] = defaultdict(set)
+    for label in labels:
+        run = BeatRun(label)
+        if run.run_ms is not None:
+            ran[run.entry].add(run.run_ms)
+    for entry, period in periods.items():
+        due = required_runs(period, windows, kills, margin_s)
+        report.required[entry] = len(due)
+        missing = [run_ms for run_ms in due if run_ms not in ran[entry]]
+        if missing:
+            report.lost[entry] = missing
+    return report
