@@ -34,7 +34,7 @@ from .config import BeatOptions, read_beat_options, redact_url
 from .connection import client_for
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import leader_keys, run_claim_key
-from .lock import Acquired, LockStore, RenewItem, RenewStatus
+from .lock import REDIS_ERRORS, Acquired, LockStore, RenewItem, RenewStatus
 from .schedules import interval_slot, nominal_run, run_id, slot_start
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
@@ -156,7 +156,11 @@ class SingletonSchedulerMixin:
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Stand by unless leading (leader mode); retry pending claims; then Celery's tick."""
-        state = self._singleton_state()
+        try:
+            state = self._singleton_state()
+        except REDIS_ERRORS as exc:  # a cluster client reads the slot map when it is built
+            logger.error("beat: redis error, standing by: %s", exc)
+            return ERROR_RETRY_S
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             return min(self.max_interval, state.opts.lease / 10)
         self._run_rechecks(state)

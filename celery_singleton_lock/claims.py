@@ -6,7 +6,9 @@ for a while so no other instance publishes the same run. An instance that dies b
 claim and confirm leaves a pending claim that expires after the publish lease; any
 instance that saw it pending claims it again then, so the run is late but not lost.
 
-Knows nothing of Celery. Each method is one round trip running a script from ``lua/``.
+Knows nothing of Celery. Each method is one round trip running a script from ``lua/``; each
+script touches one key, so it runs unchanged on a Redis Cluster (the claims of one entry even
+share a slot).
 """
 
 from __future__ import annotations
@@ -14,10 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from .errors import LockUnavailableError
-from .lock import as_text, load_script
+from .lock import REDIS_ERRORS, Client, as_text, load_script
 
 __all__ = ["Claim", "RunClaims"]
 
@@ -35,7 +35,7 @@ class Claim:
 class RunClaims:
     """Claim, confirm and give up scheduled runs on one Redis client."""
 
-    def __init__(self, client: redis.Redis, claimer: str) -> None:
+    def __init__(self, client: Client, claimer: str) -> None:
         if not claimer or " " in claimer:
             raise ValueError(f"claimer must be a non-empty id without spaces, got {claimer!r}")
         self.client = client
@@ -50,7 +50,7 @@ class RunClaims:
             raise ValueError(f"lease_ms must be positive, got {lease_ms!r}")
         try:
             reply: list[Any] = self._claim(keys=[key], args=[self.claimer, lease_ms])
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not claim {key}: {exc}", key=key) from exc
         if reply[0] == 1:
             return Claim(won=True, holder=self.claimer)
@@ -63,12 +63,12 @@ class RunClaims:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
             return bool(self._confirm(keys=[key], args=[self.claimer, task_id or "-", keep_ms]))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
 
     def unclaim(self, key: str) -> bool:
         """Give up our pending claim at ``key`` (publishing failed)."""
         try:
             return bool(self._unclaim(keys=[key], args=[self.claimer]))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not unclaim {key}: {exc}", key=key) from exc

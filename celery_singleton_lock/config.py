@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
-from redis.connection import parse_url
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
 from .errors import SingletonConfigError
 from .keys import check_prefix
@@ -25,8 +25,10 @@ __all__ = [
     "POLICIES",
     "SETTINGS",
     "BeatOptions",
+    "LockUrl",
     "Options",
     "Setting",
+    "parse_lock_url",
     "read_beat_options",
     "read_options",
     "redact_url",
@@ -37,6 +39,19 @@ POLICIES = ("skip", "retry", "raise")
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: Schemes of singleton_redis_url, by the kind of deployment they reach.
+URL_KINDS = {
+    "redis": "single",
+    "rediss": "single",
+    "unix": "single",
+    "redis+sentinel": "sentinel",
+    "rediss+sentinel": "sentinel",
+    "redis+cluster": "cluster",
+    "rediss+cluster": "cluster",
+}
+DEFAULT_SENTINEL_PORT = 26379
+DEFAULT_CLUSTER_PORT = 6379
+DEFAULT_WAIT_TIMEOUT_S = 1.0
 
 
 class ConfLike(Protocol):
@@ -97,23 +112,26 @@ def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
     return value  # type: ignore[no-any-return]
 
 
+def _non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SingletonConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or _scheme(value) not in ("redis", "rediss", "unix"):
+    if not isinstance(value, str) or _scheme(value) not in URL_KINDS:
         shown = redact_url(value) if isinstance(value, str) else repr(value)
         raise SingletonConfigError(
-            f"{name} must be a redis://, rediss:// or unix:// URL, got {shown}"
+            f"{name} must be a redis://, rediss:// or unix:// URL, or a "
+            f"redis+sentinel:// or redis+cluster:// one (rediss+... for TLS), got {shown}"
         )
     try:  # what redis-py would refuse at the first task: the port, the db, query options
-        parse_url(value)  # type: ignore[no-untyped-call]
+        parse_lock_url(value)
     except ValueError as exc:
-        reason = str(exc)
-        password = _split_password(value)[1] or ""
-        if any(part and part in reason for part in re.split(r"[/?#@:\[\]]", password)):
-            reason = "malformed"  # the parser split the password: its reason would show part
         raise SingletonConfigError(
-            f"{name} is not a usable Redis URL ({reason}), got {redact_url(value)}"
+            f"{name} is not a usable Redis URL ({exc}), got {redact_url(value)}"
         ) from None
     return value
 
@@ -147,8 +165,25 @@ SETTINGS: dict[str, Setting] = {
             "redis_url",
             None,
             _url,
-            "Redis holding the locks. Default: `broker_url` when it is redis:// or "
-            "rediss://, else redis://localhost:6379/0.",
+            "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel:// or "
+            "redis+cluster://. Default: `broker_url` when it is redis:// or rediss://, else "
+            "redis://localhost:6379/0.",
+            task_option=False,
+        ),
+        Setting(
+            "wait_replicas",
+            0,
+            _non_negative_int,
+            "After each acquire, wait (WAIT) until this many replicas have the lock, at most "
+            "`wait_timeout` seconds. 0: do not wait. Narrows the window in which a failover "
+            "loses a lock just taken; does not close it.",
+            task_option=False,
+        ),
+        Setting(
+            "wait_timeout",
+            DEFAULT_WAIT_TIMEOUT_S,
+            _positive,
+            "The longest an acquire waits for `wait_replicas` replicas, in seconds.",
             task_option=False,
         ),
         Setting(
@@ -295,14 +330,34 @@ _TASK_SETTINGS = frozenset(Options.__dataclass_fields__)
 
 
 def resolve_redis_url(conf: ConfLike) -> str:
-    """``singleton_redis_url``, else a Redis broker URL, else the local default."""
+    """``singleton_redis_url``, else a Redis broker URL, else the local default.
+
+    ``singleton_wait_replicas`` and ``singleton_wait_timeout`` are folded into the URL's query
+    (``wait_replicas=``, ``wait_timeout=``) unless it names them already, so the URL alone
+    describes the lock store of a process.
+    """
     url = _url("singleton_redis_url", conf.get("singleton_redis_url"))
-    if url:
-        return url
-    broker = conf.get("broker_url")
-    if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss"):
-        return broker.split(";", 1)[0]
-    return DEFAULT_REDIS_URL
+    if not url:
+        broker = conf.get("broker_url")
+        if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss"):
+            url = broker.split(";", 1)[0]
+        else:
+            url = DEFAULT_REDIS_URL
+    present = _query_names(url)
+    extra: list[str] = []
+    replicas = _conf_checked(conf, "wait_replicas")
+    if replicas and "wait_replicas" not in present:
+        extra.append(f"wait_replicas={replicas}")
+    timeout = _conf_checked(conf, "wait_timeout")
+    if timeout != DEFAULT_WAIT_TIMEOUT_S and "wait_timeout" not in present:
+        extra.append(f"wait_timeout={timeout:g}")
+    if extra:
+        url = f"{url}{'&' if '?' in url else '?'}{'&'.join(extra)}"
+    return url
+
+
+def _conf_checked(conf: ConfLike, name: str) -> Any:
+    return SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
 
 
 def read_options(conf: ConfLike, task: object | None = None) -> Options:
@@ -351,12 +406,25 @@ def _split_password(url: str) -> tuple[str, str | None]:
     return f"{prefix}{user}:", password
 
 
+#: A password in a URL's query (``password=``, ``sentinel_password=``, ``ssl_password=``, the
+#: key file's): the value is group 2.
+_QUERY_SECRET = re.compile(r"([?&;](?:sentinel_|ssl_)?password=)([^&;#]*)", re.IGNORECASE)
+
+
+def _query_secrets(url: str) -> list[str]:
+    return [m.group(2) for m in _QUERY_SECRET.finditer(url)]
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``; never raises."""
+    """The URL with any password replaced by ``***``; never raises.
+
+    Hides the password of the user info (also before a comma-separated host list) and the
+    values of the ``password``, ``sentinel_password`` and ``ssl_password`` query options.
+    """
     start, password = _split_password(url)
-    if password is None:
-        return url
-    return f"{start}***{url[len(start) + len(password) :]}"
+    if password is not None:
+        url = f"{start}***{url[len(start) + len(password) :]}"
+    return _QUERY_SECRET.sub(lambda m: f"{m.group(1)}***", url)
 
 
 def describe(options: Options) -> Mapping[str, str]:
@@ -370,3 +438,231 @@ def describe(options: Options) -> Mapping[str, str]:
         "retry_countdown": f"{options.retry_countdown:g}s",
         "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
     }
+
+
+# -- lock store URLs ------------------------------------------------------------------------------
+
+#: Query options of this library, removed before redis-py sees the URL.
+_WAIT_OPTIONS = ("wait_replicas", "wait_timeout")
+_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+#: Query options redis-py takes as strings (the typed ones are in URL_QUERY_ARGUMENT_PARSERS).
+_STRING_OPTIONS = (
+    "username",
+    "password",
+    "client_name",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+)
+_OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class LockUrl:
+    """A parsed ``singleton_redis_url``: which deployment, and how to connect to it.
+
+    ``kind`` is ``"single"`` (``redis://``, ``rediss://``, ``unix://``: one server, reached
+    by redis-py's own URL parser with ``redis_url``), ``"sentinel"`` or ``"cluster"`` (``nodes``
+    are the sentinels or the cluster's seed nodes, ``options`` the connection keywords of
+    the data nodes, ``sentinel_options`` those of the sentinels). Passwords are kept out of
+    ``repr``.
+    """
+
+    kind: str
+    redis_url: str = field(default="", repr=False)
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    tls: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    sentinel_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    wait_replicas: int = 0
+    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+
+
+def parse_lock_url(url: str) -> LockUrl:
+    """Parse a lock store URL; ``ValueError`` with a reason that never shows the password.
+
+    - ``redis://``, ``rediss://``, ``unix://``: as redis-py parses them;
+    - ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?opts]``
+      (default port 26379; ``sentinel_username``/``sentinel_password`` authenticate to the
+      sentinels themselves);
+    - ``redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0][?opts]``
+      (default port 6379; any listed node serves to discover the cluster);
+    - ``rediss+sentinel://`` and ``rediss+cluster://``: the same over TLS.
+
+    Every kind takes ``wait_replicas=<n>`` and ``wait_timeout=<seconds>`` in its query, and
+    redis-py's connection options (``socket_timeout``, ``ssl_ca_certs``, ...).
+    """
+    try:
+        return _parse_lock_url(url)
+    except ValueError as exc:
+        raise ValueError(_safe_reason(url, str(exc))) from None
+
+
+def _safe_reason(url: str, reason: str) -> str:
+    """``reason``, or "malformed" when it shows a piece of a password in ``url``."""
+    secrets = [s for s in (_split_password(url)[1], *_query_secrets(url)) if s]
+    pieces = [p for s in secrets for p in re.split(r"[/?#@:\[\],&=]", s) if p]
+    if any(piece in reason for piece in pieces):
+        return "malformed"  # a parser split the password: its reason would show part
+    return reason
+
+
+def _parse_lock_url(url: str) -> LockUrl:
+    scheme = _scheme(url)
+    kind = URL_KINDS.get(scheme)
+    if kind is None:
+        raise ValueError("unknown scheme")
+    rest, own = _take_options(url, _WAIT_OPTIONS + _SENTINEL_OPTIONS)
+    wait_replicas, wait_timeout = _wait_options(own)
+    if kind == "single":
+        if any(name in own for name in _SENTINEL_OPTIONS):
+            raise ValueError("sentinel_username/sentinel_password need a redis+sentinel:// URL")
+        parse_url(rest)  # type: ignore[no-untyped-call]
+        return LockUrl(
+            kind, redis_url=rest, wait_replicas=wait_replicas, wait_timeout_s=wait_timeout
+        )
+    tls = scheme.startswith("rediss")
+    body = rest.split("://", 1)[1]
+    body, _, query = body.partition("?")
+    userinfo, _, hostpart = body.rpartition("@")
+    hosts, _, path = hostpart.partition("/")
+    default_port = DEFAULT_SENTINEL_PORT if kind == "sentinel" else DEFAULT_CLUSTER_PORT
+    nodes = _nodes(hosts, default_port)
+    options: dict[str, Any] = _userinfo(userinfo)
+    options.update(_query_options(query, tls))
+    if tls:
+        options["ssl"] = True
+    service = ""
+    if kind == "sentinel":
+        service, db = _sentinel_path(path)
+        options.setdefault("db", db)
+        if any(name in own and not own[name] for name in _SENTINEL_OPTIONS):
+            raise ValueError("sentinel_username/sentinel_password must not be empty")
+    else:
+        if path.strip("/") not in ("", "0") or options.pop("db", 0) != 0:
+            raise ValueError("a cluster has only database 0")
+        if any(name in own for name in _SENTINEL_OPTIONS):
+            raise ValueError("sentinel_username/sentinel_password need a redis+sentinel:// URL")
+    sentinel_options: dict[str, Any] = {}
+    if kind == "sentinel":
+        sentinel_options = {k: v for k, v in options.items() if k.startswith(("socket_", "ssl"))}
+        if "sentinel_username" in own:
+            sentinel_options["username"] = own["sentinel_username"]
+        if "sentinel_password" in own:
+            sentinel_options["password"] = own["sentinel_password"]
+    return LockUrl(
+        kind,
+        nodes=nodes,
+        service=service,
+        tls=tls,
+        options=options,
+        sentinel_options=sentinel_options,
+        wait_replicas=wait_replicas,
+        wait_timeout_s=wait_timeout,
+    )
+
+
+def _query_names(url: str) -> set[str]:
+    query = url.partition("?")[2].partition("#")[0]
+    return {unquote_plus(part.partition("=")[0]) for part in query.split("&") if part}
+
+
+def _take_options(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """The URL without the query options ``names``, and their (decoded) values."""
+    base, question, query = url.partition("?")
+    if not question:
+        return url, {}
+    kept: list[str] = []
+    taken: dict[str, str] = {}
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if unquote_plus(name) in names:
+            taken[unquote_plus(name)] = unquote_plus(value)
+        elif part:
+            kept.append(part)
+    return (f"{base}?{'&'.join(kept)}" if kept else base), taken
+
+
+def _wait_options(own: Mapping[str, str]) -> tuple[int, float]:
+    replicas, timeout = 0, DEFAULT_WAIT_TIMEOUT_S
+    if "wait_replicas" in own:
+        text = own["wait_replicas"]
+        if not text.isdigit():
+            raise ValueError("wait_replicas must be an integer >= 0")
+        replicas = int(text)
+    if "wait_timeout" in own:
+        try:
+            timeout = float(own["wait_timeout"])
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout < float("inf"):
+            raise ValueError("wait_timeout must be a number of seconds > 0")
+    return replicas, timeout
+
+
+def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    nodes: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        item = entry.strip()
+        if item.startswith("["):
+            host, bracket, port = item[1:].partition("]")
+            if not bracket or (port and not port.startswith(":")):
+                raise ValueError("malformed IPv6 address in the host list")
+            port = port[1:]
+        else:
+            host, _, port = item.partition(":")
+        if not host:
+            raise ValueError("empty host in the host list")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError("invalid port in the host list")
+        nodes.append((unquote(host), int(port) if port else default_port))
+    return tuple(nodes)
+
+
+def _userinfo(userinfo: str) -> dict[str, Any]:
+    user, colon, password = userinfo.partition(":")
+    options: dict[str, Any] = {}
+    if user:
+        options["username"] = unquote(user)
+    if colon and password:
+        options["password"] = unquote(password)
+    return options
+
+
+def _query_options(query: str, tls: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name, values in parse_qs(query).items():
+        value = values[0]
+        parser = cast("Callable[[str], Any] | None", URL_QUERY_ARGUMENT_PARSERS.get(name))
+        if parser is not None:
+            try:
+                options[name] = parser(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"invalid value for {name!r}") from None
+        elif name in _STRING_OPTIONS:
+            options[name] = value
+        else:
+            shown = repr(name) if _OPTION_NAME.fullmatch(name) else "in the query"
+            raise ValueError(f"unknown option {shown}")
+        if name.startswith("ssl") and not tls:
+            raise ValueError(f"{name} needs TLS: use rediss+sentinel:// or rediss+cluster://")
+    return options
+
+
+def _sentinel_path(path: str) -> tuple[str, int]:
+    parts = path.strip("/").split("/") if path.strip("/") else []
+    if not parts or not parts[0]:
+        raise ValueError("no service name: redis+sentinel://host:port/<service name>[/db]")
+    if len(parts) > 2:
+        raise ValueError("the path is /<service name>[/<db>]")
+    db = 0
+    if len(parts) == 2:
+        if not parts[1].isdigit():
+            raise ValueError("the database must be a number")
+        db = int(parts[1])
+    return unquote(parts[0]), db

@@ -1,5 +1,15 @@
 """Redis clients, lock stores and renewers, one of each per URL and process.
 
+:func:`client_for` is the one place a client is built from a lock store URL (see
+:func:`celery_singleton_lock.config.parse_lock_url` for the syntax):
+
+- ``redis://``, ``rediss://``, ``unix://``: ``redis.Redis.from_url``, so every redis-py URL
+  option (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ...) works;
+- ``redis+sentinel://`` and ``rediss+sentinel://``: a ``redis.Redis`` for the current master of
+  a service, from ``redis.sentinel.Sentinel(...).master_for(...)``; it asks the sentinels again
+  whenever it reconnects, so it follows a failover;
+- ``redis+cluster://`` and ``rediss+cluster://``: a ``redis.cluster.RedisCluster``.
+
 redis-py's connection pools reset themselves after a fork; the renewer's thread does not
 survive one, so :func:`renewer_for` hands out a renewer whose thread is (re)started in
 the calling process. Knows nothing of Celery.
@@ -11,37 +21,113 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
+from redis.sentinel import Sentinel
 
-from .config import redact_url
-from .lock import LockStore
+from .config import LockUrl, parse_lock_url, redact_url
+from .lock import Client, LockStore
 from .renewer import Renewer
 
-__all__ = ["client_for", "renewer_for", "reset", "store_for"]
+__all__ = ["client_for", "lock_url", "renewer_for", "reset", "store_for"]
 
 logger = logging.getLogger("celery_singleton_lock.connection")
 
 #: Seconds a Redis call may take before it counts as an error. Small enough that a
 #: renewal stalled on a dead server is retried well inside a ttl.
 SOCKET_TIMEOUT_S = 5.0
+#: Connection keywords every client gets unless its URL sets them.
+DEFAULTS: dict[str, Any] = {
+    "socket_timeout": SOCKET_TIMEOUT_S,
+    "socket_connect_timeout": SOCKET_TIMEOUT_S,
+    "health_check_interval": 30,
+}
 
 _mutex = threading.Lock()
 _stores: dict[tuple[int, str], LockStore] = {}
 _renewers: dict[tuple[int, str], Renewer] = {}
 
 
-def client_for(url: str) -> redis.Redis:
-    """A new client for ``url`` with bounded timeouts."""
+def lock_url(url: str) -> LockUrl:
+    """``url`` parsed; ``ValueError`` naming the URL without its password."""
     try:
-        return redis.Redis.from_url(
-            url,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=SOCKET_TIMEOUT_S,
-            health_check_interval=30,
-        )
+        return parse_lock_url(url)
     except ValueError as exc:  # never echo the URL: it may carry a password
         raise ValueError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+
+
+def client_for(url: str) -> Client:
+    """A new client for ``url`` with bounded timeouts.
+
+    A ``redis.Redis`` for single servers and Sentinel, a ``RedisCluster`` for a cluster. A
+    cluster client reads the slot map when it is built: if no listed node answers, this raises
+    ``redis.ConnectionError`` (its message without the password).
+    """
+    parsed = lock_url(url)
+    if parsed.kind == "sentinel":
+        return _sentinel_client(parsed)
+    if parsed.kind == "cluster":
+        return _cluster_client(parsed, url)
+    try:
+        return redis.Redis.from_url(parsed.redis_url, **DEFAULTS)
+    except ValueError as exc:  # never echo the URL: it may carry a password
+        raise ValueError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+
+
+def _sentinel_client(parsed: LockUrl) -> redis.Redis:
+    sentinel_kwargs = {
+        **{k: v for k, v in DEFAULTS.items() if k.startswith("socket_")},
+        **parsed.sentinel_options,
+    }
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.nodes), sentinel_kwargs=sentinel_kwargs, **{**DEFAULTS, **parsed.options}
+    )
+    master: redis.Redis = sentinel.master_for(parsed.service)  # type: ignore[no-untyped-call]
+    return master
+
+
+class _ClusterClient(RedisCluster):
+    """A RedisCluster whose cluster-level failures are ``redis.ConnectionError``s.
+
+    redis-py raises ``RedisClusterException`` (not a ``RedisError``) when, for example, no node
+    answers while it rebuilds its slot map; the lock store, the run claims and fenced writes
+    all treat a ``RedisError`` as "Redis could not be asked", so it is translated here once.
+    """
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+
+def _cluster_client(parsed: LockUrl, url: str) -> RedisCluster:
+    options = {k: v for k, v in {**DEFAULTS, **parsed.options}.items() if k != "db"}
+    options.pop("health_check_interval", None)  # not a cluster connection option
+    nodes = [ClusterNode(host, port) for host, port in parsed.nodes]  # type: ignore[no-untyped-call]
+    try:
+        return _ClusterClient(startup_nodes=nodes, **options)
+    except RedisClusterException as exc:
+        raise redis.ConnectionError(
+            f"no node of the cluster {redact_url(url)} answered: {exc}"
+        ) from None
+
+
+def _new_store(url: str) -> LockStore:
+    parsed = lock_url(url)
+    replicas, timeout_ms = parsed.wait_replicas, _ms(parsed.wait_timeout_s)
+    if parsed.kind == "cluster":  # it connects when built: an unreachable cluster must be an
+        return LockStore.connect_later(  # error of the call, not of building the store
+            lambda: client_for(url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
+        )
+    return LockStore(client_for(url), wait_replicas=replicas, wait_timeout_ms=timeout_ms)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 def store_for(url: str) -> LockStore:
@@ -52,7 +138,7 @@ def store_for(url: str) -> LockStore:
         with _mutex:
             store = _stores.get(key)
             if store is None:
-                store = _stores[key] = LockStore(client_for(url))
+                store = _stores[key] = _new_store(url)
     return store
 
 

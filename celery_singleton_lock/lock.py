@@ -7,30 +7,49 @@ lock its previous run still holds.
 
 Public methods validate their input; the ``_do_*`` methods talk to Redis. Every Redis
 call runs a Lua script from ``lua/`` that checks the owner before it writes.
+
+The client is a ``redis.Redis`` (one server, or the master a Sentinel names) or a
+``redis.cluster.RedisCluster``. On a cluster every script call touches keys of one slot
+only: a lock and its fencing counter share a hash tag, and :meth:`LockStore.renew` splits a
+batch into one script call per slot, sent as one pipeline per node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Mapping, Sequence
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeAlias
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisClusterException
 
 from .errors import LockUnavailableError
 from .keys import LockKeys
 
 __all__ = [
     "FENCE_TTL_MS",
+    "REDIS_ERRORS",
     "Acquired",
+    "Client",
     "Contended",
     "LockStore",
     "ReleaseStatus",
     "RenewItem",
     "RenewStatus",
 ]
+
+logger = logging.getLogger("celery_singleton_lock.lock")
+
+#: What the lock store accepts as a client: one server (or a Sentinel's master) or a cluster.
+Client: TypeAlias = "redis.Redis | RedisCluster"
+#: Errors that mean "Redis could not be asked" (redis-py's cluster errors are not RedisErrors).
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
 #: How long a fencing counter outlives the last acquire of its lock. Tokens stay
 #: increasing after it expires because they never fall below the server's clock.
@@ -39,10 +58,15 @@ FENCE_TTL_MS = 7 * 24 * 3600 * 1000
 
 @dataclass(frozen=True)
 class Acquired:
-    """The lock is ours; ``token`` is its fencing token for this run."""
+    """The lock is ours; ``token`` is its fencing token for this run.
+
+    ``replicas`` is how many replicas acknowledged the lock (the reply of ``WAIT``) when the
+    store waits for replicas, else None.
+    """
 
     token: int
     reentered: bool
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,16 +110,85 @@ def load_script(name: str) -> str:
 
 
 class LockStore:
-    """Acquire, renew and release locks on one Redis client, one round trip each."""
+    """Acquire, renew and release locks on one Redis client, one round trip each.
 
-    def __init__(self, client: redis.Redis, fence_ttl_ms: int = FENCE_TTL_MS) -> None:
+    ``wait_replicas`` > 0 makes every acquire wait (``WAIT``, in the same round trip) until
+    that many replicas have the lock, at most ``wait_timeout_ms``; fewer acknowledgements are
+    logged and reported in :attr:`Acquired.replicas`, the lock is kept either way.
+    """
+
+    def __init__(
+        self,
+        client: Client | None,
+        fence_ttl_ms: int = FENCE_TTL_MS,
+        *,
+        connect: Callable[[], Client] | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
         if fence_ttl_ms <= 0:
             raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
-        self.client = client
+        if wait_replicas < 0:
+            raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas!r}")
+        if wait_timeout_ms <= 0:
+            raise ValueError(f"wait_timeout_ms must be positive, got {wait_timeout_ms!r}")
+        if client is None and connect is None:
+            raise ValueError("give a client, or a connect() that makes one")
         self.fence_ttl_ms = fence_ttl_ms
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._connect = connect
+        self._client: Client | None = None
+        self._client_mutex = threading.Lock()
+        if client is not None:
+            self._bind(client)
+
+    @classmethod
+    def connect_later(
+        cls,
+        connect: Callable[[], Client],
+        fence_ttl_ms: int = FENCE_TTL_MS,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> LockStore:
+        """A store whose client ``connect()`` builds at the first call that needs it.
+
+        For clients that connect when built (``RedisCluster`` reads the slot map): a server
+        that cannot be reached then fails that call with :class:`LockUnavailableError`, and
+        the next call tries again.
+        """
+        return cls(
+            None,
+            fence_ttl_ms,
+            connect=connect,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )
+
+    @property
+    def client(self) -> Client:
+        """The Redis client (built now if the store was made with :meth:`connect_later`)."""
+        client = self._client
+        if client is None:
+            with self._client_mutex:
+                if self._client is None:
+                    assert self._connect is not None
+                    self._bind(self._connect())
+                client = self._client
+                assert client is not None
+        return client
+
+    def _connected(self) -> None:
+        """Build the client now if it is still to be built (the scripts come with it)."""
+        if self._client is None:
+            self.client  # noqa: B018 - the property connects
+
+    def _bind(self, client: Client) -> None:
         self._acquire = client.register_script(load_script("acquire.lua"))
         self._renew = client.register_script(load_script("renew.lua"))
         self._release = client.register_script(load_script("release.lua"))
+        self._client = client
 
     # -- public API: validate, then delegate -------------------------------------------
 
@@ -116,13 +209,18 @@ class LockStore:
             fields += [field, value]
         try:
             return self._do_acquire(keys, owner, generation, ttl_ms, fields)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not acquire {keys.lock}: {exc}", key=keys.lock, task_id=owner
             ) from exc
 
     def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
-        """Renew every item still held by its owner and generation, in one round trip."""
+        """Renew every item still held by its owner and generation, in one round trip.
+
+        On a cluster: one round trip per node holding any of the locks (a pipeline of one
+        script call per slot). If a node cannot be asked, the locks on the other nodes are
+        still renewed, and then the error is raised.
+        """
         if not items:
             return []
         for item in items:
@@ -131,7 +229,7 @@ class LockStore:
                 raise ValueError(f"ttl_ms must be positive, got {item.ttl_ms!r}")
         try:
             return self._do_renew(items)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not renew {len(items)} lock(s): {exc}", key=items[0].key
             ) from exc
@@ -141,7 +239,7 @@ class LockStore:
         _check_owner(owner, 0 if generation is None else generation)
         try:
             return self._do_release(key, owner, generation)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not release {key}: {exc}", key=key, task_id=owner
             ) from exc
@@ -155,26 +253,175 @@ class LockStore:
     def _do_acquire(
         self, keys: LockKeys, owner: str, generation: int, ttl_ms: int, fields: list[str]
     ) -> Acquired | Contended:
-        reply: list[Any] = self._acquire(
-            keys=[keys.lock, keys.fence],
-            args=[owner, generation, ttl_ms, self.fence_ttl_ms, *fields],
-        )
+        self._connected()
+        args: list[Any] = [owner, generation, ttl_ms, self.fence_ttl_ms, *fields]
+        replicas: int | None = None
+        if self.wait_replicas:
+            reply, replicas = self._acquire_and_wait(keys, args)
+        else:
+            reply = self._acquire(keys=[keys.lock, keys.fence], args=args)
         if reply[0] == 1:
-            return Acquired(token=int(reply[1]), reentered=bool(reply[2]))
+            token = int(reply[1])
+            if replicas is not None and replicas < self.wait_replicas:
+                logger.warning(
+                    "singleton: only %d of %d replicas acknowledged the lock within %dms: "
+                    "key=%s token=%d",
+                    replicas,
+                    self.wait_replicas,
+                    self.wait_timeout_ms,
+                    keys.lock,
+                    token,
+                )
+            return Acquired(token=token, reentered=bool(reply[2]), replicas=replicas)
         holder = as_text(reply[1])
-        token = None if reply[3] is None else int(reply[3])
-        return Contended(holder, int(reply[2]), token, int(reply[4]))
+        holder_token = None if reply[3] is None else int(reply[3])
+        return Contended(holder, int(reply[2]), holder_token, int(reply[4]))
+
+    def _acquire_and_wait(self, keys: LockKeys, args: list[Any]) -> tuple[list[Any], int]:
+        """acquire.lua and ``WAIT`` in one pipeline: WAIT counts the writes of its connection."""
+        node = self._node_client(keys.lock)
+        for attempt in (1, 2):
+            pipe = node.pipeline(transaction=False)
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", self._acquire.sha, 2, keys.lock, keys.fence, *args
+            )
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "WAIT", self.wait_replicas, self.wait_timeout_ms
+            )
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            reply, replicas = replies
+            if isinstance(reply, NoScriptError) and attempt == 1:
+                node.script_load(self._acquire.script)  # a new or restarted server
+                continue
+            if isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")):
+                self._refresh_slots()  # the script did not run; the next try goes to the owner
+            if isinstance(reply, Exception):
+                raise reply
+            if isinstance(replicas, Exception):  # the lock is ours; only the count is missing
+                replicas = 0
+            return reply, int(replicas)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _node_client(self, key: str) -> redis.Redis:
+        """The client of the server holding ``key``: the client itself, or a cluster node's."""
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            return client
+        node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        connection: redis.Redis | None = None if node is None else node.redis_connection
+        if connection is None:
+            raise redis.ConnectionError(f"no cluster node known for {key}")
+        return connection
+
+    def _refresh_slots(self) -> None:
+        client = self._client
+        if isinstance(client, RedisCluster):
+            with contextlib.suppress(*REDIS_ERRORS):  # the next call tries again
+                client.nodes_manager.initialize()
 
     def _do_renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
-        args: list[str | int] = []
-        for item in items:
-            args += [item.owner, item.generation, item.ttl_ms]
-        reply: list[int] = self._renew(keys=[item.key for item in items], args=args)
+        client = self.client
+        if isinstance(client, RedisCluster):
+            return self._renew_cluster(client, items)
+        keys, args = _renew_call(items, range(len(items)))
+        reply: list[int] = self._renew(keys=keys, args=args)
         return [RenewStatus(status) for status in reply]
 
+    def _renew_cluster(self, client: RedisCluster, items: Sequence[RenewItem]) -> list[RenewStatus]:
+        """One renew.lua call per slot; the calls of one node in one pipeline.
+
+        A node without the script (new, restarted, or a promoted replica) gets it loaded and
+        its calls sent again: two more round trips, once per node. Calls the pipelines could
+        not place (a slot that moved, an unknown or failed node) go again, one by one, through
+        the cluster client, which follows redirects and refreshes its slot map; a node that
+        fails there too is given up for this batch.
+        """
+        by_slot: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            slot: int = client.keyslot(item.key)  # type: ignore[no-untyped-call]
+            by_slot.setdefault(slot, []).append(index)
+        by_node: dict[str, tuple[redis.Redis, list[list[int]]]] = {}
+        again: list[tuple[str, list[int]]] = []
+        for slot, group in by_slot.items():
+            try:
+                node = client.nodes_manager.get_node_from_slot(slot)
+            except REDIS_ERRORS:
+                node = None
+            connection = None if node is None else node.redis_connection
+            if node is None or connection is None:
+                again.append(("", group))
+                continue
+            by_node.setdefault(node.name, (connection, []))[1].append(group)
+        statuses: list[RenewStatus | None] = [None] * len(items)
+        for name, (connection, groups) in by_node.items():
+            try:
+                replies = self._renew_on_node(connection, items, groups)
+            except REDIS_ERRORS:
+                again.extend((name, group) for group in groups)
+                continue
+            for group, reply in zip(groups, replies, strict=True):
+                if isinstance(reply, Exception):
+                    again.append((name, group))
+                else:
+                    _fill(statuses, group, reply)
+        error: Exception | None = None
+        failed: set[str] = set()
+        for name, group in again:
+            if name and name in failed:
+                continue
+            keys, args = _renew_call(items, group)
+            try:
+                _fill(statuses, group, self._renew(keys=keys, args=args))
+            except REDIS_ERRORS as exc:
+                error = error or exc
+                failed.add(name)
+        if error is not None:
+            raise error
+        return [status if status is not None else RenewStatus.GONE for status in statuses]
+
+    def _renew_on_node(
+        self, connection: redis.Redis, items: Sequence[RenewItem], groups: list[list[int]]
+    ) -> list[Any]:
+        """One pipeline of renew.lua calls, one per group; loads the script where missing."""
+        replies: list[Any] = [None] * len(groups)
+        todo = list(range(len(groups)))
+        for attempt in (1, 2):
+            pipe = connection.pipeline(transaction=False)
+            for index in todo:
+                keys, args = _renew_call(items, groups[index])
+                pipe.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", self._renew.sha, len(keys), *keys, *args
+                )
+            for index, reply in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                replies[index] = reply
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo or attempt == 2:
+                break
+            connection.script_load(self._renew.script)  # a new, restarted or promoted node
+        return replies
+
     def _do_release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
+        self._connected()
         gen = "" if generation is None else generation
         return ReleaseStatus(int(self._release(keys=[key], args=[owner, gen])))
+
+
+def _renew_call(
+    items: Sequence[RenewItem], indexes: Sequence[int] | range
+) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of renew.lua for ``items[i]``, ``i`` in ``indexes``."""
+    keys: list[str] = []
+    args: list[str | int] = []
+    for index in indexes:
+        item = items[index]
+        keys.append(item.key)
+        args += [item.owner, item.generation, item.ttl_ms]
+    return keys, args
+
+
+def _fill(statuses: list[RenewStatus | None], indexes: Sequence[int], reply: Any) -> None:
+    for index, status in zip(indexes, reply, strict=True):
+        statuses[index] = RenewStatus(int(status))
 
 
 def as_text(value: bytes | str) -> str:

@@ -369,9 +369,10 @@ def test_max_hold_stops_renewal_and_lets_a_duplicate_run(
     log = worker.log_text()
     max_hold_lines = [line for line in log.splitlines() if "singleton: max hold reached" in line]
     assert any(f"t.hung[{hung.id}]" in line for line in max_hold_lines), log
-    # the hung run finds the duplicate holding the lock when it ends, and leaves it alone
+    # the hung run is known lost, so finding the duplicate's lock at release is no surprise:
+    # its owner-checked release leaves that lock alone without a warning
     released = [line for line in log.splitlines() if "lock was no longer ours at release" in line]
-    assert any(f"t.hung[{hung.id}]" in line for line in released), log
+    assert not any(f"t.hung[{hung.id}]" in line for line in released), log
 
     def max_hold_signal() -> bool:
         return ("lock_max_hold", hung.id) in _signal_events(redis_client, key_prefix)

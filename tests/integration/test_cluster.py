@@ -1,0 +1,408 @@
+"""Locks on a private Redis Cluster of three masters, reached with a ``redis+cluster://`` URL.
+
+A lock and its fencing counter share a hash tag, so every acquire and release is one script
+call on one node. A batch renewal is split into one renew.lua call per slot, and the calls for
+one node go out as one pipeline: a renewal of any number of locks costs one round trip per
+node, never one per lock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from redis.cluster import RedisCluster
+from redis.connection import AbstractConnection
+
+from celery_singleton_lock import LockUnavailableError
+from celery_singleton_lock import connection as singleton_connection
+from celery_singleton_lock.beat import ERROR_RETRY_S
+from celery_singleton_lock.claims import RunClaims
+from celery_singleton_lock.connection import client_for, store_for
+from celery_singleton_lock.keys import LockKeys, lock_keys, run_claim_key
+from celery_singleton_lock.lock import (
+    Acquired,
+    Contended,
+    LockStore,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+)
+from tests.integration.test_beat_mixin import (
+    INTERVAL,
+    fire,
+    instance,
+    labels,
+    make_beat_app,
+    set_clock,
+)
+from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.servers import free_port
+from tests.support.test_app import history_key, make_app
+from tests.support.topologies import Cluster
+from tests.support.workers import WorkerFactory
+
+PREFIX = "cslt:cluster:"
+TTL_MS = 30_000
+LOCKS = 200
+
+
+@pytest.fixture(autouse=True)
+def _forget_stores() -> Iterator[None]:
+    singleton_connection.reset()
+    yield
+    singleton_connection.reset()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as topology:
+        yield topology
+
+
+@pytest.fixture
+def store(cluster: Cluster) -> Iterator[LockStore]:
+    store = store_for(cluster.url)
+    yield store
+    store.client.close()
+
+
+def cluster_client(store: LockStore) -> RedisCluster:
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    return client
+
+
+def node_of(client: RedisCluster, key: str) -> int:
+    """The port of the master serving ``key``'s slot."""
+    return int(client.get_node_from_key(key).port)
+
+
+def many_keys(count: int) -> list[LockKeys]:
+    run = uuid.uuid4().hex[:8]
+    return [lock_keys(PREFIX, "t.many", f"{run}:{i}".encode()) for i in range(count)]
+
+
+class RoundTrips:
+    """Counts the writes to the network (one per command or pipeline) per server port."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.by_port: Counter[int] = Counter()
+        original = AbstractConnection.send_packed_command
+        counter = self.by_port
+
+        def counting(connection: Any, command: Any, check_health: bool = True) -> Any:
+            counter[int(connection.port)] += 1
+            return original(connection, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+
+    def reset(self) -> None:
+        self.by_port.clear()
+
+
+def evalsha_calls(cluster: Cluster) -> dict[int, int]:
+    """``cmdstat_evalsha`` calls per node since the last CONFIG RESETSTAT."""
+    calls = {}
+    for port, client in cluster.node_clients().items():
+        try:
+            stats = client.info("commandstats")
+            calls[port] = int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+        finally:
+            client.close()
+    return calls
+
+
+def reset_stats(cluster: Cluster) -> None:
+    for client in cluster.node_clients().values():
+        try:
+            client.config_resetstat()
+        finally:
+            client.close()
+
+
+# -- the lock cycle on three masters ----------------------------------------------------------
+
+
+def test_many_locks_over_three_masters(store: LockStore, cluster: Cluster) -> None:
+    """200 locks: acquired on the master of their slot, renewed in one batch, released."""
+    client = cluster_client(store)
+    keys = many_keys(LOCKS)
+    tokens = {}
+    for k in keys:
+        taken = store.acquire(k, f"owner-{k.lock}", 0, TTL_MS)
+        assert isinstance(taken, Acquired)
+        tokens[k.lock] = taken.token
+        assert client.keyslot(k.lock) == client.keyslot(k.fence)
+    ports = {node_of(client, k.lock) for k in keys}
+    assert ports == {node.port for node in cluster.nodes}  # the locks are spread over all three
+    node_clients = cluster.node_clients()
+    try:
+        for k in keys:  # each lock lives on the master of its slot, with its token
+            on_node = node_clients[node_of(client, k.lock)]
+            assert on_node.hget(k.lock, "token") == str(tokens[k.lock]).encode()
+    finally:
+        for c in node_clients.values():
+            c.close()
+
+    items = [RenewItem(k.lock, f"owner-{k.lock}", 0, TTL_MS) for k in keys]
+    assert store.renew(items) == [RenewStatus.RENEWED] * LOCKS
+    wrong = [RenewItem(k.lock, "someone-else", 0, TTL_MS) for k in keys[:10]]
+    assert store.renew(wrong) == [RenewStatus.TAKEN] * 10
+    assert all(int(store.holder(k.lock)["renewals"]) == 1 for k in keys)
+
+    for k in keys:
+        assert store.release(k.lock, f"owner-{k.lock}", 0) is ReleaseStatus.RELEASED
+    assert store.renew(items[:5]) == [RenewStatus.GONE] * 5
+    assert all(store.holder(k.lock) == {} for k in keys)
+
+
+def test_renew_costs_one_round_trip_per_node(
+    store: LockStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewing 20 or 200 locks sends exactly one pipeline to each of the three nodes, with one
+    renew.lua call per slot (counted on the wire and in the servers' commandstats)."""
+    client = cluster_client(store)
+    keys = many_keys(LOCKS)
+    for k in keys:
+        assert isinstance(store.acquire(k, "owner", 0, TTL_MS), Acquired)
+    store.renew([RenewItem(k.lock, "owner", 0, TTL_MS) for k in keys])  # every node has the script
+    trips = RoundTrips(monkeypatch)
+    for count in (20, LOCKS):
+        items = [RenewItem(k.lock, "owner", 0, TTL_MS) for k in keys[:count]]
+        expected_nodes = {node_of(client, k.lock) for k in keys[:count]}
+        slots_per_node = Counter(
+            node_of(client, item.key) for item in {client.keyslot(i.key): i for i in items}.values()
+        )
+        reset_stats(cluster)
+        trips.reset()
+        assert store.renew(items) == [RenewStatus.RENEWED] * count
+        assert dict(trips.by_port) == dict.fromkeys(expected_nodes, 1), (count, trips.by_port)
+        assert {p: n for p, n in evalsha_calls(cluster).items() if n} == dict(slots_per_node)
+    for k in keys:
+        store.release(k.lock, "owner", 0)
+
+
+def test_renew_survives_a_node_that_lost_its_scripts(
+    store: LockStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node without renew.lua (restarted, or a promoted replica) answers NOSCRIPT: the
+    script is loaded on that node and its calls sent again; nothing is misreported."""
+    client = cluster_client(store)
+    keys = many_keys(60)
+    for k in keys:
+        assert isinstance(store.acquire(k, "owner", 0, TTL_MS), Acquired)
+    items = [RenewItem(k.lock, "owner", 0, TTL_MS) for k in keys]
+    assert store.renew(items) == [RenewStatus.RENEWED] * len(items)
+    flushed = cluster.nodes[1]
+    assert flushed.port in {node_of(client, k.lock) for k in keys}
+    admin = flushed.client()
+    try:
+        admin.script_flush()
+    finally:
+        admin.close()
+    trips = RoundTrips(monkeypatch)
+    assert store.renew(items) == [RenewStatus.RENEWED] * len(items)
+    # pipeline (NOSCRIPT), SCRIPT LOAD, pipeline again on that node; one trip elsewhere
+    assert trips.by_port[flushed.port] == 3
+    assert all(n == 1 for port, n in trips.by_port.items() if port != flushed.port)
+    assert all(int(store.holder(k.lock)["renewals"]) == 2 for k in keys)
+    for k in keys:
+        assert store.release(k.lock, "owner", 0) is ReleaseStatus.RELEASED
+
+
+# -- fencing counter, claims, wait --------------------------------------------------------------
+
+
+def test_fence_counter_and_contention(store: LockStore) -> None:
+    """Tokens of one key keep increasing; the counter sits in the lock's slot."""
+    client = cluster_client(store)
+    k = many_keys(1)[0]
+    assert client.keyslot(k.lock) == client.keyslot(k.fence)
+    tokens = []
+    for owner in ("a", "b", "c"):
+        taken = store.acquire(k, owner, 0, TTL_MS)
+        assert isinstance(taken, Acquired)
+        tokens.append(taken.token)
+        held = store.acquire(k, "intruder", 0, TTL_MS)
+        assert isinstance(held, Contended)
+        assert held.holder == owner
+        assert held.holder_token == taken.token
+        assert store.release(k.lock, owner, 0) is ReleaseStatus.RELEASED
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == 3
+    assert int(client.get(k.fence)) == tokens[-1]
+    handed_over = store.acquire(k, "a", 0, TTL_MS)
+    assert isinstance(handed_over, Acquired)
+    retried = store.acquire(k, "a", 1, TTL_MS)  # a retried run takes its own lock over
+    assert isinstance(retried, Acquired)
+    assert retried.reentered
+    assert retried.token > handed_over.token
+    assert store.release(k.lock, "a", 1) is ReleaseStatus.RELEASED
+
+
+def test_run_claims_on_a_cluster(cluster: Cluster) -> None:
+    """Beat's run claims work on the cluster; all runs of one entry share a slot."""
+    client = client_for(cluster.url)
+    try:
+        assert isinstance(client, RedisCluster)
+        entry = f"report-{uuid.uuid4().hex[:6]}"
+        first, second = (run_claim_key(PREFIX, entry, run) for run in ("r1", "r2"))
+        assert client.keyslot(first) == client.keyslot(second)
+        a, b = RunClaims(client, "beat-a"), RunClaims(client, "beat-b")
+        assert a.claim(first, 5000).won
+        lost = b.claim(first, 5000)
+        assert not lost.won
+        assert lost.holder == "beat-a"
+        assert a.confirm(first, "task-1", 5000)
+        assert b.claim(first, 5000).published
+        assert b.claim(second, 5000).won
+        assert b.unclaim(second)
+        assert a.claim(second, 5000).won
+        client.delete(first)
+        client.delete(second)
+    finally:
+        client.close()
+
+
+def test_wait_replicas_on_a_cluster_node(cluster: Cluster) -> None:
+    """wait_replicas goes to the node of the lock's slot (no replicas here: 0, lock kept)."""
+    store = store_for(f"{cluster.url}?wait_replicas=1&wait_timeout=0.05")
+    try:
+        k = many_keys(1)[0]
+        taken = store.acquire(k, "owner", 0, TTL_MS)
+        assert isinstance(taken, Acquired)
+        assert taken.replicas == 0
+        assert store.release(k.lock, "owner", 0) is ReleaseStatus.RELEASED
+    finally:
+        store.client.close()
+
+
+def test_beat_publishes_each_run_once_on_a_cluster(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two SingletonSchedulerMixin instances claiming on the cluster: one publish per run."""
+    app = make_beat_app(cluster.url, f"{PREFIX}{uuid.uuid4().hex[:6]}:")
+    try:
+        slot = math.floor(time.time() / 10) * 10
+        a = instance(app, monkeypatch, slot + 0.3)
+        b = instance(app, monkeypatch, slot + 6.8)
+        fire(a, INTERVAL)
+        fire(b, INTERVAL)
+        assert labels(a, b) == [f"{INTERVAL}@{slot * 1000}"]
+        set_clock(b, monkeypatch, slot + 10.2)
+        set_clock(a, monkeypatch, slot + 10.5)
+        fire(b, INTERVAL)
+        fire(a, INTERVAL)  # the same next slot: b has it
+        assert labels(a, b) == [f"{INTERVAL}@{slot * 1000}", f"{INTERVAL}@{(slot + 10) * 1000}"]
+    finally:
+        app.close()
+
+
+def test_beat_stands_by_while_no_cluster_node_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat whose cluster cannot be reached at its first tick logs and tries again later."""
+    app = make_beat_app(f"redis+cluster://127.0.0.1:{free_port()}", PREFIX)
+    try:
+        scheduler = instance(app, monkeypatch, time.time())
+        assert scheduler.tick() == ERROR_RETRY_S
+        assert scheduler.sent == []
+    finally:
+        app.close()
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def test_unreachable_cluster_is_lock_unavailable() -> None:
+    """No listed node answers: store_for still returns a store, and each call is a
+    LockUnavailableError (the policy of singleton_on_redis_error applies), not a crash."""
+    url = f"redis+cluster://:s3cret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    store = store_for(url)
+    for _ in range(2):
+        with pytest.raises(LockUnavailableError) as info:
+            store.acquire(many_keys(1)[0], "owner", 0, TTL_MS)
+        assert "s3cret" not in str(info.value)
+    with pytest.raises(LockUnavailableError):
+        store.renew([RenewItem("k", "owner", 0, TTL_MS)])
+
+
+def test_a_dead_node_does_not_stop_the_others_renewals() -> None:
+    """One master killed: the renewal raises (so the renewer retries), but the locks on the
+    two live masters were renewed all the same."""
+    with Cluster() as topology:
+        store = store_for(topology.url)
+        try:
+            client = cluster_client(store)
+            keys = many_keys(30)
+            for k in keys:
+                assert isinstance(store.acquire(k, "owner", 0, TTL_MS), Acquired)
+            victim = topology.nodes[2]
+            live = [k for k in keys if node_of(client, k.lock) != victim.port]
+            assert live
+            victim.kill()
+            started = time.monotonic()
+            with pytest.raises(LockUnavailableError):
+                store.renew([RenewItem(k.lock, "owner", 0, TTL_MS) for k in keys])
+            assert time.monotonic() - started < 20
+            node_clients = topology.node_clients()
+            try:
+                for k in live:
+                    renewals = node_clients[node_of(client, k.lock)].hget(k.lock, "renewals")
+                    assert renewals == b"1", k
+            finally:
+                for c in node_clients.values():
+                    c.close()
+        finally:
+            store.client.close()
+
+
+# -- a real worker --------------------------------------------------------------------------------
+
+
+def test_worker_locks_on_the_cluster(
+    cluster: Cluster, redis_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """A prefork worker whose singleton_redis_url is the cluster URL (broker on the test Redis):
+    duplicates of a running call are skipped, distinct calls run, no lock is left behind."""
+    factory = WorkerFactory(
+        tmp_path,
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
+    )
+    app: Celery = make_app(redis_url, key_prefix)
+    client = client_for(cluster.url)
+    broker = redis.Redis.from_url(redis_url)
+    try:
+        worker = factory.start(
+            "tests.support.singleton_app",
+            concurrency=3,
+            env={"SINGLETON_TEST_LOCK_URL": cluster.url, "SINGLETON_TEST_TTL": "2"},
+        )
+        worker.wait_ready(app)
+        run = uuid.uuid4().hex[:6]
+        same = [
+            app.send_task("t.hold", kwargs={"key": f"{run}-same", "seconds": 2.5}) for _ in range(3)
+        ]
+        other = [
+            app.send_task("t.hold", kwargs={"key": f"{run}-{i}", "seconds": 0.2}) for i in range(3)
+        ]
+        values = [r.get(timeout=30) for r in [*same, *other]]
+        ran = [v for v in values[:3] if isinstance(v, dict) and "token" in v]
+        assert len(ran) == 1, (values, worker.log_tail(80))
+        assert not ran[0]["lost"]  # held 2.5 s with a 2 s ttl: renewed on the cluster
+        assert all(isinstance(v, dict) and "token" in v for v in values[3:])
+        history = load_history(broker, history_key(key_prefix))
+        assert_no_overlap(check_history(history), allow_unfinished=False)
+        assert not list(client.scan_iter(match=f"{key_prefix}*:lock"))
+    finally:
+        factory.close()
+        app.close()
+        client.close()
+        broker.close()

@@ -1,0 +1,207 @@
+"""Locks through Redis Sentinel: a private master, one replica and three sentinels
+(``down-after-milliseconds`` 1000, ``failover-timeout`` 3000), reached with a
+``redis+sentinel://`` URL; the data nodes and the sentinels each require a password.
+
+What a failover may do to a lock (docs/deployments.md): a lock the replica had survives it; a
+lock the replica had not received is gone from the new master. Either way the lock store must
+tell the truth: a renewal reports ``RENEWED`` only for a lock the new master holds for that
+owner, and a new acquire there gets a larger fencing token than the lost lock had.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_singleton_lock import LockUnavailableError
+from celery_singleton_lock import connection as singleton_connection
+from celery_singleton_lock.connection import store_for
+from celery_singleton_lock.keys import LockKeys, lock_keys
+from celery_singleton_lock.lock import (
+    FENCE_TTL_MS,
+    Acquired,
+    Contended,
+    LockStore,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+    load_script,
+)
+from tests.support.topologies import SentinelSet, wait_until
+
+PREFIX = "cslt:sentinel:"
+TTL_MS = 30_000
+
+
+@pytest.fixture(autouse=True)
+def _forget_stores() -> Iterator[None]:
+    singleton_connection.reset()
+    yield
+    singleton_connection.reset()
+
+
+@pytest.fixture(scope="module")
+def sentinels() -> Iterator[SentinelSet]:
+    """One Sentinel set for the tests that do not kill anything."""
+    with SentinelSet() as topology:
+        yield topology
+
+
+def new_keys(name: str) -> LockKeys:
+    return lock_keys(PREFIX, f"t.{name}", uuid.uuid4().bytes)
+
+
+def close(store: LockStore) -> None:
+    store.client.close()
+
+
+def test_lock_cycle_through_sentinel(sentinels: SentinelSet) -> None:
+    """Acquire, contend, renew and release through the sentinel URL; the lock is on the master."""
+    store = store_for(sentinels.url())
+    master = sentinels.master().client()
+    try:
+        keys = new_keys("cycle")
+        taken = store.acquire(keys, "owner-a", 0, TTL_MS)
+        assert isinstance(taken, Acquired)
+        assert master.hget(keys.lock, "owner") == b"owner-a"  # on the master sentinels name
+        contended = store.acquire(keys, "owner-b", 0, TTL_MS)
+        assert isinstance(contended, Contended)
+        assert contended.holder == "owner-a"
+        item = RenewItem(keys.lock, "owner-a", 0, TTL_MS)
+        assert store.renew([item]) == [RenewStatus.RENEWED]
+        assert store.release(keys.lock, "owner-a", 0) is ReleaseStatus.RELEASED
+        assert master.exists(keys.lock) == 0
+    finally:
+        master.close()
+        close(store)
+
+
+def test_sentinel_password_is_needed_and_never_shown(sentinels: SentinelSet) -> None:
+    """Without sentinel_password the sentinels refuse: LockUnavailableError, no password in it."""
+    store = store_for(sentinels.url(with_sentinel_password=False))
+    try:
+        with pytest.raises(LockUnavailableError) as info:
+            store.acquire(new_keys("nopass"), "owner", 0, TTL_MS)
+        assert sentinels.password not in str(info.value)
+        assert str(sentinels.sentinel_password) not in str(info.value)
+    finally:
+        close(store)
+
+
+def test_wait_replicas_through_sentinel(
+    sentinels: SentinelSet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """wait_replicas=1: the acquire returns once the replica has the lock; with the replica
+    stopped it gives up after wait_timeout, logs, and keeps the lock."""
+    store = store_for(sentinels.url(query="wait_replicas=1&wait_timeout=0.3"))
+    replica_server = sentinels.replica()
+    replica = replica_server.client()
+    try:
+        keys = new_keys("wait")
+        taken = store.acquire(keys, "owner-a", 0, TTL_MS)
+        assert isinstance(taken, Acquired)
+        assert taken.replicas == 1
+        assert replica.hget(keys.lock, "owner") == b"owner-a"  # WAIT returned: it is there
+        assert store.release(keys.lock, "owner-a", 0) is ReleaseStatus.RELEASED
+
+        replica_server.pause()
+        try:
+            keys = new_keys("wait-paused")
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.lock"):
+                taken = store.acquire(keys, "owner-a", 0, TTL_MS)
+            waited = time.monotonic() - started
+        finally:
+            replica_server.resume()
+        assert isinstance(taken, Acquired)
+        assert taken.replicas == 0
+        assert 0.25 <= waited < 3.0
+        assert "singleton: only 0 of 1 replicas acknowledged the lock within 300ms" in caplog.text
+        assert store.release(keys.lock, "owner-a", 0) is ReleaseStatus.RELEASED
+    finally:
+        replica.close()
+        close(store)
+
+
+def acquire_unreplicated(client: redis.Redis, keys: LockKeys, owner: str, ttl_ms: int) -> int:
+    """Take a lock on the master only, as if the failover came before replication.
+
+    Runs acquire.lua behind ``redis.set_repl(redis.REPL_NONE)``: the master writes the lock and
+    its fencing counter but sends neither to the replica. Returns the token.
+    """
+    script = "redis.set_repl(redis.REPL_NONE)\n" + load_script("acquire.lua")
+    reply = client.eval(script, 2, keys.lock, keys.fence, owner, 0, ttl_ms, FENCE_TTL_MS)
+    assert reply[0] == 1, reply
+    return int(reply[1])
+
+
+def renew_until_answered(
+    store: LockStore, items: list[RenewItem], timeout: float = 30.0
+) -> list[RenewStatus]:
+    """Renew until the store reaches the new master (errors while the failover runs)."""
+    result: list[RenewStatus] = wait_until(
+        lambda: store.renew(items), timeout, "a renewal to reach the new master"
+    )
+    return result
+
+
+def test_failover_keeps_the_store_working_and_never_lies_about_a_lock() -> None:
+    """Kill the master with SIGKILL. After the failover the same store acquires on the new
+    master; a renewal of a lock taken before reports RENEWED only where the new master has it
+    (the replicated one), and the lost lock's key gets a larger token."""
+    with SentinelSet() as topology:
+        waiting = store_for(topology.url(query="wait_replicas=1&wait_timeout=2"))
+        store = store_for(topology.url())
+        old_master = topology.master()
+        direct = old_master.client()
+        try:
+            # A: replicated for sure (WAIT); B: on the old master only; C: plain, either way
+            replicated, lost, plain = new_keys("a"), new_keys("b"), new_keys("c")
+            taken = waiting.acquire(replicated, "owner-a", 0, TTL_MS)
+            assert isinstance(taken, Acquired)
+            assert taken.replicas == 1
+            lost_token = acquire_unreplicated(direct, lost, "owner-b", TTL_MS)
+            assert isinstance(store.acquire(plain, "owner-c", 0, TTL_MS), Acquired)
+        finally:
+            direct.close()
+
+        old_port = topology.kill_master()
+        new_port = topology.wait_failover(old_port)
+        assert new_port != old_port
+
+        items = [
+            RenewItem(replicated.lock, "owner-a", 0, TTL_MS),
+            RenewItem(lost.lock, "owner-b", 0, TTL_MS),
+            RenewItem(plain.lock, "owner-c", 0, TTL_MS),
+        ]
+        statuses = renew_until_answered(store, items)
+        new_master = topology.server(new_port).client()
+        try:
+            for item, status in zip(items, statuses, strict=True):
+                owner = new_master.hget(item.key, "owner")
+                if status is RenewStatus.RENEWED:  # never RENEWED for a lock it does not have
+                    assert owner == item.owner.encode(), (item, status)
+                else:
+                    assert owner != item.owner.encode(), (item, status)
+            assert statuses[0] is RenewStatus.RENEWED  # WAIT saw it on the replica
+            assert statuses[1] is RenewStatus.GONE  # never reached the replica
+
+            # the store works on the new master: the lost key is free, with a larger token
+            again = store.acquire(lost, "owner-b2", 0, TTL_MS)
+            assert isinstance(again, Acquired)
+            assert again.token > lost_token
+            assert new_master.hget(lost.lock, "owner") == b"owner-b2"
+            contended = store.acquire(replicated, "owner-x", 0, TTL_MS)
+            assert isinstance(contended, Contended)
+            assert contended.holder == "owner-a"
+            assert store.release(replicated.lock, "owner-a", 0) is ReleaseStatus.RELEASED
+            assert store.release(lost.lock, "owner-b2", 0) is ReleaseStatus.RELEASED
+        finally:
+            new_master.close()
+            close(store)
+            close(waiting)
