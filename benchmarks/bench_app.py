@@ -1,0 +1,113 @@
+"""The Celery app the throughput benchmarks run in real worker processes.
+
+Broker and result backend are the private server named by ``BENCH_REDIS_URL``; the worker
+gets it from its environment, the benchmark process calls :func:`configure`. Four no-op tasks
+that differ only in their base class:
+
+- ``bench.plain``: Celery's ``Task``;
+- ``bench.singleton``: :class:`celery_singleton_lock.SingletonTask` (default options);
+- ``bench.celery_singleton``: celery-singleton's ``Singleton`` (locks at publish time);
+- ``bench.celery_once``: celery-once's ``QueueOnce`` (locks at publish time, graceful);
+- ``bench.two_pings``: a plain task that sends one PING where SingletonTask acquires and one
+  where it releases: the floor for any lock taken on the worker with two round trips.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from celery_once import QueueOnce
+from celery_singleton import Singleton
+
+from celery_singleton_lock import SingletonTask
+
+URL_ENV = "BENCH_REDIS_URL"
+
+PLAIN = "bench.plain"
+SINGLETON = "bench.singleton"
+CELERY_SINGLETON = "bench.celery_singleton"
+CELERY_ONCE = "bench.celery_once"
+TWO_PINGS = "bench.two_pings"
+
+app = Celery("benchmarks.bench_app", set_as_current=False)
+
+
+def configure(url: str) -> Celery:
+    """Point broker, results and every library's locks at ``url``."""
+    from celery_once.backends import redis as once_redis
+
+    once_redis.redis = None  # celery-once keeps one client per process in a module global
+    app.conf.update(
+        broker_url=url,
+        result_backend=url,
+        broker_connection_retry_on_startup=True,
+        task_default_queue="bench",
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        worker_hijack_root_logger=False,
+        # celery-singleton-lock: the locks live in the broker's Redis by default
+        singleton_key_prefix="bench-lock:",
+        # celery-singleton
+        singleton_backend_url=url,
+        # celery-once
+        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": url}},
+    )
+    return app
+
+
+configure(os.environ.get(URL_ENV, "redis://127.0.0.1:1/0"))  # never the shared server
+
+
+class TwoPings(Task):  # type: ignore[misc]
+    """One round trip before the body and one after it, on a client of its own."""
+
+    _client: redis.Redis | None = None
+
+    def _ping(self) -> None:
+        if self._client is None:
+            self._client = redis.Redis.from_url(app.conf.broker_url)
+        self._client.ping()
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        self._ping()
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        self._ping()
+
+
+@app.task(name=PLAIN, base=Task)
+def plain(i: int) -> None:
+    return None
+
+
+@app.task(name=SINGLETON, base=SingletonTask)
+def singleton(i: int) -> None:
+    return None
+
+
+@app.task(name=CELERY_SINGLETON, base=Singleton)
+def celery_singleton(i: int) -> None:
+    return None
+
+
+@app.task(name=CELERY_ONCE, base=QueueOnce, once={"graceful": True})
+def celery_once(i: int) -> None:
+    return None
+
+
+@app.task(name=TWO_PINGS, base=TwoPings)
+def two_pings(i: int) -> None:
+    return None
+
+
+TASKS: dict[str, Any] = {
+    "plain Task": plain,
+    "plain + 2 PINGs (floor)": two_pings,
+    "SingletonTask": singleton,
+    "celery-singleton": celery_singleton,
+    "celery-once": celery_once,
+}

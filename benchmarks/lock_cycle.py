@@ -1,0 +1,209 @@
+"""Section 1: one lock cycle (acquire + release) on one connection, loopback.
+
+Every contender takes and releases one uncontended lock through its own public API and its
+own Redis client, the way its library uses it. Batches of cycles are timed with
+``perf_counter``; the contenders take turns batch by batch (in a rotating order), so a noisy
+moment on the shared machine hits all of them alike. The floor is two PINGs: a lock that
+needs one round trip to take and one to release cannot beat that.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from celery_singleton_lock.connection import client_for
+from celery_singleton_lock.keys import lock_keys
+from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
+
+from .report import Table, median, paired_ratio, spread
+from .server import PrivateRedis
+
+Cycle = Callable[[], None]
+
+PING_FLOOR = "two PINGs (floor)"
+OURS = "celery-singleton-lock"
+
+#: the lock ttl every contender uses (seconds)
+TTL_S = 30
+
+
+def _ours(url: str) -> Cycle:
+    store = LockStore(client_for(url))
+    keys = lock_keys("bench:", "bench.cycle", b"a")
+    owner = uuid.uuid4().hex
+    # the metadata SingletonTask writes with every acquire
+    meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
+    ttl_ms = TTL_S * 1000
+
+    def cycle() -> None:
+        outcome = store.acquire(keys, owner, 0, ttl_ms, meta)
+        if type(outcome) is not Acquired:
+            raise AssertionError(f"ours: not acquired: {outcome}")
+        if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
+            raise AssertionError("ours: not released")
+
+    return cycle
+
+
+def _redis_py(url: str) -> Cycle:
+    client = redis.Redis.from_url(url)
+    lock = client.lock("bench:redis-py", timeout=TTL_S)
+
+    def cycle() -> None:
+        if not lock.acquire(blocking=False):
+            raise AssertionError("redis-py: not acquired")
+        lock.release()
+
+    return cycle
+
+
+def _python_redis_lock(url: str) -> Cycle:
+    import redis_lock
+
+    client = redis.Redis.from_url(url)
+    lock = redis_lock.Lock(client, "bench:python-redis-lock", expire=TTL_S)
+
+    def cycle() -> None:
+        if not lock.acquire(blocking=False):
+            raise AssertionError("python-redis-lock: not acquired")
+        lock.release()
+
+    return cycle
+
+
+def _celery_singleton(url: str) -> Cycle:
+    from celery_singleton.backends.redis import RedisBackend
+
+    backend = RedisBackend(url)
+    key = "SINGLETONLOCK_bench"
+    task_id = uuid.uuid4().hex
+
+    def cycle() -> None:
+        if not backend.lock(key, task_id, expiry=TTL_S):
+            raise AssertionError("celery-singleton: not acquired")
+        backend.unlock(key)
+
+    return cycle
+
+
+def _celery_once(url: str) -> Cycle:
+    from celery_once.backends import Redis as OnceRedis
+    from celery_once.backends import redis as once_redis
+
+    once_redis.redis = None  # its client is a module global: bind it to this server
+    backend = OnceRedis({"url": url, "default_timeout": TTL_S})
+    key = "qo_bench.cycle_i-1"
+
+    def cycle() -> None:
+        backend.raise_or_lock(key, timeout=TTL_S)  # raises AlreadyQueued if held
+        backend.clear_lock(key)
+
+    return cycle
+
+
+def _pottery(url: str) -> Cycle:
+    import logging
+
+    from pottery import Redlock
+
+    logging.getLogger("pottery").setLevel(logging.ERROR)
+    client = redis.Redis.from_url(url)
+    lock = Redlock(key="bench:pottery", masters={client}, auto_release_time=TTL_S)
+
+    def cycle() -> None:
+        if not lock.acquire(blocking=False):
+            raise AssertionError("pottery: not acquired")
+        lock.release()
+
+    return cycle
+
+
+def _pings(url: str) -> Cycle:
+    client = redis.Redis.from_url(url)
+    ping = client.ping
+
+    def cycle() -> None:
+        ping()
+        ping()
+
+    return cycle
+
+
+CONTENDERS: dict[str, Callable[[str], Cycle]] = {
+    OURS: _ours,
+    "redis-py Lock": _redis_py,
+    "python-redis-lock": _python_redis_lock,
+    "celery-singleton backend": _celery_singleton,
+    "celery-once backend": _celery_once,
+    "pottery Redlock (1 master)": _pottery,
+    PING_FLOOR: _pings,
+}
+
+#: round trips per cycle, from reading each library's code (checked against commandstats)
+ROUND_TRIPS = {
+    OURS: "1 + 1 (EVALSHA, EVALSHA)",
+    "redis-py Lock": "1 + 1 (SET NX, EVALSHA)",
+    "python-redis-lock": "2 + 1 (GET, SET NX, EVALSHA)",
+    "celery-singleton backend": "1 + 1 (SET NX, DEL)",
+    "celery-once backend": "1 + 1 (SET NX, DEL)",
+    "pottery Redlock (1 master)": "1 + 1 (SET NX, EVALSHA) + threads",
+    PING_FLOOR: "2 (PING, PING)",
+}
+
+
+@dataclass
+class CycleResult:
+    name: str
+    samples_us: list[float]
+
+    @property
+    def median_us(self) -> float:
+        return median(self.samples_us)
+
+
+def _batch(cycle: Cycle, n: int) -> float:
+    """µs per cycle over one batch of ``n`` cycles."""
+    start = time.perf_counter()
+    for _ in range(n):
+        cycle()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[CycleResult]]:
+    cycles = {name: make(server.url) for name, make in CONTENDERS.items()}
+    for cycle in cycles.values():  # warm up: connect, load scripts, check it works
+        for _ in range(50):
+            cycle()
+    names = list(cycles)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_batch(cycles[name], batch))
+    results = [CycleResult(name, samples[name]) for name in names]
+    floor = next(r for r in results if r.name == PING_FLOOR).samples_us
+    ours = next(r for r in results if r.name == OURS).samples_us
+    table = Table(
+        "1. Lock cycle: acquire + release, one connection, loopback",
+        ["contender", "µs/cycle (median)", "min-max", "vs two PINGs", "vs ours", "round trips"],
+    )
+    for res in sorted(results, key=lambda r: r.median_us):
+        table.add(
+            res.name,
+            res.median_us,
+            spread(res.samples_us),
+            f"{paired_ratio(res.samples_us, floor):.2f}x",
+            f"{paired_ratio(res.samples_us, ours):.2f}x",
+            ROUND_TRIPS[res.name],
+        )
+    table.notes.append(
+        f"{rounds} rounds x {batch} cycles per contender, contenders interleaved; ratios are "
+        "medians of per-round ratios; target: ours <= 1.15x two PINGs "
+        f"(now {paired_ratio(ours, floor):.2f}x) and below every peer."
+    )
+    return table, results
