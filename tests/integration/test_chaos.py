@@ -339,10 +339,13 @@ def beat_dying_on_publish(  # noqa: PLR0917 - fixtures passed through
     worker = worker_factory.start(BEAT_APP, pool="prefork", concurrency=2)
     worker.wait_ready(client_app)
     survivor = beat_factory.start(name="survivor")
+    ready = {"survivor": survivor.wait_ready()}
+    # the survivor must already fire every slot, so it sees the victim's claim of the fatal one
+    survivor.wait_for_log(rf"beat: published run: entry={DIE_ENTRY} ", 20)
     victim = beat_factory.start(
         name="victim", env={"SINGLETON_TEST_DIE_ON_PUBLISH": f"{when}:{DIE_ENTRY}"}
     )
-    ready = {b.name: b.wait_ready() for b in (survivor, victim)}
+    ready["victim"] = victim.wait_ready()
     died_key = f"{key_prefix}died-on"
     wait_until(lambda: not victim.is_running(), 20, "the victim to win a claim and die")
     died_at = time.time()
