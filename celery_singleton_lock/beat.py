@@ -35,7 +35,7 @@ from .connection import client_for
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import leader_keys, run_claim_key
 from .lock import REDIS_ERRORS, Acquired, LockStore, RenewItem, RenewStatus
-from .schedules import interval_slot, nominal_run, run_id, slot_start
+from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
@@ -48,6 +48,12 @@ PUBLISH_LEASE_S = 10.0
 ERROR_RETRY_S = 1.0
 #: Header carrying "<entry name>@<run id>" on every message a SingletonScheduler publishes.
 RUN_HEADER = "singleton_beat_run"
+#: Header carrying the run's claim key, so a worker can witness the run's first message.
+CLAIM_HEADER = "singleton_beat_claim"
+#: Header carrying how long (ms) the run's claim, and so its witness, is kept.
+KEEP_HEADER = "singleton_beat_keep_ms"
+#: At start-up, how many recent runs of each entry are checked for a claim left pending.
+RECENT_RUNS_MAX = 32
 
 
 def _is_interval(sched: object) -> bool:
@@ -81,6 +87,8 @@ class SingletonSchedulerMixin:
         self._due_slot: dict[str, int] = {}
         #: runs to claim again at a monotonic time: their claimer may have died, or Redis failed
         self._rechecks: dict[_Run, float] = {}
+        #: entries whose recent runs this instance checked for claims left pending
+        self._watched: set[str] = set()
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
@@ -163,6 +171,7 @@ class SingletonSchedulerMixin:
             return ERROR_RETRY_S
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             return min(self.max_interval, state.opts.lease / 10)
+        self._watch_recent_runs(state)
         self._run_rechecks(state)
         delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
         if self._rechecks:
@@ -205,7 +214,7 @@ class SingletonSchedulerMixin:
         key = run.key
         claimed_at = self.singleton_monotonic()
         try:
-            claim = state.claims.claim(key, round(PUBLISH_LEASE_S * 1000))
+            claim = state.claims.claim(key, round(PUBLISH_LEASE_S * 1000), run.keep_ms)
         except LockUnavailableError as exc:
             logger.error(
                 "beat: redis error, run not published yet, retrying: entry=%s run=%s: %s",
@@ -237,7 +246,9 @@ class SingletonSchedulerMixin:
             return None
         labelled = copy.copy(entry)
         labelled.options = copy.deepcopy(entry.options)
-        labelled.options.setdefault("headers", {})[RUN_HEADER] = f"{entry.name}@{run.run}"
+        labelled.options.setdefault("headers", {}).update(
+            {RUN_HEADER: f"{entry.name}@{run.run}", CLAIM_HEADER: key, KEEP_HEADER: run.keep_ms}
+        )
         try:
             result = super().apply_async(  # type: ignore[misc]
                 labelled, producer=producer, advance=False, **kwargs
@@ -277,35 +288,74 @@ class SingletonSchedulerMixin:
             if entry is not None:
                 self._claim_and_publish(state, entry, run, self.producer)  # type: ignore[attr-defined]
 
+    def _watch_recent_runs(self, state: _BeatState) -> None:
+        """Look once at the recent runs of entries new to this instance for pending claims.
+
+        An instance fires only the runs that come due while it runs: one started after a
+        run's nominal time never claims that run, so it would not notice that the run's
+        claimer died before publishing. Runs whose claim may still be pending (within the
+        publish lease and the skew bound) are looked at once, and those found pending are
+        claimed again when their lease ends, like the runs this instance fired.
+        """
+        if self._watched.issuperset(self.schedule):
+            return
+        now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
+        since = now - timedelta(seconds=PUBLISH_LEASE_S + 2 * state.opts.skew + 1)
+        runs: list[_Run] = []
+        for name, entry in list(self.schedule.items()):
+            if name in self._watched:
+                continue
+            self._watched.add(name)
+            for nominal in recent_runs(entry.schedule, now, since, RECENT_RUNS_MAX):
+                runs.append(self._run_at(entry, state.opts, nominal))
+        try:
+            claims = state.claims.peek([run.key for run in runs])
+        except LockUnavailableError as exc:
+            logger.warning("beat: could not look at recent runs' claims: %s", exc)
+            return
+        for run, claim in zip(runs, claims, strict=True):
+            if claim is not None and not claim.published:
+                logger.info(
+                    "beat: watching a run claimed by another instance: entry=%s run=%s by=%s",
+                    run.entry_name,
+                    run.run,
+                    claim.holder,
+                )
+                self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
+
     def _run(self, entry: ScheduleEntry, opts: BeatOptions) -> _Run:
         """``entry``'s due run: its nominal run id and claim key."""
-        run, keep_ms = self._nominal(entry, opts)
-        return _Run(entry.name, run, run_claim_key(opts.key_prefix, entry.name, run), keep_ms)
-
-    def _nominal(self, entry: ScheduleEntry, opts: BeatOptions) -> tuple[str, int]:
-        """The run id of ``entry``'s due run, and how long to keep its claim (ms)."""
         sched = entry.schedule
-        margin = 2 * opts.skew + 60
         if _is_interval(sched):
             interval = sched.run_every.total_seconds()
             slot = self._due_slot.pop(entry.name, None)
             if slot is None:
                 slot = interval_slot(interval, self.singleton_clock())
-            keep = max(opts.lock_at_least, 2 * interval + margin)
-            return run_id(slot_start(interval, slot)), round(keep * 1000)
+            return self._run_at(entry, opts, slot_start(interval, slot))
         now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
         nominal = nominal_run(sched, now)
         if nominal is None:  # a schedule type we cannot place: buckets of the skew bound
             bucket = max(2 * opts.skew, 1.0)
-            keep = max(opts.lock_at_least, margin)
-            return f"b{int(now.timestamp() // bucket)}", round(keep * 1000)
-        if isinstance(sched, solar):  # the nearest event to a second earlier is this one
+            keep = max(opts.lock_at_least, 2 * opts.skew + 60)
+            run = f"b{int(now.timestamp() // bucket)}"
+            key = run_claim_key(opts.key_prefix, entry.name, run)
+            return _Run(entry.name, run, key, round(keep * 1000))
+        return self._run_at(entry, opts, nominal)
+
+    def _run_at(self, entry: ScheduleEntry, opts: BeatOptions, nominal: datetime) -> _Run:
+        """``entry``'s run at ``nominal``: its run id, claim key and how long to keep it."""
+        sched = entry.schedule
+        if _is_interval(sched):
+            period = sched.run_every.total_seconds()
+        elif isinstance(sched, solar):  # the nearest event to a second earlier is this one
             period = 86400.0
         else:
             previous = nominal_run(sched, nominal - timedelta(seconds=1))
             period = (nominal - previous).total_seconds() if previous else 7 * 86400
-        keep = max(opts.lock_at_least, 2 * period + margin)
-        return run_id(nominal), round(keep * 1000)
+        keep = max(opts.lock_at_least, 2 * period + 2 * opts.skew + 60)
+        run = run_id(nominal)
+        key = run_claim_key(opts.key_prefix, entry.name, run)
+        return _Run(entry.name, run, key, round(keep * 1000))
 
     # -- leader mode -------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ __all__ = [
     "crontab_matches",
     "interval_slot",
     "nominal_run",
+    "recent_runs",
     "run_id",
     "slot_start",
 ]
@@ -326,6 +327,26 @@ def nominal_run(
     if isinstance(sched, schedule):
         return _interval_nominal(sched, now_utc)
     return None
+
+
+def recent_runs(sched: BaseSchedule, now: datetime, since: datetime, limit: int) -> list[datetime]:
+    """The nominal instants of ``sched``'s runs in ``[since, now]``, newest first.
+
+    At most ``limit`` of them; empty for a schedule :func:`nominal_run` cannot place.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit!r}")
+    now_utc, since_utc = _as_utc(now, "now"), _as_utc(since, "since")
+    runs: list[datetime] = []
+    at, last = now_utc, None
+    while len(runs) < limit and at >= since_utc:
+        nominal = nominal_run(sched, at, lookback=at - since_utc)
+        if nominal is None or nominal < since_utc or (last is not None and nominal >= last):
+            break  # none left; or a solar schedule found the same event again
+        if nominal <= now_utc:
+            runs.append(nominal)
+        at, last = nominal - timedelta(microseconds=1), nominal
+    return runs
 
 
 def run_id(nominal: datetime) -> str:

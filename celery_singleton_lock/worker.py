@@ -20,6 +20,12 @@ cold shutdown                                 the child's SIGTERM becomes System
 whole node killed                             nobody: the lock expires after its ttl
 ==========================================  ==============================================
 
+Scheduled runs: every message a SingletonScheduler publishes names its run's claim. When a
+worker receives one (``task_received``, in the main process), it records the message as
+the run's witness; a second message of the same run (another task id: its beat instance
+died between publishing and confirming, and another instance published the run again) is
+dropped as revoked, for every task, not only SingletonTasks.
+
 The main process releases with the task id as owner (compare-and-delete), so it never
 deletes a lock another run holds; the grace keeps it from freeing a lock while the
 terminated child might still be running.
@@ -27,7 +33,10 @@ terminated child might still be running.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -35,13 +44,24 @@ from typing import Any
 
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker import state as worker_state
 
+from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
+from .claims import RunClaims
 from .config import describe, read_options
-from .errors import SingletonConfigError
+from .connection import client_for
+from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
 from .task import SingletonTask
 
 __all__: list[str] = []
+
+logger = logging.getLogger("celery_singleton_lock.worker")
+
+#: How long a witness is kept when the message does not say (ms): a day.
+WITNESS_KEEP_MS = 86_400_000
+
+_witnesses: dict[tuple[int, str], RunClaims] = {}
 
 #: Terminate signals that end a prefork child at once, so its main process may release for
 #: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``
@@ -109,6 +129,45 @@ def _release_after_terminate(
         )
 
 
+def _witness_scheduled_run(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Drop a second message of one scheduled run; let the first (and its redeliveries) run."""
+    headers = getattr(request, "request_dict", None) or {}
+    key = headers.get(CLAIM_HEADER)
+    if not key or request is None:
+        return
+    try:
+        keep_ms = int(headers.get(KEEP_HEADER) or WITNESS_KEEP_MS)
+        app = getattr(sender, "app", None) or request.task.app
+        first = _witness_claims(read_options(app.conf).redis_url).witness(
+            str(key), str(request.id), max(keep_ms, 1)
+        )
+    except (LockUnavailableError, SingletonConfigError, ValueError) as exc:
+        logger.warning(
+            "singleton: scheduled run not witnessed, running it: run=%s task_id=%s: %s",
+            headers.get(RUN_HEADER),
+            request.id,
+            exc,
+        )
+        return
+    if first is not None:
+        logger.warning(
+            "singleton: duplicate scheduled run dropped: run=%s task_id=%s first=%s",
+            headers.get(RUN_HEADER),
+            request.id,
+            first,
+        )
+        worker_state.revoked.add(request.id)  # Celery discards it as revoked, and acks it
+
+
+def _witness_claims(url: str) -> RunClaims:
+    key = (os.getpid(), url)
+    claims = _witnesses.get(key)
+    if claims is None:
+        claimer = f"worker:{socket.gethostname()}:{os.getpid()}"
+        claims = _witnesses[key] = RunClaims(client_for(url), claimer)
+    return claims
+
+
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
     """Fail start-up on a bad setting; add the lock settings to the worker banner."""
     app = getattr(instance, "app", None)
@@ -146,3 +205,4 @@ celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
+celery_signals.task_received.connect(_witness_scheduled_run, weak=False)

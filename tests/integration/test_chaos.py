@@ -25,6 +25,8 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import fenced_get
+from celery_singleton_lock.beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
+from celery_singleton_lock.keys import run_claim_key
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.chaos import (
     LoadRig,
@@ -396,14 +398,6 @@ def test_beat_killed_after_claiming_before_publishing_publishes_the_run_late_onc
     assert report.ok, detail
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library bug: SingletonSchedulerMixin._claim_and_publish publishes, then confirms the "
-        "claim; a beat killed between the two leaves the claim 'pending', and every other beat "
-        "that saw it retries when the 10 s publish lease expires and publishes the run again"
-    ),
-)
 def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -418,3 +412,62 @@ def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     detail = f"{label}\n{report.summary()}\n{logs}"
     assert len(runs) == 1, detail
     assert report.ok, detail
+
+
+def test_beat_started_after_a_claimer_died_publishes_its_run_late_once(
+    beat_factory: BeatFactory,
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A beat that starts after the run's claimer died unpublished still publishes it, once."""
+    worker = worker_factory.start(BEAT_APP, pool="prefork", concurrency=2)
+    worker.wait_ready(client_app)
+    victim = beat_factory.start(
+        name="victim", env={"SINGLETON_TEST_DIE_ON_PUBLISH": f"before:{DIE_ENTRY}"}
+    )
+    victim.wait_ready()
+    wait_until(lambda: not victim.is_running(), 20, "the victim to claim a run and die")
+    label = (redis_client.lindex(f"{key_prefix}died-on", 0) or b"").decode()
+    run_s = int(label.rsplit("@", 1)[1]) / 1000
+    late = beat_factory.start(name="late")  # starts after the victim's run, in a later slot
+    late.wait_ready()
+    wait_until(
+        lambda: [e for e in history(redis_client, key_prefix) if e.key == label],
+        run_s + CLAIM_GRACE_S + 15 - time.time(),
+        "the late beat to publish the dead claimer's run",
+    )
+    late.terminate()
+    time.sleep(1.0)  # a second publication, if any, would have run by now
+    runs = [e for e in history(redis_client, key_prefix) if e.key == label]
+    detail = f"{label}\n{beat_factory.logs(100)}"
+    assert len(runs) == 1, detail
+    assert runs[0].start_us / 1e6 >= run_s + 9.5, detail  # after the victim's claim expired
+    assert "beat: watching a run claimed by another instance" in late.log_text(), detail
+
+
+def test_worker_drops_a_second_message_of_one_scheduled_run(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """Two messages of one run (two task ids): the second is revoked; a redelivery still runs."""
+    worker = worker_factory.start(BEAT_APP, pool="prefork", concurrency=2)
+    worker.wait_ready(client_app)
+    label = "manual@1"
+    claim = run_claim_key(f"{key_prefix}lock:", "manual", "1")
+    headers = {RUN_HEADER: label, CLAIM_HEADER: claim, KEEP_HEADER: 60_000}
+    first = client_app.send_task("b.record", args=("manual",), headers=headers)
+    assert first.get(timeout=30) == label
+    second = client_app.send_task("b.record", args=("manual",), headers=headers)
+    wait_until(lambda: second.state == "REVOKED", 30, "the second message to be revoked")
+    redelivered = client_app.send_task(
+        "b.record", args=("manual",), headers=headers, task_id=first.id
+    )
+    assert redelivered.get(timeout=30) == label
+    runs = [e for e in history(redis_client, key_prefix) if e.key == label]
+    assert len(runs) == 2, runs  # the first message and its redelivery, never the second
+    log = worker.log_text()
+    assert f"singleton: duplicate scheduled run dropped: run={label} task_id={second.id}" in log

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_singleton_lock.claims import Claim, RunClaims
+from celery_singleton_lock.claims import Claim, RunClaims, witness_key
 from celery_singleton_lock.keys import run_claim_key
 
 
@@ -69,3 +69,47 @@ def test_claimer_id_is_checked(redis_client: redis.Redis) -> None:
     """A claimer id with a space would break the claim's value format."""
     with pytest.raises(ValueError, match="claimer"):
         RunClaims(redis_client, "beat a")
+
+
+def test_witness_lets_the_first_message_and_its_redeliveries_run(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The first message of a run is witnessed; a second task id is named as a duplicate."""
+    key = run_claim_key(key_prefix, "e", "1")
+    worker = RunClaims(redis_client, "worker-a")
+    assert worker.witness(key, "task-1", 60_000) is None
+    assert worker.witness(key, "task-1", 60_000) is None  # a redelivery of the same message
+    assert worker.witness(key, "task-2", 60_000) == "task-1"
+    assert 0 < redis_client.pttl(witness_key(key)) <= 60_000
+
+
+def test_a_witnessed_run_is_not_claimed_again(redis_client: redis.Redis, key_prefix: str) -> None:
+    """A claim left pending by a dead beat, whose run a worker received, reads as done."""
+    key = run_claim_key(key_prefix, "e", "1")
+    dead, survivor = RunClaims(redis_client, "beat-a"), RunClaims(redis_client, "beat-b")
+    assert dead.claim(key, 5000).won
+    assert RunClaims(redis_client, "worker").witness(key, "task-1", 60_000) is None
+    redis_client.delete(key)  # the dead claimer's publish lease ran out
+    seen = survivor.claim(key, 5000, 60_000)
+    assert not seen.won
+    assert seen.published
+    assert redis_client.get(key) == b"done witness task-1"
+    assert redis_client.pttl(key) > 5000
+
+
+def test_peek_reads_claims_without_taking_them(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Peek reports unclaimed, pending and done runs, and claims nothing."""
+    keys = [run_claim_key(key_prefix, "e", str(n)) for n in range(3)]
+    a = RunClaims(redis_client, "beat-a")
+    a.claim(keys[1], 5000)
+    a.claim(keys[2], 5000)
+    a.confirm(keys[2], "task-2", 60_000)
+    free, pending, done = RunClaims(redis_client, "beat-b").peek(keys)
+    assert free is None
+    assert pending is not None
+    assert (pending.won, pending.holder, pending.published) == (False, "beat-a", False)
+    assert 0 < pending.pttl_ms <= 5000
+    assert done is not None
+    assert done.published
+    assert not redis_client.exists(keys[0])
+    assert RunClaims(redis_client, "beat-b").peek([]) == []

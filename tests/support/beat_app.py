@@ -17,6 +17,7 @@ from typing import Any
 
 from celery.schedules import crontab
 
+import celery_singleton_lock  # noqa: F401 - connects the worker hooks (scheduled-run witness)
 from tests.support.history import record_end, record_start
 from tests.support.test_app import _client, history_key, make_app
 

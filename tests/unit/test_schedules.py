@@ -20,6 +20,7 @@ from celery_singleton_lock.schedules import (
     crontab_matches,
     interval_slot,
     nominal_run,
+    recent_runs,
     run_id,
     slot_start,
 )
@@ -667,3 +668,41 @@ def test_schedule_timezone_from_a_name() -> None:
     sched, _ = cron("UTC", minute=0, hour=9)
     sched.tz = "Asia/Kolkata"
     assert nominal_run(sched, utc(2026, 3, 3, 3, 30, 1)) == utc(2026, 3, 3, 3, 30)
+
+
+# --- recent runs (what a beat starting late looks at) -----------------------------------------
+
+
+def test_recent_interval_runs_newest_first() -> None:
+    """Every slot start in the window, newest first, the current slot included."""
+    now = utc(2026, 11, 22, 12, 0, 30, 500_000)
+    runs = recent_runs(schedule(timedelta(seconds=10)), now, now - timedelta(seconds=25), 32)
+    assert runs == [utc(2026, 11, 22, 12, 0, s) for s in (30, 20, 10)]
+
+
+def test_recent_runs_stop_at_the_limit() -> None:
+    """A short interval yields at most ``limit`` runs."""
+    now = utc(2026, 11, 22, 12)
+    runs = recent_runs(schedule(timedelta(seconds=0.1)), now, now - timedelta(hours=1), 5)
+    assert len(runs) == 5
+    assert runs[0] == now
+    with pytest.raises(ValueError, match="limit"):
+        recent_runs(schedule(timedelta(seconds=1)), now, now, 0)
+
+
+def test_recent_crontab_runs_on_the_schedule_wall_clock() -> None:
+    """Every-five-minutes in Berlin: the matching minutes in the window, newest first."""
+    sched, _ = cron(BERLIN, minute="*/5")
+    now = utc(2026, 11, 22, 12, 11, 3)
+    runs = recent_runs(sched, now, now - timedelta(minutes=9), 32)
+    assert runs == [utc(2026, 11, 22, 12, 10), utc(2026, 11, 22, 12, 5)]
+    assert recent_runs(sched, now, now - timedelta(seconds=30), 32) == []
+
+
+def test_recent_solar_run_is_the_past_event_only() -> None:
+    """A solar schedule yields its event if it is in the window and past, never a future one."""
+    sched = solar_schedule("solar_noon", 40.71, -74.0)
+    noon = nominal_run(sched, utc(2026, 6, 1, 17))
+    assert noon is not None
+    assert recent_runs(sched, noon + MINUTE, noon - MINUTE, 32) == [noon]
+    assert recent_runs(sched, noon - SECOND, noon - MINUTE, 32) == []
