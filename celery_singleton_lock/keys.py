@@ -37,7 +37,9 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NAME_CHARS",
     "MAX_PREFIX_CHARS",
+    "MAX_PREVIEW_CHARS",
     "LockKeys",
+    "args_preview",
     "argument_digest",
     "bind_arguments",
     "canonical_encode",
@@ -81,6 +83,9 @@ _T_TIMEDELTA = b"r"
 _T_DECIMAL = b"m"
 _T_ENUM = b"e"
 
+MAX_PREVIEW_CHARS = 100
+"""Longest arguments preview :func:`args_preview` gives."""
+
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 _FORBIDDEN_PREFIX_CHARS = frozenset("{}*?[]\\")
 _MAX_PATH_IN_MESSAGE = 200
@@ -117,6 +122,26 @@ def _too_deep(argument: str) -> SingletonKeyError:
         f"cannot encode argument {argument!r} at {argument}: nested too deeply "
         "(the interpreter's recursion limit was reached)"
     )
+
+
+_preview = reprlib.Repr()
+_preview.maxstring = 24
+_preview.maxother = 24
+_preview.maxlevel = 2
+for _limit in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset"):
+    setattr(_preview, _limit, 4)
+
+
+def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A short, human-readable preview of a call's arguments (``reprlib``, at most
+    :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
+    try:
+        text = f"{_preview.repr(tuple(args))} {_preview.repr(dict(kwargs))}"
+    except Exception as exc:
+        text = f"<unprintable arguments: {type(exc).__name__}>"
+    if len(text) > MAX_PREVIEW_CHARS:
+        text = text[: MAX_PREVIEW_CHARS - 3] + "..."
+    return text
 
 
 def _atom(tag: bytes, payload: bytes | bytearray) -> bytes:

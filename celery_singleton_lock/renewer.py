@@ -8,7 +8,9 @@ locks. A record whose run has ended and been garbage-collected simply drops out.
 Time is injected: :meth:`Renewer.run_due` takes ``now`` and returns how long to wait, so
 tests drive it without a thread or a sleep. :meth:`Renewer.ensure_started` starts a
 daemon thread in the *current* process (it restarts after a fork) that calls it.
-Knows nothing of Celery: outcomes reach the caller through the callbacks.
+A renewal that lands when less than a third of the ttl was left (two intervals or more
+after the last one: the thread was starved, or Redis failed in between) is reported to
+``on_late``. Knows nothing of Celery: outcomes reach the caller through the callbacks.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class HeldLock:
 
 LostCallback = Callable[[HeldLock, RenewStatus], None]
 HeldCallback = Callable[[HeldLock], None]
+#: called with the lock and the seconds its ttl had left (by this process's clock)
+LateCallback = Callable[[HeldLock, float], None]
 ErrorCallback = Callable[[LockUnavailableError], None]
 
 
@@ -81,6 +85,7 @@ class Renewer:
         on_lost: LostCallback = _ignore,
         on_max_hold: HeldCallback = _ignore,
         on_error: ErrorCallback = _ignore,
+        on_late: LateCallback = _ignore,
         error_retry_s: float = 1.0,
     ) -> None:
         self.store = store
@@ -88,6 +93,7 @@ class Renewer:
         self.on_lost = on_lost
         self.on_max_hold = on_max_hold
         self.on_error = on_error
+        self.on_late = on_late
         self.error_retry_s = error_retry_s
         self.round_trips = 0
         self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
@@ -144,8 +150,12 @@ class Renewer:
         self.round_trips += 1
         for h, status in zip(held, statuses, strict=True):
             if status is RenewStatus.RENEWED:
+                # renewed late: less than a third of the ttl was left (two intervals passed)
+                left = h.ttl_ms / 1000.0 - (now - (h.next_due - h.interval))
                 h.renewals += 1
                 h.next_due = now + h.interval
+                if left < h.interval:
+                    self.on_late(h, left)
                 continue
             with self._mutex:
                 still_held = h in self._held

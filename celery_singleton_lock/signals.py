@@ -11,8 +11,10 @@ Connect like any Celery signal::
 ``sender`` is the task (``None`` where no task is at hand). Every signal carries ``key``
 and ``task_id``; the others carry what the table in docs/configuration.md lists.
 Receivers run in the process where the event happened: the pool child (or the solo or
-threads worker), the renewer's thread for ``lock_lost`` and ``lock_max_hold``, and the
-worker's main process for releases after a lost child, a hard time limit or a terminate.
+threads worker), the renewer's thread for ``lock_lost``, ``lock_max_hold`` and
+``lock_renewed_late``, the worker's main process for releases after a lost child, a hard
+time limit or a terminate, and the ``celery singleton`` command's process for
+``lock_force_released``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ __all__ = [
     "duplicate_retried",
     "duplicate_skipped",
     "lock_acquired",
+    "lock_force_released",
     "lock_lost",
     "lock_max_hold",
     "lock_released",
+    "lock_renewed_late",
     "lock_unavailable",
 ]
 
@@ -34,6 +38,8 @@ lock_acquired = Signal(name="singleton_lock_acquired")
 lock_released = Signal(name="singleton_lock_released")
 lock_unavailable = Signal(name="singleton_lock_unavailable")
 lock_lost = Signal(name="singleton_lock_lost")
+lock_renewed_late = Signal(name="singleton_lock_renewed_late")
+lock_force_released = Signal(name="singleton_lock_force_released")
 lock_max_hold = Signal(name="singleton_lock_max_hold")
 duplicate_skipped = Signal(name="singleton_duplicate_skipped")
 duplicate_retried = Signal(name="singleton_duplicate_retried")

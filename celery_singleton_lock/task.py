@@ -31,7 +31,7 @@ from . import signals
 from .config import Options, read_options
 from .connection import renewer_for, store_for
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
-from .keys import LockKeys, derive_keys
+from .keys import LockKeys, args_preview, derive_keys
 from .lock import Contended, ReleaseStatus, RenewItem, RenewStatus
 from .renewer import HeldLock, Renewer
 
@@ -197,6 +197,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             "task": self.name,
             "host": str(request.hostname or socket.gethostname()),
             "pid": str(os.getpid()),
+            "args": args_preview(args, kwargs),
         }
         try:
             outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
@@ -457,6 +458,7 @@ def _configure_renewer(renewer: Renewer) -> None:
     renewer.on_lost = _on_lost
     renewer.on_max_hold = _on_max_hold
     renewer.on_error = _on_renew_error
+    renewer.on_late = _on_late
 
 
 def _on_lost(held: HeldLock, status: RenewStatus) -> None:
@@ -485,6 +487,21 @@ def _on_max_hold(held: HeldLock) -> None:
         held.max_hold_s,
     )
     signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
+
+
+def _on_late(held: HeldLock, left_s: float) -> None:
+    task = held.context
+    logger.warning(
+        "singleton: lock renewed late: %s[%s] key=%s left=%.3fs ttl=%ss",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        left_s,
+        held.ttl_ms / 1000,
+    )
+    signals.lock_renewed_late.send(
+        sender=task, key=held.key, task_id=held.owner, token=held.token, left=left_s
+    )
 
 
 def _on_renew_error(exc: LockUnavailableError) -> None:

@@ -406,3 +406,37 @@ def test_worker_locks_on_the_cluster(
         app.close()
         client.close()
         broker.close()
+
+
+def test_admin_lists_and_force_releases_locks_on_every_node(
+    cluster: Cluster, store: LockStore
+) -> None:
+    """The CLI's core scans every master (SCAN, never KEYS) and force-releases in the slot."""
+    from celery_singleton_lock.admin import ForceStatus, force_release, iter_locks, read_lock
+
+    prefix = f"cslt:admin-{uuid.uuid4().hex[:8]}:"
+    client = cluster_client(store)
+    keys = [lock_keys(prefix, "t.admin", f"{i}".encode()) for i in range(30)]
+    for index, k in enumerate(keys):
+        store.acquire(k, f"owner-{index}", 0, TTL_MS, {"task": "t.admin", "host": "w1@h"})
+    assert len({node_of(client, k.lock) for k in keys}) == 3
+
+    def keys_calls() -> dict[int, int]:
+        calls = {}
+        for port, node in cluster.node_clients().items():
+            try:
+                stats = node.info("commandstats")
+                calls[port] = int(stats.get("cmdstat_keys", {}).get("calls", 0))
+            finally:
+                node.close()
+        return calls
+
+    before = keys_calls()
+    found = {info.key: info for info in iter_locks(client, prefix, batch=7)}
+    assert set(found) == {k.lock for k in keys}
+    assert found[keys[0].lock].owner == "owner-0"
+    assert found[keys[0].lock].age_s is not None
+    assert force_release(client, found[keys[0].lock]) is ForceStatus.RELEASED
+    assert read_lock(client, keys[0].lock, prefix) is None
+    assert client.exists(keys[0].fence) == 1
+    assert keys_calls() == before

@@ -668,3 +668,18 @@ def test_key_does_not_depend_on_hash_seed() -> None:
             check=True,
         )
         assert result.stdout.strip() == local
+
+
+def test_args_preview_is_short_and_never_raises() -> None:
+    """The preview is a cut repr of the call; a broken __repr__ does not break it."""
+    from celery_singleton_lock.keys import MAX_PREVIEW_CHARS, args_preview
+
+    class Broken:
+        def __repr__(self) -> str:
+            raise RuntimeError("no")
+
+    assert args_preview((42,), {"full": True}) == "(42,) {'full': True}"
+    long = args_preview(("x" * 1000, list(range(1000))), {f"k{i}": i for i in range(100)})
+    assert len(long) <= MAX_PREVIEW_CHARS
+    assert long.startswith("('xxxx")
+    assert "Broken" in args_preview((Broken(),), {})

@@ -1,0 +1,265 @@
+"""Look at and clean up the locks in Redis: the core of the ``celery singleton`` command.
+
+Knows nothing of Celery: every function takes a redis-py client (``redis.Redis`` or
+``RedisCluster``) and the key prefix. Locks are found with ``SCAN MATCH <prefix>{*}:lock``
+(never ``KEYS``), read in batches with one pipeline per batch, so it is safe on a big
+database: a batch costs one SCAN page and one round trip.
+
+Everything shown is read from the lock hash itself (written by ``lua/acquire.lua``) and its
+``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it.
+
+====================  =====================================================================
+hash field            meaning
+====================  =====================================================================
+``owner``             holder: the Celery task id
+``gen``               the holder's retries count
+``token``             fencing token of the holder's run
+``since``             when it was taken, ms since the epoch (the Redis server's clock)
+``renewals``          renewals since it was taken
+``ttl``               the ttl it is renewed to, ms
+``task``              task name
+``host``              the holder's worker node name (``name@host``)
+``pid``               pid of the process running the task
+``args``              a short preview of the arguments (``repr``, cut)
+====================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .keys import check_prefix, safe_name
+from .lock import Client, as_text, load_script
+
+__all__ = [
+    "ForceStatus",
+    "LockInfo",
+    "Stats",
+    "force_release",
+    "iter_locks",
+    "lock_pattern",
+    "read_lock",
+    "stale_reason",
+    "stats",
+]
+
+#: Keys asked for per SCAN page, and read per pipeline.
+BATCH = 500
+
+
+class ForceStatus(enum.IntEnum):
+    """What a force release found."""
+
+    RELEASED = 1
+    GONE = 0
+    CHANGED = -1
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One lock as read from Redis; a field is None when the hash does not have it."""
+
+    key: str
+    task: str | None
+    args: str | None
+    owner: str | None
+    generation: int | None
+    host: str | None
+    pid: int | None
+    token: int | None
+    renewals: int | None
+    since_ms: int | None
+    #: seconds since it was taken (Redis server clock)
+    age_s: float | None
+    #: seconds until it expires unless renewed; None when the key has no expiry
+    ttl_s: float | None
+    #: the ttl it is renewed to, seconds
+    lease_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-friendly dict."""
+        return asdict(self)
+
+
+def lock_pattern(prefix: str, task: str | None = None) -> str:
+    """The SCAN MATCH pattern of every lock under ``prefix`` (of ``task`` only, if given).
+
+    ``check_prefix`` keeps glob characters out of prefixes and ``safe_name`` out of task
+    names, so the pattern matches literally. Different task names may share a safe name:
+    :func:`iter_locks` also compares the ``task`` field.
+    """
+    check_prefix(prefix)
+    name = "*" if task is None else f"{safe_name(task)}:*"
+    return f"{prefix}{{{name}}}:lock"
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _task_from_key(key: str, prefix: str) -> str | None:
+    """The readable task name inside the key's hash tag (locks written without a task field)."""
+    tag = key[len(prefix) :]
+    if tag.startswith("{") and ":" in tag:
+        return tag[1:].split(":", 1)[0]
+    return None
+
+
+def _info(key: str, fields: dict[str, str], pttl: int, now_ms: int, prefix: str) -> LockInfo:
+    since = _int(fields.get("since"))
+    lease = _int(fields.get("ttl"))
+    return LockInfo(
+        key=key,
+        task=fields.get("task") or _task_from_key(key, prefix),
+        args=fields.get("args"),
+        owner=fields.get("owner"),
+        generation=_int(fields.get("gen")),
+        host=fields.get("host"),
+        pid=_int(fields.get("pid")),
+        token=_int(fields.get("token")),
+        renewals=_int(fields.get("renewals")),
+        since_ms=since,
+        age_s=None if since is None else max(0.0, (now_ms - since) / 1000),
+        ttl_s=None if pttl < 0 else pttl / 1000,
+        lease_s=None if lease is None else lease / 1000,
+    )
+
+
+def _server_ms(client: Client) -> int:
+    seconds, micros = client.time()  # on a cluster: one node's clock
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _read_batch(client: Client, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    """HGETALL and PTTL of every key in one pipeline; keys gone or not hashes are dropped."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(key)
+        pipe.pttl(key)
+    replies: list[Any] = pipe.execute(raise_on_error=False)
+    now_ms = _server_ms(client)
+    found: list[LockInfo] = []
+    for index, key in enumerate(keys):
+        raw, pttl = replies[2 * index], replies[2 * index + 1]
+        if isinstance(raw, Exception) or isinstance(pttl, Exception) or not raw:
+            continue  # expired since the SCAN, or not a lock hash
+        fields = {as_text(k): as_text(v) for k, v in raw.items()}
+        found.append(_info(key, fields, int(pttl), now_ms, prefix))
+    return found
+
+
+def _scan(client: Client, pattern: str, count: int) -> Iterator[str]:
+    seen: set[str] = set()  # SCAN may return a key twice (while the table is resized)
+    for raw in client.scan_iter(match=pattern, count=count):
+        key = as_text(raw)
+        if key not in seen:
+            seen.add(key)
+            yield key
+
+
+def _batches(keys: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for key in keys:
+        batch.append(key)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def iter_locks(
+    client: Client, prefix: str, task: str | None = None, batch: int = BATCH
+) -> Iterator[LockInfo]:
+    """Every lock under ``prefix`` (only ``task``'s if given), read ``batch`` keys at a time.
+
+    SCAN guarantees every key that exists for the whole scan is returned; locks taken or
+    released meanwhile may or may not be. On a cluster every primary is scanned.
+    """
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch!r}")
+    for keys in _batches(_scan(client, lock_pattern(prefix, task), batch), batch):
+        for info in _read_batch(client, keys, prefix):
+            if task is None or info.task == task:
+                yield info
+
+
+def read_lock(client: Client, key: str, prefix: str) -> LockInfo | None:
+    """The lock at ``key``, or None when it is not held."""
+    found = _read_batch(client, [key], prefix)
+    return found[0] if found else None
+
+
+def force_release(client: Client, info: LockInfo) -> ForceStatus:
+    """Delete the lock ``info`` shows, only if it still has that owner and fencing token.
+
+    The fencing counter is kept, so the next holder still gets a larger token; the holder's
+    renewer finds the lock gone at its next renewal and marks its run as lost.
+    """
+    script = client.register_script(load_script("force_release.lua"))
+    owner = info.owner or ""
+    token = "" if info.token is None else str(info.token)
+    return ForceStatus(int(script(keys=[info.key], args=[owner, token])))
+
+
+def stale_reason(info: LockInfo, live_hosts: Callable[[], set[str] | None]) -> str | None:
+    """Why the lock is stale, or None when it may still be held by a live run.
+
+    - ``no owner``: a hash without an owner is not a lock anybody holds;
+    - ``no ttl``: the key never expires (the library always sets one: it was written or
+      changed by hand, or by a foreign tool);
+    - ``holder down``: its ``host`` is a worker node name (``name@host``) that is not among
+      ``live_hosts()`` (the nodes that answered a ping); None from ``live_hosts`` means
+      "unknown", and then no lock is stale for that reason.
+
+    ``live_hosts`` is only called for locks that pass the first two checks.
+    """
+    if not info.owner:
+        return "no owner"
+    if info.ttl_s is None:
+        return "no ttl"
+    if info.host and "@" in info.host:
+        hosts = live_hosts()
+        if hosts is not None and info.host not in hosts:
+            return "holder down"
+    return None
+
+
+@dataclass
+class Stats:
+    """Totals over the locks :func:`stats` found."""
+
+    locks: int = 0
+    by_task: dict[str, int] = field(default_factory=dict)
+    by_host: dict[str, int] = field(default_factory=dict)
+    without_ttl: int = 0
+    oldest_age_s: float | None = None
+    most_renewals: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The totals as a JSON-friendly dict."""
+        return asdict(self)
+
+
+def stats(locks: Iterable[LockInfo]) -> Stats:
+    """Count ``locks`` by task and host; the oldest and the most renewed."""
+    result = Stats()
+    for info in locks:
+        result.locks += 1
+        task = info.task or "?"
+        result.by_task[task] = result.by_task.get(task, 0) + 1
+        host = info.host or "?"
+        result.by_host[host] = result.by_host.get(host, 0) + 1
+        if info.ttl_s is None:
+            result.without_ttl += 1
+        if info.age_s is not None:
+            result.oldest_age_s = max(result.oldest_age_s or 0.0, info.age_s)
+        if info.renewals is not None:
+            result.most_renewals = max(result.most_renewals or 0, info.renewals)
+    return result

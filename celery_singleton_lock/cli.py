@@ -1,0 +1,321 @@
+"""``celery -A proj singleton ...``: list, show, release and purge the locks; stats.
+
+Registered through the ``celery.commands`` entry point. The Redis URL and the key prefix are
+the app's (``singleton_redis_url``, ``singleton_key_prefix``) unless ``--url``/``--prefix``
+say otherwise; the URL is only ever shown without its password. The Redis work is done by
+:mod:`celery_singleton_lock.admin`; this module is the click glue, the confirmations, the
+log lines and the ``lock_force_released`` signal.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import click
+
+from . import signals
+from .admin import ForceStatus, LockInfo, force_release, iter_locks, read_lock, stale_reason, stats
+from .config import read_options, redact_url
+from .connection import client_for
+from .errors import SingletonConfigError
+from .lock import REDIS_ERRORS, Client
+
+__all__ = ["singleton"]
+
+logger = logging.getLogger("celery_singleton_lock.cli")
+
+
+@dataclass
+class _Target:
+    """Where the command looks: the client, the URL (shown redacted) and the prefix."""
+
+    url: str
+    prefix: str
+    app: Any
+    _client: Client | None = None
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = client_for(self.url)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def fail(self, exc: Exception) -> NoReturn:
+        raise click.ClickException(f"Redis at {redact_url(self.url)}: {exc}") from None
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+@click.group(name="singleton")
+@click.option("--url", default=None, help="Redis URL of the locks (default: the app's).")
+@click.option("--prefix", default=None, help="Key prefix of the locks (default: the app's).")
+@click.pass_context
+def singleton(ctx: click.Context, url: str | None, prefix: str | None) -> None:
+    """List, show, release and purge celery_singleton_lock locks."""
+    app = getattr(ctx.obj, "app", None)
+    try:
+        options = read_options(app.conf) if app is not None else None
+    except SingletonConfigError as exc:
+        raise click.ClickException(f"invalid setting: {exc}") from None
+    if url is None:
+        url = options.redis_url if options is not None else "redis://localhost:6379/0"
+    if prefix is None:
+        prefix = options.key_prefix if options is not None else "singleton:"
+    _setup_logging()
+    ctx.obj = target = _Target(url=url, prefix=prefix, app=app)
+    ctx.call_on_close(target.close)
+
+
+def _locks(target: _Target, task: str | None) -> Iterator[LockInfo]:
+    try:
+        yield from iter_locks(target.client, target.prefix, task)
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
+    except SingletonConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+def _text(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+_COLUMNS = ("TASK", "HOLDER", "HOST", "PID", "AGE", "TTL", "TOKEN", "RENEWS", "ARGS", "KEY")
+
+
+def _row(info: LockInfo) -> tuple[str, ...]:
+    return (
+        _text(info.task),
+        _text(info.owner),
+        _text(info.host),
+        _text(info.pid),
+        _seconds(info.age_s),
+        _seconds(info.ttl_s),
+        _text(info.token),
+        _text(info.renewals),
+        _text(info.args),
+        info.key,
+    )
+
+
+def _describe(info: LockInfo) -> str:
+    lines = [
+        f"key:       {info.key}",
+        f"task:      {_text(info.task)}",
+        f"args:      {_text(info.args)}",
+        f"holder:    {_text(info.owner)} (retries {_text(info.generation)})",
+        f"worker:    {_text(info.host)} pid {_text(info.pid)}",
+        f"age:       {_seconds(info.age_s)}",
+        f"ttl:       {_seconds(info.ttl_s)} left of {_seconds(info.lease_s)}",
+        f"token:     {_text(info.token)}",
+        f"renewals:  {_text(info.renewals)}",
+    ]
+    return "\n".join(lines)
+
+
+@singleton.command(name="list")
+@click.option("--task", default=None, help="Only the locks of this task name.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of lock objects.")
+@click.pass_obj
+def list_locks(target: _Target, task: str | None, as_json: bool) -> None:
+    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, renewals."""
+    if as_json:  # streamed: a big database never sits in memory
+        click.echo("[", nl=False)
+        for count, info in enumerate(_locks(target, task)):
+            click.echo(("," if count else "") + "\n" + json.dumps(info.as_dict()), nl=False)
+        click.echo("\n]")
+        return
+    click.echo("\t".join(_COLUMNS))
+    for info in _locks(target, task):
+        click.echo("\t".join(_row(info)))
+
+
+def _read(target: _Target, key: str) -> LockInfo:
+    try:
+        info = read_lock(target.client, key, target.prefix)
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
+    if info is None:
+        raise click.ClickException(f"no lock at {key}")
+    return info
+
+
+@singleton.command(name="show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="The lock as a JSON object.")
+@click.pass_obj
+def show(target: _Target, key: str, as_json: bool) -> None:
+    """One lock, every field (exit code 1 when it is not held)."""
+    info = _read(target, key)
+    click.echo(json.dumps(info.as_dict(), indent=2) if as_json else _describe(info))
+
+
+def _operator() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "?"
+    return f"{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
+    """Compare-and-delete ``info``'s lock; log and signal what happened."""
+    try:
+        status = force_release(target.client, info)
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
+    if status is ForceStatus.RELEASED:
+        logger.warning(
+            "singleton: force-released key=%s task=%s owner=%s token=%s reason=%s by=%s",
+            info.key,
+            info.task,
+            info.owner,
+            info.token,
+            reason,
+            _operator(),
+        )
+        signals.lock_force_released.send(
+            sender=None,
+            key=info.key,
+            task_id=info.owner,
+            token=info.token,
+            task=info.task,
+            reason=reason,
+        )
+    elif status is ForceStatus.CHANGED:
+        logger.warning(
+            "singleton: force release skipped, the lock changed hands: key=%s owner=%s",
+            info.key,
+            info.owner,
+        )
+    return status
+
+
+@singleton.command(name="release")
+@click.argument("key")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_obj
+def release(target: _Target, key: str, yes: bool) -> None:
+    """Force-release one lock: the one shown, only if nobody took it over meanwhile.
+
+    The running holder is not stopped: its next renewal finds the lock gone, its
+    ``self.singleton.lost`` turns true and ``lock_lost`` is sent.
+    """
+    info = _read(target, key)
+    click.echo(_describe(info))
+    if not yes:
+        click.confirm("Force-release this lock? Its holder may still be running", abort=True)
+    status = _force(target, info, "operator")
+    if status is ForceStatus.RELEASED:
+        click.echo(f"released {key}")
+    elif status is ForceStatus.GONE:
+        raise click.ClickException(f"no lock at {key} any more")
+    else:
+        raise click.ClickException(f"{key} changed hands since it was shown; left alone")
+
+
+def _live_hosts(target: _Target, timeout: float) -> set[str] | None:
+    """Node names of the workers that answer a ping; None if none does (unknown)."""
+    if target.app is None:
+        return None
+    replies = target.app.control.ping(timeout=timeout) or []
+    hosts = {name for reply in replies for name in reply}
+    if not hosts:
+        click.echo("no worker answered the ping: no holder is taken for down", err=True)
+        return None
+    return hosts
+
+
+@singleton.command(name="purge")
+@click.option("--task", default=None, help="Only the locks of this task name.")
+@click.option(
+    "--all", "purge_all", is_flag=True, help="Every lock of --task, stale or not (asks first)."
+)
+@click.option("--dry-run", is_flag=True, help="Only show what would be released.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for pings.")
+@click.pass_obj
+def purge(
+    target: _Target,
+    *,
+    task: str | None,
+    purge_all: bool,
+    dry_run: bool,
+    yes: bool,
+    timeout: float,
+) -> None:
+    """Release stale locks: without owner, without TTL, or held on a worker that is down.
+
+    A worker is down when its node name does not answer ``celery inspect ping`` within
+    ``--timeout``. With ``--all`` (which needs ``--task``) every lock of that task goes.
+    """
+    if purge_all and task is None:
+        raise click.UsageError("--all needs --task NAME")
+    hosts: list[set[str] | None] = []
+
+    def live() -> set[str] | None:
+        if not hosts:  # ping once, and only when a lock needs it
+            hosts.append(_live_hosts(target, timeout))
+        return hosts[0]
+
+    chosen: list[tuple[LockInfo, str]] = []
+    for info in _locks(target, task):
+        reason = "all" if purge_all else stale_reason(info, live)
+        if reason is not None:
+            chosen.append((info, reason))
+            click.echo(f"{reason}\t" + "\t".join(_row(info)))
+    if not chosen:
+        click.echo("nothing to purge")
+        return
+    if dry_run:
+        click.echo(f"{len(chosen)} lock(s) would be released (dry run)")
+        return
+    if not yes:
+        click.confirm(f"Force-release these {len(chosen)} lock(s)?", abort=True)
+    released = sum(_force(target, info, reason) is ForceStatus.RELEASED for info, reason in chosen)
+    click.echo(f"released {released} of {len(chosen)} lock(s)")
+
+
+@singleton.command(name="stats")
+@click.option("--task", default=None, help="Only the locks of this task name.")
+@click.option("--json", "as_json", is_flag=True, help="The totals as a JSON object.")
+@click.pass_obj
+def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
+    """How many locks, by task and by worker; the oldest, the most renewed."""
+    totals = stats(_locks(target, task))
+    data = {"redis": redact_url(target.url), "prefix": target.prefix, **totals.as_dict()}
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"redis:          {data['redis']}")
+    click.echo(f"prefix:         {target.prefix}")
+    click.echo(f"locks:          {totals.locks}")
+    click.echo(f"without ttl:    {totals.without_ttl}")
+    click.echo(f"oldest:         {_seconds(totals.oldest_age_s)}")
+    click.echo(f"most renewals:  {_text(totals.most_renewals)}")
+    for title, counts in (("by task", totals.by_task), ("by worker", totals.by_host)):
+        click.echo(f"{title}:")
+        for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            click.echo(f"  {count:>6}  {name}")

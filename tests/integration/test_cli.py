@@ -1,0 +1,219 @@
+"""The ``celery singleton`` command against real Redis, and a real worker holding a lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+
+from celery_singleton_lock.admin import (
+    ForceStatus,
+    force_release,
+    iter_locks,
+    read_lock,
+    stale_reason,
+    stats,
+)
+from celery_singleton_lock.cli import singleton
+from celery_singleton_lock.keys import lock_keys
+from celery_singleton_lock.lock import LockStore
+from tests.support.test_app import make_app
+from tests.support.workers import REPO_ROOT, WorkerFactory
+
+APP = "tests.support.singleton_app"
+
+
+@pytest.fixture
+def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
+    """The client side of the worker app: same broker, backend and private prefix."""
+    app = make_app(redis_url, key_prefix)
+    yield app
+    app.close()
+
+
+def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any:
+    """Run ``celery -A tests.support.singleton_app singleton <args>`` as a real process."""
+    env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str) -> str:
+    """Take a lock the way a worker would, held by ``host``; return its key."""
+    keys = lock_keys(prefix, task, ident)
+    meta = {"task": task, "host": host, "pid": "4242", "args": repr(ident)}
+    LockStore(client).acquire(keys, f"owner-{ident.decode()}", 0, 60_000, meta)
+    return keys.lock
+
+
+def test_list_purge_and_release_on_a_live_worker(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    redis_url: str,
+    key_prefix: str,
+) -> None:
+    """list shows the worker's lock and holder; purge spares it; release makes the run lose it."""
+    lock_prefix = f"{key_prefix}lock:"
+    worker = worker_factory.start(APP, env={"SINGLETON_TEST_TTL": "4"})
+    dead = _plant(redis_client, lock_prefix, "t.hold", b"dead", "w-gone@nowhere")
+    bare = _plant(redis_client, lock_prefix, "t.hold", b"bare", "w-gone@nowhere")
+    redis_client.persist(bare)
+    worker.wait_ready(client_app)
+    # runs far longer than the test: the lock must only end by the release below
+    result = client_app.send_task("t.hold", kwargs={"key": "held-k", "seconds": 120})
+
+    def live_lock() -> dict[str, Any] | None:
+        listed = _celery(redis_url, key_prefix, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        mine = [lock for lock in json.loads(listed.stdout) if lock["owner"] == result.id]
+        return mine[0] if mine else None
+
+    lock = _wait_for(live_lock, 30, "the worker's lock in `singleton list --json`")
+    assert lock["task"] == "t.hold"
+    assert lock["host"] == worker.nodename
+    assert lock["pid"] in worker.child_pids()
+    assert "held-k" in lock["args"]
+    assert lock["token"] > 0
+    assert 0 < lock["ttl_s"] <= 4.0
+    assert lock["lease_s"] == 4.0
+
+    purged = _celery(redis_url, key_prefix, "purge", "--yes", "--timeout", "3")
+    assert purged.returncode == 0, purged.stderr
+    assert "released 2 of 2" in purged.stdout, purged.stdout
+    assert redis_client.exists(dead, bare) == 0
+    assert redis_client.exists(lock["key"]) == 1  # its holder answered the ping
+
+    released = _celery(redis_url, key_prefix, "release", lock["key"], "--yes")
+    assert released.returncode == 0, released.stderr
+    assert f"singleton: force-released key={lock['key']}" in released.stderr
+
+    def logged() -> set[str]:
+        return {raw.decode() for raw in redis_client.lrange(f"{key_prefix}signals", 0, -1)}
+
+    _wait_for(lambda: f"lock_lost {result.id}" in logged(), 30, "lock_lost from the worker")
+    assert f"lock_force_released {result.id}" in logged()  # sent by the command's process
+    assert "singleton: lock lost: t.hold" in worker.log_text()
+
+
+def test_iter_locks_scans_a_database_with_many_keys(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """SCAN finds every lock among many other keys, in small batches, and filters by task."""
+    pipe = redis_client.pipeline(transaction=False)
+    for index in range(20_000):
+        pipe.set(f"{key_prefix}noise:{index}", "x")
+    for index in range(50):  # fencing counters sit next to the locks: not locks themselves
+        pipe.set(f"{key_prefix}lock:{{t.other:{index}}}:fence", "1")
+    pipe.execute()
+    prefix = f"{key_prefix}lock:"
+    keys = {_plant(redis_client, prefix, "t.a", f"a{i}".encode(), "w1@h") for i in range(25)}
+    keys |= {_plant(redis_client, prefix, "t.b", f"b{i}".encode(), "w2@h") for i in range(5)}
+    found = list(iter_locks(redis_client, prefix, batch=100))
+    assert {info.key for info in found} == keys
+    only_b = list(iter_locks(redis_client, prefix, task="t.b"))
+    assert {info.task for info in only_b} == {"t.b"}
+    assert len(only_b) == 5
+    totals = stats(found)
+    assert totals.locks == 30
+    assert totals.by_task == {"t.a": 25, "t.b": 5}
+    assert totals.by_host == {"w1@h": 25, "w2@h": 5}
+
+
+def test_force_release_leaves_a_lock_that_changed_hands(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Only the owner and token that were read are deleted; the fencing counter stays."""
+    keys = lock_keys(key_prefix, "t.a", b"x")
+    store = LockStore(redis_client)
+    store.acquire(keys, "first", 0, 60_000, {"task": "t.a", "host": "w1@h"})
+    shown = read_lock(redis_client, keys.lock, key_prefix)
+    assert shown is not None
+    assert shown.owner == "first"
+    store.release(keys.lock, "first", 0)
+    store.acquire(keys, "second", 0, 60_000, {"task": "t.a", "host": "w1@h"})
+    assert force_release(redis_client, shown) is ForceStatus.CHANGED
+    assert redis_client.hget(keys.lock, "owner") == b"second"
+    now = read_lock(redis_client, keys.lock, key_prefix)
+    assert now is not None
+    assert force_release(redis_client, now) is ForceStatus.RELEASED
+    assert force_release(redis_client, now) is ForceStatus.GONE
+    assert redis_client.exists(keys.fence) == 1
+
+
+def test_stale_reasons(redis_client: redis.Redis, key_prefix: str) -> None:
+    """No owner, no ttl and a holder node that is not alive are stale; the rest are not."""
+    live = _plant(redis_client, key_prefix, "t.a", b"live", "w1@h")
+    gone = _plant(redis_client, key_prefix, "t.a", b"gone", "w9@h")
+    local = _plant(redis_client, key_prefix, "t.a", b"local", "laptop")  # not a node name
+    bare = _plant(redis_client, key_prefix, "t.a", b"bare", "w1@h")
+    redis_client.persist(bare)
+    orphan = _plant(redis_client, key_prefix, "t.a", b"orphan", "w1@h")
+    redis_client.hdel(orphan, "owner")
+    infos = {info.key: info for info in iter_locks(redis_client, key_prefix)}
+
+    def reason(key: str, alive: bool = True) -> str | None:
+        return stale_reason(infos[key], lambda: {"w1@h"} if alive else None)
+
+    assert reason(live) is None
+    assert reason(gone) == "holder down"
+    assert reason(gone, alive=False) is None  # nobody answered: unknown, not down
+    assert reason(local) is None
+    assert reason(bare) == "no ttl"
+    assert reason(orphan) == "no owner"
+
+
+def test_cli_never_shows_the_password(key_prefix: str) -> None:
+    """A URL's password is redacted in errors and in stats."""
+    runner = CliRunner()
+    url = "redis://user:s3cr3t-pw@127.0.0.1:1/0"
+    out = runner.invoke(singleton, ["--url", url, "--prefix", key_prefix, "stats"])
+    assert out.exit_code == 1
+    assert "s3cr3t-pw" not in out.output
+    assert "user:***@127.0.0.1:1" in out.output
+
+
+def test_cli_release_asks_first(redis_client: redis.Redis, redis_url: str, key_prefix: str) -> None:
+    """Without --yes, release asks; answering no leaves the lock."""
+    key = _plant(redis_client, key_prefix, "t.a", b"ask", "w1@h")
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", key_prefix]
+    shown = runner.invoke(singleton, [*base, "show", key, "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["owner"] == "owner-ask"
+    out = runner.invoke(singleton, [*base, "release", key], input="n\n")
+    assert out.exit_code == 1
+    assert "Force-release this lock?" in out.output
+    assert redis_client.exists(key) == 1
+    out = runner.invoke(singleton, [*base, "release", key], input="y\n")
+    assert out.exit_code == 0, out.output
+    assert redis_client.exists(key) == 0
+    out = runner.invoke(singleton, [*base, "show", key])
+    assert out.exit_code == 1
+    assert f"no lock at {key}" in out.output
