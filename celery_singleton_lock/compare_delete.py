@@ -51,7 +51,7 @@ def native_command(client: Client) -> str:
     try:
         reply = _command_info(client)
     except redis.ResponseError as exc:  # e.g. NOPERM: an ACL user without +command
-        logger.debug("singleton: COMMAND INFO refused, using Lua: %s", exc)
+        logger.info("singleton: compare-and-delete check refused, using Lua: %s", exc)
         found = ""
     else:
         found = next((name for name, entry in zip(_COMMANDS, reply, strict=False) if entry), "")
@@ -91,7 +91,9 @@ def delete_if_equal(client: Client, key: str, value: str) -> bool | None:
         text = str(exc).lower()
         if "unknown command" not in text and "noperm" not in text and "no permissions" not in text:
             raise
-        logger.info("singleton: %s refused, using Lua from now on: %s", name, exc)
+        logger.info(
+            "singleton: compare-and-delete refused, using Lua from now on: %s: %s", name, exc
+        )
         with _mutex:
             _found[client] = ""
         return None
