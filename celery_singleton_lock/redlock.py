@@ -627,7 +627,8 @@ class RedlockClaims:
     def claim(self, key: str, lease_ms: int) -> Claim:
         """Claim the run at ``key`` on every master; won with a majority, within the lease.
 
-        Lost: the holder most masters named, ``published`` if any of them confirmed it. A split
+        Lost: the holder most masters named, or ``published`` as soon as any master that
+        answered has the run confirmed (then even a majority for us is given up). A split
         vote (nobody holds, or can hold, a majority) reports a short random ``pttl_ms``, so the
         scheduler looks again soon instead of after the publish lease.
         """
@@ -635,12 +636,15 @@ class RedlockClaims:
         replies = self._run(lambda c: c.claim(key, lease_ms))
         answers = {i: r for i, r in replies.items() if not isinstance(r, _Failed)}
         won = [i for i, r in answers.items() if r.won]
+        published = [r for r in answers.values() if r.published]
         elapsed_ms = (self.clock() - start) * 1000
         validity_ms = lease_ms - elapsed_ms - (lease_ms * self.drift_factor + self.drift_floor_ms)
-        if len(won) >= self.quorum and validity_ms > 0:
+        if len(won) >= self.quorum and validity_ms > 0 and not published:
             return Claim(won=True, holder=self.claimer)
         if won or len(answers) < len(self.members):  # a silent master may have granted it
             self.unclaim(key, quietly=True)
+        if published:  # even a majority for us: the run went out once already
+            return published[0]
         if len(answers) < self.quorum:
             raise LockUnavailableError(
                 f"could not claim {key}: {len(answers)} of {len(self.members)} masters answered,"
@@ -648,9 +652,6 @@ class RedlockClaims:
                 key=key,
             )
         refusals = [r for r in answers.values() if not r.won and r.holder]
-        published = [r for r in refusals if r.published]
-        if published:
-            return published[0]
         named = collections.Counter(r.holder for r in refusals)
         failed = len(self.members) - len(answers)
         if not named or max(named.values()) + failed < self.quorum:

@@ -12,6 +12,7 @@ import pytest
 
 from celery_singleton_lock import SingletonConfigError, skip_info
 from celery_singleton_lock import connection as singleton_connection
+from celery_singleton_lock.claims import RunClaims
 from celery_singleton_lock.config import parse_lock_url, read_options, redact_url
 from celery_singleton_lock.connection import client_for, redlock_clients, store_for
 from celery_singleton_lock.keys import lock_keys
@@ -210,5 +211,50 @@ def test_beat_leader_lease_over_redlock(key_prefix: str, monkeypatch: pytest.Mon
         check_leader_hand_over(app, monkeypatch)
     finally:
         app.close()
+        for server in servers:
+            server.close()
+
+
+def test_even_master_count_is_logged(
+    caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
+) -> None:
+    """Four masters work but survive no more than three: a WARNING says so, password hidden."""
+    url = f"redis+redlock://:{PASSWORD}@a:1,b:2,c:3,d:4/0"
+    request.addfinalizer(singleton_connection.reset)
+    with caplog.at_level("WARNING", logger="celery_singleton_lock.connection"):
+        store = store_for(url)
+    assert isinstance(store, RedlockStore)
+    assert store.quorum == 3
+    assert "singleton: redlock over an even number of masters (4)" in caplog.text
+    assert PASSWORD not in caplog.text
+
+
+def test_redlock_claims_split_vote_and_published_minority() -> None:
+    """A split vote is given up and looked at again soon; a run confirmed on any master that
+    answered counts as published."""
+    servers = [RedisServer() for _ in range(3)]
+    clients = redlock_clients(redlock_url(servers, password=""))
+    try:
+        key = "cslt:rlclaims:run"
+        RunClaims(clients[0], "x").claim(key, 60_000)
+        RunClaims(clients[1], "y").claim(key, 60_000)
+        split = RedlockClaims(clients, "z").claim(key, 60_000)
+        assert not split.won
+        assert not split.published
+        assert 0 < split.pttl_ms <= 200, "looked at again soon, not after the lease"
+        assert not clients[2].exists(key), "the split claim was given up where granted"
+
+        other = "cslt:rlclaims:done"
+        x = RunClaims(clients[0], "x")
+        assert x.claim(other, 60_000).won
+        assert x.confirm(other, "task-1", 60_000)
+        seen = RedlockClaims(clients, "z").claim(other, 60_000)
+        assert not seen.won
+        assert seen.published
+        assert seen.holder == "x"
+        assert not clients[1].exists(other), "z's claims were given up"
+    finally:
+        for client in clients:
+            client.close()
         for server in servers:
             server.close()
