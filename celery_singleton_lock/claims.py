@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .compare_delete import delete_if_equal
 from .errors import LockUnavailableError
 from .lock import REDIS_ERRORS, Client, as_text, load_script
 
@@ -89,8 +90,15 @@ class RunClaims:
             raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
 
     def unclaim(self, key: str) -> bool:
-        """Give up our pending claim at ``key`` (publishing failed)."""
+        """Give up our pending claim at ``key`` (publishing failed).
+
+        A compare-and-delete of a string: the server's ``DELIFEQ`` (Valkey 9) or ``DELEX ...
+        IFEQ`` (Redis 8.4) where it has one, else ``unclaim.lua`` (see compare_delete.py).
+        """
         try:
+            deleted = delete_if_equal(self.client, key, f"pending {self.claimer}")
+            if deleted is not None:
+                return deleted
             return bool(self._unclaim(keys=[key], args=[self.claimer]))
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not unclaim {key}: {exc}", key=key) from exc

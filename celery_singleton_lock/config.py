@@ -48,10 +48,14 @@ URL_KINDS = {
     "rediss+sentinel": "sentinel",
     "redis+cluster": "cluster",
     "rediss+cluster": "cluster",
+    "redis+redlock": "redlock",
+    "rediss+redlock": "redlock",
 }
 DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_CLUSTER_PORT = 6379
 DEFAULT_WAIT_TIMEOUT_S = 1.0
+#: Fewest masters a redis+redlock:// URL may list: with 2 the lock survives no failure at all.
+MIN_REDLOCK_MASTERS = 3
 
 
 class ConfLike(Protocol):
@@ -124,8 +128,8 @@ def _url(name: str, value: Any) -> str | None:
     if not isinstance(value, str) or _scheme(value) not in URL_KINDS:
         shown = redact_url(value) if isinstance(value, str) else repr(value)
         raise SingletonConfigError(
-            f"{name} must be a redis://, rediss:// or unix:// URL, or a "
-            f"redis+sentinel:// or redis+cluster:// one (rediss+... for TLS), got {shown}"
+            f"{name} must be a redis://, rediss:// or unix:// URL, or a redis+sentinel://, "
+            f"redis+cluster:// or redis+redlock:// one (rediss+... for TLS), got {shown}"
         )
     try:  # what redis-py would refuse at the first task: the port, the db, query options
         parse_lock_url(value)
@@ -165,9 +169,9 @@ SETTINGS: dict[str, Setting] = {
             "redis_url",
             None,
             _url,
-            "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel:// or "
-            "redis+cluster://. Default: `broker_url` when it is redis:// or rediss://, else "
-            "redis://localhost:6379/0.",
+            "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel://, "
+            "redis+cluster:// or redis+redlock:// (several independent masters). Default: "
+            "`broker_url` when it is redis:// or rediss://, else redis://localhost:6379/0.",
             task_option=False,
         ),
         Setting(
@@ -353,6 +357,7 @@ def resolve_redis_url(conf: ConfLike) -> str:
         extra.append(f"wait_timeout={timeout:g}")
     if extra:
         url = f"{url}{'&' if '?' in url else '?'}{'&'.join(extra)}"
+        _url("singleton_redis_url (with singleton_wait_replicas/wait_timeout)", url)
     return url
 
 
@@ -445,6 +450,7 @@ def describe(options: Options) -> Mapping[str, str]:
 #: Query options of this library, removed before redis-py sees the URL.
 _WAIT_OPTIONS = ("wait_replicas", "wait_timeout")
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+_REDLOCK_OPTIONS = ("master_timeout",)
 #: Query options redis-py takes as strings (the typed ones are in URL_QUERY_ARGUMENT_PARSERS).
 _STRING_OPTIONS = (
     "username",
@@ -466,10 +472,11 @@ class LockUrl:
     """A parsed ``singleton_redis_url``: which deployment, and how to connect to it.
 
     ``kind`` is ``"single"`` (``redis://``, ``rediss://``, ``unix://``: one server, reached
-    by redis-py's own URL parser with ``redis_url``), ``"sentinel"`` or ``"cluster"`` (``nodes``
-    are the sentinels or the cluster's seed nodes, ``options`` the connection keywords of
-    the data nodes, ``sentinel_options`` those of the sentinels). Passwords are kept out of
-    ``repr``.
+    by redis-py's own URL parser with ``redis_url``), ``"sentinel"``, ``"cluster"`` or
+    ``"redlock"`` (``nodes`` are the sentinels, the cluster's seed nodes or the independent
+    masters, ``options`` the connection keywords of the data nodes, ``sentinel_options`` those
+    of the sentinels; ``master_timeout_s`` is a Redlock URL's ``master_timeout``, None when
+    not given). Passwords are kept out of ``repr``.
     """
 
     kind: str
@@ -481,6 +488,7 @@ class LockUrl:
     sentinel_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     wait_replicas: int = 0
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    master_timeout_s: float | None = None
 
 
 def parse_lock_url(url: str) -> LockUrl:
@@ -492,10 +500,13 @@ def parse_lock_url(url: str) -> LockUrl:
       sentinels themselves);
     - ``redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0][?opts]``
       (default port 6379; any listed node serves to discover the cluster);
-    - ``rediss+sentinel://`` and ``rediss+cluster://``: the same over TLS.
+    - ``redis+redlock://[[user]:password@]host[:port],host[:port],host[:port][...][/db][?opts]``
+      (default port 6379): at least 3 independent masters, all with the same credentials,
+      database and options; ``master_timeout=<seconds>`` is how long a call waits for them;
+    - ``rediss+sentinel://``, ``rediss+cluster://`` and ``rediss+redlock://``: the same over TLS.
 
-    Every kind takes ``wait_replicas=<n>`` and ``wait_timeout=<seconds>`` in its query, and
-    redis-py's connection options (``socket_timeout``, ``ssl_ca_certs``, ...).
+    Every kind but Redlock takes ``wait_replicas=<n>`` and ``wait_timeout=<seconds>`` in its
+    query, and every kind redis-py's connection options (``socket_timeout``, ...).
     """
     try:
         return _parse_lock_url(url)
@@ -517,7 +528,9 @@ def _parse_lock_url(url: str) -> LockUrl:
     kind = URL_KINDS.get(scheme)
     if kind is None:
         raise ValueError("unknown scheme")
-    rest, own = _take_options(url, _WAIT_OPTIONS + _SENTINEL_OPTIONS)
+    rest, own = _take_options(url, _WAIT_OPTIONS + _SENTINEL_OPTIONS + _REDLOCK_OPTIONS)
+    if kind != "redlock" and "master_timeout" in own:
+        raise ValueError("master_timeout needs a redis+redlock:// URL")
     wait_replicas, wait_timeout = _wait_options(own)
     if kind == "single":
         if any(name in own for name in _SENTINEL_OPTIONS):
@@ -533,6 +546,8 @@ def _parse_lock_url(url: str) -> LockUrl:
     hosts, _, path = hostpart.partition("/")
     default_port = DEFAULT_SENTINEL_PORT if kind == "sentinel" else DEFAULT_CLUSTER_PORT
     nodes = _nodes(hosts, default_port)
+    if kind == "redlock":
+        return _redlock_url(nodes, userinfo, query, path, tls, own)
     options: dict[str, Any] = _userinfo(userinfo)
     options.update(_query_options(query, tls))
     if tls:
@@ -567,6 +582,41 @@ def _parse_lock_url(url: str) -> LockUrl:
     )
 
 
+def _redlock_url(  # noqa: PLR0917 - the pieces _parse_lock_url split the URL into
+    nodes: tuple[tuple[str, int], ...],
+    userinfo: str,
+    query: str,
+    path: str,
+    tls: bool,
+    own: Mapping[str, str],
+) -> LockUrl:
+    """The masters of a ``redis+redlock://`` URL: at least 3, each listed once."""
+    if len(nodes) < MIN_REDLOCK_MASTERS:
+        raise ValueError(
+            f"Redlock needs at least {MIN_REDLOCK_MASTERS} masters, got {len(nodes)} "
+            "(with 2 a majority is both, so it survives no failure; use an odd number)"
+        )
+    if len(set(nodes)) != len(nodes):
+        raise ValueError("a master is listed twice in the host list")
+    if any(name in own for name in (*_WAIT_OPTIONS, *_SENTINEL_OPTIONS)):
+        raise ValueError(
+            "wait_replicas/wait_timeout and sentinel_* do not apply to redis+redlock:// "
+            "(its masters are independent: a lock is safe once a majority has it)"
+        )
+    options: dict[str, Any] = _userinfo(userinfo)
+    options.update(_query_options(query, tls))
+    if tls:
+        options["ssl"] = True
+    db = path.strip("/") or "0"
+    if not db.isdigit():
+        raise ValueError("the database must be a number")
+    options.setdefault("db", int(db))
+    master_timeout = _seconds(own, "master_timeout") if "master_timeout" in own else None
+    return LockUrl(
+        "redlock", nodes=nodes, tls=tls, options=options, master_timeout_s=master_timeout
+    )
+
+
 def _query_names(url: str) -> set[str]:
     query = url.partition("?")[2].partition("#")[0]
     return {unquote_plus(part.partition("=")[0]) for part in query.split("&") if part}
@@ -596,13 +646,19 @@ def _wait_options(own: Mapping[str, str]) -> tuple[int, float]:
             raise ValueError("wait_replicas must be an integer >= 0")
         replicas = int(text)
     if "wait_timeout" in own:
-        try:
-            timeout = float(own["wait_timeout"])
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout < float("inf"):
-            raise ValueError("wait_timeout must be a number of seconds > 0")
+        timeout = _seconds(own, "wait_timeout")
     return replicas, timeout
+
+
+def _seconds(own: Mapping[str, str], name: str) -> float:
+    """The query option ``name``: a finite number of seconds > 0."""
+    try:
+        value = float(own[name])
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0")
+    return value
 
 
 def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
@@ -650,7 +706,7 @@ def _query_options(query: str, tls: bool) -> dict[str, Any]:
             shown = repr(name) if _OPTION_NAME.fullmatch(name) else "in the query"
             raise ValueError(f"unknown option {shown}")
         if name.startswith("ssl") and not tls:
-            raise ValueError(f"{name} needs TLS: use rediss+sentinel:// or rediss+cluster://")
+            raise ValueError(f"{name} needs TLS: use a rediss+... URL")
     return options
 
 

@@ -8,7 +8,10 @@
 - ``redis+sentinel://`` and ``rediss+sentinel://``: a ``redis.Redis`` for the current master of
   a service, from ``redis.sentinel.Sentinel(...).master_for(...)``; it asks the sentinels again
   whenever it reconnects, so it follows a failover;
-- ``redis+cluster://`` and ``rediss+cluster://``: a ``redis.cluster.RedisCluster``.
+- ``redis+cluster://`` and ``rediss+cluster://``: a ``redis.cluster.RedisCluster``;
+- ``redis+redlock://`` and ``rediss+redlock://``: no single client; :func:`redlock_clients`
+  builds one ``redis.Redis`` per master (retries off) and :func:`store_for` a
+  :class:`~celery_singleton_lock.redlock.RedlockStore` over them.
 
 redis-py's connection pools reset themselves after a fork; the renewer's thread does not
 survive one, so :func:`renewer_for` hands out a renewer whose thread is (re)started in
@@ -24,15 +27,27 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from .claims import RunClaims
 from .config import LockUrl, parse_lock_url, redact_url
 from .lock import Client, LockStore
+from .redlock import DEFAULT_MASTER_TIMEOUT_S, RedlockClaims, RedlockStore
 from .renewer import Renewer
 
-__all__ = ["client_for", "lock_url", "renewer_for", "reset", "store_for"]
+__all__ = [
+    "claims_for",
+    "client_for",
+    "lock_url",
+    "redlock_clients",
+    "renewer_for",
+    "reset",
+    "store_for",
+]
 
 logger = logging.getLogger("celery_singleton_lock.connection")
 
@@ -67,6 +82,10 @@ def client_for(url: str) -> Client:
     ``redis.ConnectionError`` (its message without the password).
     """
     parsed = lock_url(url)
+    if parsed.kind == "redlock":
+        raise ValueError(
+            f"{redact_url(url)} lists several independent masters: use redlock_clients()"
+        )
     if parsed.kind == "sentinel":
         return _sentinel_client(parsed)
     if parsed.kind == "cluster":
@@ -116,8 +135,47 @@ def _cluster_client(parsed: LockUrl, url: str) -> RedisCluster:
         ) from None
 
 
+def redlock_clients(url: str) -> list[redis.Redis]:
+    """One client per master of a ``redis+redlock://`` URL, as RedlockStore wants them.
+
+    Bounded timeouts and **no retries**: the store asks each master once per call, and a
+    command redis-py retried late would leave a stray copy of a lock on that master.
+    """
+    parsed = lock_url(url)
+    if parsed.kind != "redlock":
+        raise ValueError(f"{redact_url(url)} is not a redis+redlock:// URL")
+    options = {**DEFAULTS, **parsed.options, "retry": Retry(NoBackoff(), 0)}
+    return [redis.Redis(host=host, port=port, **options) for host, port in parsed.nodes]
+
+
+def claims_for(url: str, claimer: str) -> RunClaims | RedlockClaims:
+    """New run claims (beat's claims, the workers' witness) for ``url``, as ``claimer``."""
+    parsed = lock_url(url)
+    if parsed.kind == "redlock":
+        timeout = parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
+        return RedlockClaims(redlock_clients(url), claimer, master_timeout_s=timeout)
+    return RunClaims(client_for(url), claimer)
+
+
+def _redlock_store(url: str) -> RedlockStore:
+    parsed = lock_url(url)
+    timeout = parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
+    store = RedlockStore(redlock_clients(url), master_timeout_s=timeout)
+    if len(store.clients) % 2 == 0:
+        logger.warning(
+            "singleton: redlock over an even number of masters (%d) tolerates no more "
+            "failures than %d: %s",
+            len(store.clients),
+            len(store.clients) - 1,
+            redact_url(url),
+        )
+    return store
+
+
 def _new_store(url: str) -> LockStore:
     parsed = lock_url(url)
+    if parsed.kind == "redlock":
+        return _redlock_store(url)
     replicas, timeout_ms = parsed.wait_replicas, _ms(parsed.wait_timeout_s)
     if parsed.kind == "cluster":  # it connects when built: an unreachable cluster must be an
         return LockStore.connect_later(  # error of the call, not of building the store

@@ -46,6 +46,7 @@ from typing import TypeVar
 
 import redis
 
+from .claims import Claim, RunClaims
 from .errors import LockUnavailableError
 from .keys import LockKeys
 from .lock import (
@@ -64,6 +65,7 @@ __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_SPLIT_DELAY_S",
     "DEFAULT_SPLIT_RETRIES",
+    "RedlockClaims",
     "RedlockStore",
 ]
 
@@ -576,12 +578,7 @@ class RedlockStore(LockStore):
                 logger.info("singleton: redlock master %d (%s) answers again", i, self._names[i])
 
     def _why(self, replies: Mapping[int, object]) -> str:
-        reasons = [
-            f"master {i} ({self._names[i]}): {reply.reason}"
-            for i, reply in replies.items()
-            if isinstance(reply, _Failed)
-        ]
-        return f" [{'; '.join(reasons)}]" if reasons else ""
+        return _why(self._names, replies)
 
     def _remember(self, key: str, owner: str, generation: int, until: float) -> None:
         with self._mutex:
@@ -593,6 +590,166 @@ class RedlockStore(LockStore):
         """Drop validity records that have run out (call with ``_mutex`` held)."""
         for ident in [i for i, until in self._valid_until.items() if until <= now]:
             del self._valid_until[ident]
+
+
+class RedlockClaims:
+    """Run claims (:class:`RunClaims`) held on a majority of independent masters.
+
+    The beat scheduler's claims, with the store's rules: a run is won when a majority granted
+    the claim within the publish lease less the drift allowance; anything less is given up
+    where it was granted. A run counts as published as soon as any master that answered has
+    it confirmed: a lagging instance never publishes it again because a minority kept it.
+    Every call raises :class:`LockUnavailableError` when fewer than a majority answered.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[redis.Redis],
+        claimer: str,
+        *,
+        master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        drift_factor: float = 0.01,
+        drift_floor_ms: int = 2,
+    ) -> None:
+        if len(clients) < 1 or len({id(c) for c in clients}) != len(clients):
+            raise ValueError("RedlockClaims needs distinct clients, one per master")
+        self.claimer = claimer
+        self.members = tuple(RunClaims(client, claimer) for client in clients)
+        self.quorum = len(clients) // 2 + 1
+        self.master_timeout_s = master_timeout_s
+        self.clock = clock
+        self.drift_factor = drift_factor
+        self.drift_floor_ms = drift_floor_ms
+        self._fanout = _Fanout(len(clients), DEFAULT_MAX_IN_FLIGHT)
+        self._names = [_describe(client) for client in clients]
+
+    def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
+        """Claim the run at ``key`` on every master; won with a majority, within the lease.
+
+        Lost: the holder most masters named, or ``published`` as soon as any master that
+        answered has the run confirmed (then even a majority for us is given up). A split
+        vote (nobody holds, or can hold, a majority) reports a short random ``pttl_ms``, so the
+        scheduler looks again soon instead of after the publish lease.
+        """
+        start = self.clock()
+        replies = self._run(lambda c: c.claim(key, lease_ms, keep_ms))
+        answers = {i: r for i, r in replies.items() if not isinstance(r, _Failed)}
+        won = [i for i, r in answers.items() if r.won]
+        published = [r for r in answers.values() if r.published]
+        elapsed_ms = (self.clock() - start) * 1000
+        validity_ms = lease_ms - elapsed_ms - (lease_ms * self.drift_factor + self.drift_floor_ms)
+        if len(won) >= self.quorum and validity_ms > 0 and not published:
+            return Claim(won=True, holder=self.claimer)
+        if won or len(answers) < len(self.members):  # a silent master may have granted it
+            self.unclaim(key, quietly=True)
+        if published:  # even a majority for us: the run went out once already
+            return published[0]
+        if len(answers) < self.quorum:
+            raise LockUnavailableError(
+                f"could not claim {key}: {len(answers)} of {len(self.members)} masters answered,"
+                f" {self.quorum} needed{self._why(replies)}",
+                key=key,
+            )
+        refusals = [r for r in answers.values() if not r.won and r.holder]
+        named = collections.Counter(r.holder for r in refusals)
+        failed = len(self.members) - len(answers)
+        if not named or max(named.values()) + failed < self.quorum:
+            pause_ms = random.randint(20, 200)  # spreads the contenders
+            holder = named.most_common(1)[0][0] if named else None
+            return Claim(False, holder, published=False, pttl_ms=pause_ms)
+        holder = named.most_common(1)[0][0]
+        pttl = max(r.pttl_ms for r in refusals if r.holder == holder)
+        return Claim(False, holder, published=False, pttl_ms=pttl)
+
+    def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
+        """Confirm on every master; True when a majority confirmed our claim."""
+        replies = self._run(lambda c: c.confirm(key, task_id, keep_ms))
+        answers = [r for r in replies.values() if not isinstance(r, _Failed)]
+        if len(answers) < self.quorum:
+            raise LockUnavailableError(
+                f"could not confirm {key}: {len(answers)} of {len(self.members)} masters "
+                f"answered{self._why(replies)}",
+                key=key,
+            )
+        return sum(1 for r in answers if r) >= self.quorum
+
+    def peek(self, keys: list[str]) -> list[Claim | None]:
+        """The claims at ``keys`` (see :meth:`RunClaims.peek`), read on every master.
+
+        A run is published if any answering master says so; else pending if any says so
+        (with the longest time left); else unclaimed. Raises when fewer than a majority
+        answered.
+        """
+        replies = self._run(lambda c: c.peek(keys))
+        answers = [r for r in replies.values() if not isinstance(r, _Failed)]
+        if len(answers) < self.quorum:
+            raise LockUnavailableError(
+                f"could not read claims: {len(answers)} of {len(self.members)} masters "
+                f"answered{self._why(replies)}",
+                key=keys[0] if keys else None,
+            )
+        merged: list[Claim | None] = []
+        for seen in zip(*answers, strict=True):
+            found = [c for c in seen if c is not None]
+            done = [c for c in found if c.published]
+            pending = sorted(found, key=lambda c: c.pttl_ms, reverse=True)
+            merged.append(done[0] if done else pending[0] if pending else None)
+        return merged
+
+    def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
+        """Witness a scheduled run's message on every master (see :meth:`RunClaims.witness`).
+
+        The majority decides: None (run it) when a majority recorded this message as the
+        run's first; else the other task id most masters named. Raises when fewer than a
+        majority answered, and the message is neither recorded nor named as a duplicate.
+        """
+        replies = self._run(lambda c: c.witness(key, task_id, keep_ms))
+        answers = [r for r in replies.values() if not isinstance(r, _Failed)]
+        if sum(1 for r in answers if r is None) >= self.quorum:
+            return None
+        named = collections.Counter(r for r in answers if r is not None)
+        if len(answers) < self.quorum or not named:
+            raise LockUnavailableError(
+                f"could not witness {key}: {len(answers)} of {len(self.members)} masters "
+                f"answered{self._why(replies)}",
+                key=key,
+                task_id=task_id,
+            )
+        return named.most_common(1)[0][0]
+
+    def unclaim(self, key: str, *, quietly: bool = False) -> bool:
+        """Give up our pending claim on every master; True if any master gave it up."""
+        replies = self._run(lambda c: c.unclaim(key))
+        answers = [r for r in replies.values() if not isinstance(r, _Failed)]
+        if any(answers):
+            return True
+        if len(answers) < self.quorum and not quietly:
+            raise LockUnavailableError(
+                f"could not unclaim {key}: {len(answers)} of {len(self.members)} masters "
+                f"answered{self._why(replies)}",
+                key=key,
+            )
+        return False
+
+    def _run(self, call: Callable[[RunClaims], T]) -> dict[int, T | _Failed]:
+        return self._fanout.run(
+            {i: functools.partial(call, member) for i, member in enumerate(self.members)},
+            self.master_timeout_s,
+        )
+
+    def _why(self, replies: Mapping[int, object]) -> str:
+        return _why(self._names, replies)
+
+
+def _why(names: Sequence[str], replies: Mapping[int, object]) -> str:
+    """`` [master i (host:port): reason; ...]`` for the masters that failed, else ``""``."""
+    reasons = [
+        f"master {i} ({names[i]}): {reply.reason}"
+        for i, reply in replies.items()
+        if isinstance(reply, _Failed)
+    ]
+    return f" [{'; '.join(reasons)}]" if reasons else ""
 
 
 def _check_owner(owner: str, generation: int) -> None:

@@ -49,9 +49,10 @@ from celery.worker import state as worker_state
 from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from .claims import RunClaims
 from .config import describe, read_options
-from .connection import client_for
+from .connection import claims_for
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
+from .redlock import RedlockClaims
 from .task import SingletonTask
 
 __all__: list[str] = []
@@ -61,7 +62,7 @@ logger = logging.getLogger("celery_singleton_lock.worker")
 #: How long a witness is kept when the message does not say (ms): a day.
 WITNESS_KEEP_MS = 86_400_000
 
-_witnesses: dict[tuple[int, str], RunClaims] = {}
+_witnesses: dict[tuple[int, str], RunClaims | RedlockClaims] = {}
 
 #: Terminate signals that end a prefork child at once, so its main process may release for
 #: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``
@@ -159,12 +160,12 @@ def _witness_scheduled_run(sender: Any = None, request: Any = None, **_: Any) ->
         worker_state.revoked.add(request.id)  # Celery discards it as revoked, and acks it
 
 
-def _witness_claims(url: str) -> RunClaims:
+def _witness_claims(url: str) -> RunClaims | RedlockClaims:
     key = (os.getpid(), url)
     claims = _witnesses.get(key)
     if claims is None:
         claimer = f"worker:{socket.gethostname()}:{os.getpid()}"
-        claims = _witnesses[key] = RunClaims(client_for(url), claimer)
+        claims = _witnesses[key] = claims_for(url, claimer)
     return claims
 
 

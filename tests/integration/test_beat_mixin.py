@@ -170,21 +170,26 @@ def test_leader_mode_mixin_only_the_leader_publishes(
     """Leader mode: the standby publishes nothing; once the leader closes, it takes over."""
     app = make_beat_app(redis_url, key_prefix, mode="leader")
     try:
-        slot = math.floor(time.time() / 10) * 10
-        a = instance(app, monkeypatch, slot + 1.0)
-        b = instance(app, monkeypatch, slot + 1.0)
-        fire(a, INTERVAL)
-        fire(b, INTERVAL)
-        assert labels(a) == [f"{INTERVAL}@{slot * 1000}"]
-        assert b.sent == []
-
-        a.close()  # gives up the lease
-        set_clock(b, monkeypatch, slot + 11.0)
-        fire(b, INTERVAL)
-        assert labels(b) == [f"{INTERVAL}@{(slot + 10) * 1000}"]
-        b.close()
+        check_leader_hand_over(app, monkeypatch)
     finally:
         app.close()
+
+
+def check_leader_hand_over(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the leader publishes; once it closes, the standby takes over (also for Redlock)."""
+    slot = math.floor(time.time() / 10) * 10
+    a = instance(app, monkeypatch, slot + 1.0)
+    b = instance(app, monkeypatch, slot + 1.0)
+    fire(a, INTERVAL)
+    fire(b, INTERVAL)
+    assert labels(a) == [f"{INTERVAL}@{slot * 1000}"]
+    assert b.sent == []
+
+    a.close()  # gives up the lease
+    set_clock(b, monkeypatch, slot + 11.0)
+    fire(b, INTERVAL)
+    assert labels(b) == [f"{INTERVAL}@{(slot + 10) * 1000}"]
+    b.close()
 
 
 def test_scheduler_resolves_by_dotted_path_and_by_alias(beat_app: Celery, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from celery_singleton_lock import LockUnavailableError
 from celery_singleton_lock import connection as singleton_connection
 from celery_singleton_lock.beat import ERROR_RETRY_S
 from celery_singleton_lock.claims import RunClaims
+from celery_singleton_lock.compare_delete import native_command
 from celery_singleton_lock.connection import client_for, store_for
 from celery_singleton_lock.keys import LockKeys, lock_keys, run_claim_key
 from celery_singleton_lock.lock import (
@@ -266,6 +267,7 @@ def test_run_claims_on_a_cluster(cluster: Cluster) -> None:
         assert b.claim(first, 5000).published
         assert b.claim(second, 5000).won
         assert b.unclaim(second)
+        assert native_command(client) == "", "asked a node: no DELIFEQ/DELEX, so unclaim.lua"
         assert a.claim(second, 5000).won
         client.delete(first)
         client.delete(second)

@@ -232,16 +232,17 @@ def test_a_split_vote_is_tried_again(three_masters: Masters) -> None:
     """When no owner holds a majority (copies of other attempts on the rest), acquire backs off
     and tries again instead of reporting a holder that holds nothing."""
     keys = job_keys()
-    for i, owner in ((0, "x"), (1, "y")):  # two other attempts, each with one master, going
-        assert isinstance(three_masters.single(i).acquire(keys, owner, 0, 30), Acquired)
+    for i, owner in ((0, "x"), (1, "y")):  # two other attempts, each with one master
+        assert isinstance(three_masters.single(i).acquire(keys, owner, 0, 60_000), Acquired)
     eager = three_masters.store(split_retries=0)
     assert isinstance(eager.acquire(keys, "c", 0, 5000), Contended)
     for i, owner in ((0, "x"), (1, "y")):
-        three_masters.single(i).release(keys.lock, owner, 0)
+        three_masters.single(i).release(keys.lock, owner, 0)  # again, going in 30 ms
         assert isinstance(three_masters.single(i).acquire(keys, owner, 0, 30), Acquired)
     patient = three_masters.store(split_retries=8, split_delay_s=0.05)
     outcome = acquired(patient.acquire(keys, "c", 0, 5000))
-    assert [f["owner"] for f in three_masters.holders(keys.lock)] == ["c", "c", "c"]
+    owners = [f.get("owner") for f in three_masters.holders(keys.lock)]
+    assert owners.count("c") >= 2, owners  # a copy of x or y may not have expired yet
     assert outcome.token > 0
 
 
