@@ -362,7 +362,11 @@ def build_report(
                 for lb in labels
             },
             "published_by": {lb: published.get(lb) for lb in labels},
-            "skipped_runs": [s for s in skipped if s["label"] in labels],
+            "skipped_runs": [
+                {**s, "by_hand": s["holder"] in manual}
+                for s in skipped
+                if s["label"] in labels and s["label"] not in executed
+            ],
             "cut_short": [c for c in cut if c["label"] in labels],
             "renewals": sorted(int(r["renewals"]) for r in runs),
         }
@@ -425,11 +429,9 @@ def print_report(report: dict[str, Any]) -> None:
             notes.append(f"lock renewals per run {e['renewals'][0]}-{e['renewals'][-1]}")
         if e["runs_by_hand"]:
             notes.append(f"{e['runs_by_hand']} more runs called by hand")
-        if e["scheduled_runs_skipped"]:
-            notes.append(
-                f"{e['scheduled_runs_skipped']} scheduled runs skipped: a run called by hand "
-                "held the lock"
-            )
+        for skip in e["skipped_runs"]:
+            holder = "a run called by hand" if skip["by_hand"] else "the previous run"
+            notes.append(f"{clock(skip['label'])} skipped: {holder} still held the lock")
         if e["interrupted"]:
             notes.append(
                 f"{e['interrupted']} cut short by the killed worker and run again elsewhere"
@@ -687,6 +689,16 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
                 kills.append((KILLED_BEAT, server_now_us(conn)))
                 killed_beat = True
             if not killed_worker and elapsed >= args.seconds * KILL_WORKER_AT:
+                # stop its intake first: a message the Redis transport has popped but not yet
+                # noted as unacknowledged dies with the process (kombu's window, not the
+                # lock's); the runs it has started come back after the visibility timeout
+                module.app.control.cancel_consumer(
+                    module.QUEUE,
+                    destination=[f"{KILLED_WORKER}@{os.uname().nodename}"],
+                    reply=True,
+                    timeout=2,
+                )
+                time.sleep(0.3)
                 procs[KILLED_WORKER].kill()
                 kills.append((KILLED_WORKER, server_now_us(conn)))
                 killed_worker = True

@@ -50,9 +50,9 @@ def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> No
             name,
             output,
         )
-    short = report["entries"]["short"]
-    assert short["runs_scheduled"] >= 3, output
-    assert short["runs_executed"] == short["runs_scheduled"], output
+        # every scheduled run executed, or skipped while the previous run still held the lock
+        assert entry["runs_executed"] + entry["scheduled_runs_skipped"] == entry["runs_scheduled"]
+    assert report["entries"]["short"]["runs_executed"] >= 3, output
     assert report["entries"]["long"]["runs_executed"] >= 1, output
     assert min(report["entries"]["long"]["renewals"]) >= 2, output  # runs 3 s on a 1 s ttl
     for what, calls in report["by_hand"].items():
@@ -61,4 +61,6 @@ def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> No
     assert report["overlaps"] == 0, output
     assert report["tokens_in_order"], output
     svg = chart.read_text()
-    assert svg.startswith("<svg") and svg.count("<rect") > 10 and "SIGKILL w3" in svg
+    assert svg.startswith("<svg")
+    assert svg.count("<rect") > 10
+    assert "SIGKILL w3" in svg
