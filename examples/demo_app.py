@@ -85,6 +85,8 @@ app.conf.update(
     task_ignore_result=True,
     task_acks_late=True,
     task_reject_on_worker_lost=True,
+    # on a lost broker connection, stop late-acked runs: the broker redelivers them
+    worker_cancel_long_running_tasks_on_connection_loss=True,
     worker_prefetch_multiplier=1,
     beat_scheduler="celery_singleton_lock.SingletonScheduler",
     beat_schedule_filename=os.environ.get("DEMO_BEAT_SCHEDULE") or "celerybeat-schedule",

@@ -37,6 +37,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_acks_late=True,  # RabbitMQ redelivers a killed worker's message; the lock guards it
     task_reject_on_worker_lost=True,
+    # on a lost broker connection, stop late-acked runs: the broker redelivers them
+    worker_cancel_long_running_tasks_on_connection_loss=True,
     worker_prefetch_multiplier=1,
     singleton_redis_url=REDIS_URL,  # required: the broker is not Redis
     singleton_key_prefix=f"{PREFIX}lock:",
