@@ -134,6 +134,7 @@ def _run(task: Any, job: str, seconds: float, **args: Any) -> dict[str, Any]:
         "label": _label(task),
         "task_id": task.request.id,
         "node": task.request.hostname,
+        "pid": os.getpid(),
         "token": task.singleton.fencing_token,
         "start_us": server_time_us(conn),
     }

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -61,6 +62,7 @@ def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> No
     assert report["overlaps"] == 0, output
     assert report["tokens_in_order"], output
     svg = chart.read_text()
+    ElementTree.fromstring(svg)  # well-formed
     assert svg.startswith("<svg")
     assert svg.count("<rect") > 10
     assert "SIGKILL w3" in svg
