@@ -273,11 +273,11 @@ class Facts:
         return {e["task_id"] for e in [*self.runs, *self.skips]}
 
     def unfinished_holders(self) -> set[str]:
-        """Task ids that held a lock a duplicate was skipped for, and never finished a run.
+        """Task ids that held a lock a duplicate was skipped for, and are not resolved yet.
 
         A run on a worker that was SIGKILLed: its message comes back after the visibility
-        timeout and runs elsewhere."""
-        return {s["holder"] for s in self.skips} - {r["task_id"] for r in self.runs}
+        timeout and runs (or is skipped) elsewhere."""
+        return {s["holder"] for s in self.skips} - self.resolved_ids()
 
 
 def overlaps(runs: list[dict[str, Any]]) -> int:
