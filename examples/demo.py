@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -197,7 +198,7 @@ def tail(text: str, lines: int = 30) -> str:
 
 def wait_ready(app: Any, workers: list[Proc], beats: list[Proc], timeout: float = 90.0) -> None:
     """Every worker answers a ping and every beat logged its first tick."""
-    waiting = {f"{w.name}@{os.uname().nodename}": w for w in workers}
+    waiting = {f"{w.name}@{socket.gethostname()}": w for w in workers}
     beats_waiting = list(beats)
     deadline = time.monotonic() + timeout
     while (waiting or beats_waiting) and time.monotonic() < deadline:
@@ -258,11 +259,11 @@ class Facts:
         for raw in conn.lrange(module.EVENTS_KEY, 0, -1):
             event = json.loads(raw)
             (facts.runs if event["kind"] == "run" else facts.skips).append(event)
-        ended = {r["task_id"] for r in facts.runs}
+        ended = {f"{r['task_id']}/{r['pid']}" for r in facts.runs}
         facts.started = [
             json.loads(raw)
-            for task_id, raw in conn.hgetall(module.STARTED_KEY).items()
-            if task_id.decode() not in ended
+            for field, raw in conn.hgetall(module.STARTED_KEY).items()
+            if field.decode() not in ended
         ]
         return facts
 
@@ -700,7 +701,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
                 # lock's); the runs it has started come back after the visibility timeout
                 module.app.control.cancel_consumer(
                     module.QUEUE,
-                    destination=[f"{KILLED_WORKER}@{os.uname().nodename}"],
+                    destination=[f"{KILLED_WORKER}@{socket.gethostname()}"],
                     reply=True,
                     timeout=2,
                 )

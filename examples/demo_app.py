@@ -53,7 +53,7 @@ PREFIX = os.environ.get("DEMO_PREFIX") or "demo:"
 QUEUE = "demo"
 #: The Redis list of JSON events: one per finished run and one per skipped duplicate.
 EVENTS_KEY = f"{PREFIX}events"
-#: The Redis hash task id -> JSON of a run that started and has not ended yet.
+#: The Redis hash ``<task id>/<pid>`` -> JSON of a run that started and has not ended yet.
 STARTED_KEY = f"{PREFIX}started"
 #: Lock ttl in seconds: shorter than the runs of ``long`` and ``sync_account``.
 TTL = 1.0
@@ -138,7 +138,8 @@ def _run(task: Any, job: str, seconds: float, **args: Any) -> dict[str, Any]:
         "token": task.singleton.fencing_token,
         "start_us": server_time_us(conn),
     }
-    conn.hset(STARTED_KEY, str(task.request.id), json.dumps(record))
+    started = f"{task.request.id}/{os.getpid()}"  # a redelivered run gets its own field
+    conn.hset(STARTED_KEY, started, json.dumps(record))
     time.sleep(seconds)
     renewals = conn.hget(task.singleton.key, "renewals") if task.singleton.key else None
     record.update(
@@ -146,7 +147,7 @@ def _run(task: Any, job: str, seconds: float, **args: Any) -> dict[str, Any]:
     )
     with conn.pipeline() as pipe:
         pipe.rpush(EVENTS_KEY, json.dumps(record))
-        pipe.hdel(STARTED_KEY, str(task.request.id))
+        pipe.hdel(STARTED_KEY, started)
         pipe.execute()
     return record
 
