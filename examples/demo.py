@@ -429,7 +429,14 @@ def print_report(report: dict[str, Any]) -> None:
             )
         )
         notes = []
-        if e["renewals"]:
+        publishers = Counter(
+            who.split(":")[0] for pubs in e["published_by"].values() for who in pubs or ()
+        )
+        if publishers:
+            notes.append(
+                "published by " + ", ".join(f"{b} x{n}" for b, n in sorted(publishers.items()))
+            )
+        if e["renewals"] and e["renewals"][-1]:
             notes.append(f"lock renewals per run {e['renewals'][0]}-{e['renewals'][-1]}")
         if e["runs_by_hand"]:
             notes.append(f"{e['runs_by_hand']} more runs called by hand")
