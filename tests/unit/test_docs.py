@@ -29,3 +29,19 @@ def test_configuration_page_and_nav_know_every_setting() -> None:
     mkdocs = (ROOT / "mkdocs.yml").read_text()
     assert "scripts/docs_hooks.py" in mkdocs
     assert "settings-reference.md" in mkdocs
+
+
+def test_every_example_is_documented_and_tested() -> None:
+    """Each examples/*.py is in the quickstart's table and run by a test (or by one it runs)."""
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    examples = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "__init__.py")
+
+    def used_by(text: str, example: Path) -> bool:
+        return f"examples.{example.stem}" in text or f'"{example.stem}"' in text
+
+    tested = [e for e in examples if used_by(tests, e)]
+    reached = "\n".join([tests, *(e.read_text() for e in tested)])  # the demo runs demo_app
+    for example in examples:
+        assert f"`{example.name}`" in quickstart, example.name
+        assert used_by(reached, example), example.name
