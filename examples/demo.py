@@ -811,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the report's numbers to this JSON file")
     args = parser.parse_args(argv)
+    if args.seconds < 5:
+        parser.error("--seconds must be at least 5 (a beat and a worker are killed on the way)")
     workdir = Path(tempfile.mkdtemp(prefix="celery-singleton-demo-"))
     code = EXIT_ERROR
     try:
