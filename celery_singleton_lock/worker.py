@@ -20,6 +20,9 @@ cold shutdown                                 the child's SIGTERM becomes System
 whole node killed                             nobody: the lock expires after its ttl
 ==========================================  ==============================================
 
+Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
+of a message revoked or expired before it ran (publish.py).
+
 The main process releases with the task id as owner (compare-and-delete), so it never
 deletes a lock another run holds; the grace keeps it from freeing a lock while the
 terminated child might still be running.
@@ -39,6 +42,7 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from .config import describe, read_options
 from .errors import SingletonConfigError
 from .keys import check_key_args
+from .publish import forget_queued
 from .task import SingletonTask
 
 __all__: list[str] = []
@@ -109,6 +113,14 @@ def _release_after_terminate(
         )
 
 
+def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A revoked or expired message will not run: drop its queued marker (publish.py)."""
+    if not (isinstance(sender, SingletonTask) and request is not None and request.id):
+        return
+    if sender.singleton_options().lock_on != "execute":
+        forget_queued(sender, request.id, request.args, request.kwargs, "revoke")
+
+
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
     """Fail start-up on a bad setting; add the lock settings to the worker banner."""
     app = getattr(instance, "app", None)
@@ -145,4 +157,5 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
 celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
+celery_signals.task_revoked.connect(_forget_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
