@@ -125,9 +125,15 @@ def publish_once(
     ``send(args, kwargs, task_id, **options)`` is Celery's own ``apply_async``.
     """
     request = task.request
-    if task.app.conf.task_always_eager or (task_id is not None and task_id == request.id):
+    if (
+        task.app.conf.task_always_eager
+        or (task_id is not None and task_id == request.id)
+        or options.get("group_id")
+        or options.get("chord")
+    ):
         # eager: the run is the call, the lock guards it; the current message published
-        # again (retry(), a requeued duplicate) is never its own duplicate
+        # again (retry(), a requeued duplicate) is never its own duplicate; a group or chord
+        # waits for the ids it froze, so its members are always published
         return send(args, kwargs, task_id, **options)
     opts = task.singleton_options()
     task_id = task_id or uuid()
