@@ -3,14 +3,16 @@ holder's AsyncResult; the queued marker never outlives its message for long."""
 
 from __future__ import annotations
 
+import gc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 from celery.result import AsyncResult
+from kombu.exceptions import EncodeError
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.keys import derive_keys, queued_key
@@ -49,18 +51,33 @@ def _client_app(redis_url: str, prefix: str, **options: Any) -> tuple[Celery, An
 
 def _close(app: Celery) -> None:
     """Close the app and its result backend's connections (pubsub included)."""
+    gc.collect()  # AsyncResults in cycles unsubscribe now, not after the close
     app.backend.result_consumer.stop()
     app.backend.client.connection_pool.disconnect()
     app.close()
 
 
 @pytest.fixture
-def client(redis_url: str, key_prefix: str) -> Iterator[tuple[Celery, Any]]:
+def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple[Celery, Any]]]:
+    """Builds client apps with t.publish_hold (task options as keywords); purged and closed
+    after the test, once no AsyncResult of the test is left."""
+    apps: list[Celery] = []
+
+    def make(**options: Any) -> tuple[Celery, Any]:
+        app, task = _client_app(redis_url, key_prefix, **options)
+        apps.append(app)
+        return app, task
+
+    yield make
+    for app in apps:
+        app.control.purge()
+        _close(app)
+
+
+@pytest.fixture
+def client(make_client: Callable[..., tuple[Celery, Any]]) -> tuple[Celery, Any]:
     """The client app and its t.publish_hold (marker ttl 60 s)."""
-    app, task = _client_app(redis_url, key_prefix, singleton_publish_ttl=60)
-    yield app, task
-    app.control.purge()
-    _close(app)
+    return make_client(singleton_publish_ttl=60)
 
 
 def _marker(prefix: str, key: str) -> str:
@@ -136,20 +153,16 @@ def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
 
 
 def test_purged_message_blocks_the_key_no_longer_than_the_marker_ttl(
-    redis_url: str, redis_client: redis.Redis, key_prefix: str
+    make_client: Callable[..., tuple[Celery, Any]], redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """With no worker: after a purge the marker lapses after publish_ttl (1 s)."""
-    app, task = _client_app(redis_url, key_prefix, singleton_publish_ttl=1)
-    try:
-        first = task.delay("p")
-        assert task.delay("p").id == first.id
-        assert app.control.purge() == 1
-        assert 0 < redis_client.pttl(_marker(key_prefix, "p")) <= 1000
-        again = _new_holder(task, first, "p", 10)
-        assert again.id != first.id
-    finally:
-        app.control.purge()
-        _close(app)
+    app, task = make_client(singleton_publish_ttl=1)
+    first = task.delay("p")
+    assert task.delay("p").id == first.id
+    assert app.control.purge() == 1
+    assert 0 < redis_client.pttl(_marker(key_prefix, "p")) <= 1000
+    again = _new_holder(task, first, "p", 10)
+    assert again.id != first.id
 
 
 def test_marker_of_a_finished_task_is_taken_over(
@@ -168,19 +181,15 @@ def test_marker_of_a_finished_task_is_taken_over(
     assert redis_client.get(_marker(key_prefix, "f")) == taken.id.encode()
 
 
-def test_raise_policy_raises_at_publish(redis_url: str, key_prefix: str) -> None:
+def test_raise_policy_raises_at_publish(make_client: Callable[..., tuple[Celery, Any]]) -> None:
     """Under on_duplicate="raise" the duplicate delay() raises DuplicateTaskError."""
-    app, task = _client_app(redis_url, key_prefix, singleton_on_duplicate="raise")
-    try:
-        first = task.delay("x")
-        with pytest.raises(DuplicateTaskError) as caught:
-            task.delay("x")
-        assert caught.value.holder == first.id
-        assert caught.value.key is not None
-        assert caught.value.key.endswith(":lock")
-    finally:
-        app.control.purge()
-        _close(app)
+    _app, task = make_client(singleton_on_duplicate="raise")
+    first = task.delay("x")
+    with pytest.raises(DuplicateTaskError) as caught:
+        task.delay("x")
+    assert caught.value.holder == first.id
+    assert caught.value.key is not None
+    assert caught.value.key.endswith(":lock")
 
 
 def test_marker_ttl_follows_countdown_and_expires() -> None:
@@ -189,3 +198,28 @@ def test_marker_ttl_follows_countdown_and_expires() -> None:
     assert marker_ttl_ms(60, {"countdown": 10}) == 70_000
     assert marker_ttl_ms(60, {"countdown": 10, "expires": 5}) == 5_000
     assert marker_ttl_ms(60, {"expires": -3}) == 1
+
+
+def test_group_members_and_failed_publishes(
+    make_client: Callable[..., tuple[Celery, Any]], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Group members are always published; a publish that fails leaves no marker behind."""
+    app, task = make_client()
+    members = group(task.s("g"), task.s("g")).apply_async()
+    assert len({r.id for r in members.results}) == 2
+    assert app.control.purge() == 2
+    with pytest.raises(EncodeError):  # a set is keyable, but not JSON
+        task.delay({"not", "json"})
+    assert not list(redis_client.scan_iter(match=f"{key_prefix}lock:*:queued"))
+
+
+def test_redis_error_at_publish_publishes_without_dedup(
+    make_client: Callable[..., tuple[Celery, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the lock store unreachable, delay() still publishes, and says so."""
+    app, task = make_client()
+    app.conf.singleton_redis_url = "redis://127.0.0.1:1/0?socket_connect_timeout=1"
+    ids = {task.delay("down").id for _ in range(2)}  # no AsyncResult held by a log record
+    assert len(ids) == 2
+    assert app.control.purge() == 2
+    assert "singleton: redis error at publish, publishing without dedup" in caplog.text
