@@ -192,6 +192,19 @@ def test_raise_policy_raises_at_publish(make_client: Callable[..., tuple[Celery,
     assert caught.value.key.endswith(":lock")
 
 
+def test_marker_shares_the_lock_hash_tag() -> None:
+    """The queued marker is in the lock's Redis Cluster slot (same hash tag)."""
+    lock = derive_keys("p:", "t.publish_hold", _signature, (), {"key": "k"}, ("key",)).lock
+    marker = queued_key(lock)
+    assert marker.endswith(":queued")
+    assert (
+        marker[marker.index("{") : marker.index("}") + 1]
+        == lock[lock.index("{") : lock.index("}") + 1]
+    )
+    with pytest.raises(ValueError, match="not a lock key"):
+        queued_key(marker)
+
+
 def test_marker_ttl_follows_countdown_and_expires() -> None:
     """The marker lives the message's delay plus publish_ttl, never past its expiry."""
     assert marker_ttl_ms(60, {}) == 60_000
