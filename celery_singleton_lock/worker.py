@@ -30,8 +30,10 @@ terminated child might still be running.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -46,6 +48,8 @@ from .publish import forget_queued
 from .task import SingletonTask
 
 __all__: list[str] = []
+
+logger = logging.getLogger("celery_singleton_lock")
 
 #: Terminate signals that end a prefork child at once, so its main process may release for
 #: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``
@@ -132,10 +136,19 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
     if not tasks:
         return
     try:
-        for task in tasks:
-            check_key_args(task.run, task.singleton_options().key_args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            for task in tasks:
+                check_key_args(task.run, task.singleton_options().key_args)
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
+    for warning in caught:  # Python hides DeprecationWarnings in a worker: log them
+        if issubclass(warning.category, DeprecationWarning):
+            logger.warning("singleton: deprecated option: %s", warning.message)
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     banner = banner_lines(app.conf, tasks)
     original = instance.extra_info
 

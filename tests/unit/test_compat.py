@@ -10,6 +10,7 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
 from celery_singleton_lock.config import describe, read_options
+from celery_singleton_lock.worker import _check_and_announce
 
 
 class _Task:
@@ -88,3 +89,27 @@ def test_lock_on_setting_is_checked_and_shown() -> None:
         read_options({"singleton_lock_on": "queue"})
     with pytest.raises(SingletonConfigError, match="singleton_publish_ttl"):
         read_options({}, _Task(singleton_publish_ttl=0))
+
+
+def test_worker_start_logs_old_spellings(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker logs each old option spelling at start (Python hides DeprecationWarnings)."""
+    app = Celery("compat", set_as_current=False)
+
+    @app.task(bind=True, base=SingletonTask, shared=False, name="t.old", lock_expiry=60)
+    def old(self: Any, x: int) -> None:
+        """A task declared the celery-singleton way."""
+
+    class Worker:
+        def __init__(self) -> None:
+            self.app = app
+
+        def extra_info(self) -> str:
+            return ""
+
+    worker = Worker()
+    _check_and_announce(instance=worker)
+    assert (
+        "singleton: deprecated option: task t.old: lock_expiry is deprecated, use "
+        "singleton_ttl=60" in caplog.text
+    )
+    assert "lock_on:" in worker.extra_info()
