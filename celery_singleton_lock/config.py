@@ -18,10 +18,12 @@ from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
+from .compat import legacy_options
 from .errors import SingletonConfigError
 from .keys import check_prefix
 
 __all__ = [
+    "LOCK_ON",
     "POLICIES",
     "SETTINGS",
     "BeatOptions",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 POLICIES = ("skip", "retry", "raise")
+LOCK_ON = ("execute", "publish", "both")
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -240,6 +243,23 @@ SETTINGS: dict[str, Setting] = {
             "loses it after one more ttl). None: renew for as long as the task runs.",
         ),
         Setting(
+            "lock_on",
+            "execute",
+            _choice(LOCK_ON),
+            'Where duplicates are stopped: "execute" (on the worker, right before the body '
+            'runs) or "publish"/"both" (also when the task is published: a duplicate '
+            "`delay()`/`apply_async()` returns the AsyncResult of the queued or running "
+            "holder; the run still takes its lock on the worker).",
+        ),
+        Setting(
+            "publish_ttl",
+            300,
+            _positive,
+            'Under lock_on "publish"/"both": seconds a queued marker lives (after its '
+            "countdown or eta) if its message never starts (purged, lost). Past it a new "
+            "call is published again; the lock on the worker still guards the run.",
+        ),
+        Setting(
             "beat_mode",
             "active",
             _choice(BEAT_MODES),
@@ -324,6 +344,8 @@ class Options:
     ttl: float
     retry_countdown: float
     max_hold: float | None
+    lock_on: str = "execute"
+    publish_ttl: float = 300.0
 
     @property
     def ttl_ms(self) -> int:
@@ -368,6 +390,7 @@ def _conf_checked(conf: ConfLike, name: str) -> Any:
 def read_options(conf: ConfLike, task: object | None = None) -> Options:
     """Check and merge the app-wide settings with the task's ``singleton_*`` attributes."""
     task_name = getattr(task, "name", None)
+    legacy = {} if task is None else legacy_options(task)
     values: dict[str, Any] = {}
     for setting in SETTINGS.values():
         if setting.name not in _TASK_SETTINGS:
@@ -377,6 +400,13 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
         if setting.task_option and task is not None:
             value = getattr(task, setting.conf_key, None)
             where = f"{setting.conf_key} (task {task_name})"
+            if setting.name in legacy:
+                if value is not None:
+                    raise SingletonConfigError(
+                        f"task {task_name}: {setting.conf_key} and its old spelling are both "
+                        "set; keep the new one"
+                    )
+                value = legacy[setting.name]
         if value is None:
             value = conf.get(setting.conf_key)
             where = setting.conf_key
@@ -442,6 +472,8 @@ def describe(options: Options) -> Mapping[str, str]:
         "on_redis_error": options.on_redis_error,
         "retry_countdown": f"{options.retry_countdown:g}s",
         "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
+        "lock_on": options.lock_on,
+        "publish_ttl": f"{options.publish_ttl:g}s",
     }
 
 

@@ -9,6 +9,7 @@ of one lock share a Redis Cluster hash tag::
 
     {prefix}{<safe task name>:<32 hex digest>}:lock
     {prefix}{<safe task name>:<32 hex digest>}:fence
+    {prefix}{<safe task name>:<32 hex digest>}:queued   (lock_on "publish"/"both" only)
 
 The canonical encoding is type-tagged and self-delimiting: every value is one tag byte followed
 by a length (atoms) or an element count (compounds) and ``:``. Sets and dicts are sorted by the
@@ -48,6 +49,7 @@ __all__ = [
     "derive_keys",
     "leader_keys",
     "lock_keys",
+    "queued_key",
     "run_claim_key",
     "safe_name",
 ]
@@ -423,6 +425,13 @@ def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
     """Keys for ``identity`` of ``task_name``: ``{prefix}{name:digest}:lock`` and ``:fence``."""
     tag = f"{{{safe_name(task_name)}:{argument_digest(task_name, identity)}}}"
     return LockKeys(lock=f"{prefix}{tag}:lock", fence=f"{prefix}{tag}:fence")
+
+
+def queued_key(lock_key: str) -> str:
+    """The queued marker beside ``{prefix}{tag}:lock``: ``{prefix}{tag}:queued`` (same slot)."""
+    if not lock_key.endswith(":lock"):
+        raise ValueError(f"not a lock key: {lock_key!r}")
+    return f"{lock_key[: -len(':lock')]}:queued"
 
 
 def run_claim_key(prefix: str, entry_name: str, run_id: str) -> str:

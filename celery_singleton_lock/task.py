@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NoReturn
 
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
+from celery.result import EagerResult
 
 from . import signals
 from .config import Options, read_options
@@ -33,6 +34,7 @@ from .connection import renewer_for, store_for
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 from .keys import LockKeys, args_preview, derive_keys
 from .lock import Contended, ReleaseStatus, RenewItem, RenewStatus
+from .publish import forget_queued, publish_once
 from .renewer import HeldLock, Renewer
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
@@ -85,6 +87,14 @@ class LockHandle:
 NOT_HELD = LockHandle()
 
 
+class _Skipped(Ignore):  # type: ignore[misc]
+    """Ignore that carries the skip marker, so an eager run can return it as its result."""
+
+    def __init__(self, marker: Mapping[str, Any]) -> None:
+        super().__init__(dict(marker))  # args = (marker,): pickles from a pool child
+        self.marker = dict(marker)
+
+
 @dataclass(frozen=True)
 class SkipInfo:
     """Why a duplicate was skipped: its lock key and the task id holding it."""
@@ -109,7 +119,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     Options (each falls back to the app setting ``singleton_<option>``, then to the
     default in docs/configuration.md): ``singleton_on_duplicate``,
     ``singleton_on_redis_error``, ``singleton_key_args``, ``singleton_key``,
-    ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``.
+    ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``,
+    ``singleton_lock_on``, ``singleton_publish_ttl``. The option spellings of celery-singleton
+    and celery-once are read too, with a DeprecationWarning (compat.py).
     """
 
     singleton_on_duplicate: ClassVar[str | None] = None
@@ -119,6 +131,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_ttl: ClassVar[float | None] = None
     singleton_retry_countdown: ClassVar[float | None] = None
     singleton_max_hold: ClassVar[float | None] = None
+    singleton_lock_on: ClassVar[str | None] = None
+    singleton_publish_ttl: ClassVar[float | None] = None
 
     _singleton_opts: Options | None = None
 
@@ -151,7 +165,30 @@ class SingletonTask(Task):  # type: ignore[misc]
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Take the lock, or deal with the duplicate by policy, before the body runs."""
         super().before_start(task_id, args, kwargs)
-        self._singleton_acquire(task_id, args, kwargs)
+        try:
+            self._singleton_acquire(task_id, args, kwargs)
+        finally:  # the queued marker is handed over to the lock (publish.py)
+            if self.singleton_options().lock_on != "execute" and not self.request.is_eager:
+                forget_queued(self, task_id, args, kwargs, "start")
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's apply_async; under lock_on "publish"/"both" a duplicate is not published."""
+        if self.singleton_options().lock_on == "execute":
+            return super().apply_async(args, kwargs, task_id, **options)
+        return publish_once(self, args, kwargs, task_id, options, send=super().apply_async)
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS)."""
+        result = super().apply(*args, **kwargs)
+        if result.state == states.IGNORED and isinstance(result.result, _Skipped):
+            return EagerResult(result.id, result.result.marker, states.SUCCESS, name=self.name)
+        return result
 
     def retry(  # noqa: PLR0917 - Celery's signature
         self,
@@ -292,11 +329,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "holder": held.holder,
                 "task_id": task_id,
             }
-            self.backend.mark_as_done(task_id, marker, request=request)
+            if not request.is_eager or self.app.conf.task_store_eager_result:
+                self.backend.mark_as_done(task_id, marker, request=request)
             signals.duplicate_skipped.send(
                 sender=self, key=keys.lock, task_id=task_id, holder=held.holder
             )
-            raise Ignore()
+            raise _Skipped(marker)
         logger.info(
             "singleton: duplicate raised: %s[%s] key=%s holder=%s",
             self.name,

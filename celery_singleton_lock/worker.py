@@ -25,6 +25,8 @@ worker receives one (``task_received``, in the main process), it records the mes
 the run's witness; a second message of the same run (another task id: its beat instance
 died between publishing and confirming, and another instance published the run again) is
 dropped as revoked, for every task, not only SingletonTasks.
+Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
+of a message revoked or expired before it ran (publish.py).
 
 The main process releases with the task id as owner (compare-and-delete), so it never
 deletes a lock another run holds; the grace keeps it from freeing a lock while the
@@ -38,6 +40,7 @@ import os
 import signal
 import socket
 import threading
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -52,12 +55,13 @@ from .config import describe, read_options
 from .connection import claims_for
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
+from .publish import forget_queued
 from .redlock import RedlockClaims
 from .task import SingletonTask
 
 __all__: list[str] = []
 
-logger = logging.getLogger("celery_singleton_lock.worker")
+logger = logging.getLogger("celery_singleton_lock")
 
 #: How long a witness is kept when the message does not say (ms): a day.
 WITNESS_KEEP_MS = 86_400_000
@@ -169,6 +173,14 @@ def _witness_claims(url: str) -> RunClaims | RedlockClaims:
     return claims
 
 
+def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A revoked or expired message will not run: drop its queued marker (publish.py)."""
+    if not (isinstance(sender, SingletonTask) and request is not None and request.id):
+        return
+    if sender.singleton_options().lock_on != "execute":
+        forget_queued(sender, request.id, request.args, request.kwargs, "revoke")
+
+
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
     """Fail start-up on a bad setting; add the lock settings to the worker banner."""
     app = getattr(instance, "app", None)
@@ -180,10 +192,19 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
     if not tasks:
         return
     try:
-        for task in tasks:
-            check_key_args(task.run, task.singleton_options().key_args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            for task in tasks:
+                check_key_args(task.run, task.singleton_options().key_args)
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
+    for warning in caught:  # Python hides DeprecationWarnings in a worker: log them
+        if issubclass(warning.category, DeprecationWarning):
+            logger.warning("singleton: deprecated option: %s", warning.message)
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     banner = banner_lines(app.conf, tasks)
     original = instance.extra_info
 
@@ -205,5 +226,6 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
 celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
+celery_signals.task_revoked.connect(_forget_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
 celery_signals.task_received.connect(_witness_scheduled_run, weak=False)

@@ -4,7 +4,7 @@ each on real worker processes of ``tests.support.singleton_app``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from celery_singleton_lock.keys import derive_keys
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess
+from tests.support.workers import wait_for as _wait_for
 
 APP = "tests.support.singleton_app"
 
@@ -57,19 +58,6 @@ def _lock_key(prefix: str, task_name: str, key: str) -> str:
 
 def _whole_args_key(prefix: str, args: list[Any], kwargs: dict[str, Any]) -> str:
     return derive_keys(f"{prefix}lock:", "t.whole_args", _whole_args_signature, args, kwargs).lock
-
-
-def _wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, worker: WorkerProcess | None = None
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    log = f"\n{worker.log_tail(60)}" if worker is not None else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{log}")
 
 
 def _started(client: redis.Redis, prefix: str, count: int = 1) -> bool:

@@ -246,3 +246,21 @@ if os.environ.get("SINGLETON_TEST_ON_REDIS_ERROR"):
     app.conf.singleton_on_redis_error = os.environ["SINGLETON_TEST_ON_REDIS_ERROR"]
 if os.environ.get("SINGLETON_TEST_RETRY_COUNTDOWN"):
     app.conf.singleton_retry_countdown = float(os.environ["SINGLETON_TEST_RETRY_COUNTDOWN"])
+
+
+# -- added for test_publish: publish-time dedup (the test process defines the same task) -------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.publish_hold",
+    singleton_key_args=("key",),
+    singleton_lock_on="publish",
+)
+def publish_hold(self: Any, key: str, seconds: float = 0.0, retries: int = 0) -> dict[str, Any]:
+    """Like hold, deduplicated at publish; retries itself ``retries`` times first."""
+    result = _run(self, key, seconds)
+    if self.request.retries < retries:
+        raise self.retry(countdown=0.2)
+    return {**result, "retries": self.request.retries}

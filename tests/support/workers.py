@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -296,3 +296,20 @@ def _kill_leftover_workers() -> None:
     for worker in list(_LIVE):
         with contextlib.suppress(Exception):
             worker.kill()
+
+
+def wait_for(
+    condition: Callable[[], Any],
+    timeout: float,
+    what: str,
+    worker: WorkerProcess | None = None,
+) -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); fail with the worker log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    log = f"\n{worker.log_tail(60)}" if worker is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{log}")

@@ -1,0 +1,96 @@
+"""task_always_eager keeps the lock semantics, and the testing helpers users get
+(celery_singleton_lock.testing, loaded as a pytest plugin)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
+from celery_singleton_lock.connection import store_for
+from celery_singleton_lock.testing import held_locks, isolated_locks
+
+
+@pytest.fixture
+def eager_app(redis_url: str) -> Iterator[Celery]:
+    """An eager app with no result backend; its locks on the test Redis."""
+    app = Celery("eager", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.singleton_redis_url = redis_url
+
+    @app.task(bind=True, base=SingletonTask, name="e.hold", shared=False)
+    def hold(self: Any, key: str) -> dict[str, Any]:
+        """Report the lock this eager run holds."""
+        return {"token": self.singleton.fencing_token, "key": self.singleton.key}
+
+    @app.task(
+        bind=True, base=SingletonTask, name="e.retry", shared=False, singleton_on_duplicate="retry"
+    )
+    def retry(self: Any, key: str) -> None:
+        """A duplicate of this one cannot be requeued in eager mode."""
+
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def singleton_celery_app(eager_app: Celery) -> Celery:
+    """The plugin's singleton_locks fixture isolates the eager app."""
+    return eager_app
+
+
+def _hold_elsewhere(task: Any, key: str) -> str:
+    """Take the lock of ``task(key)`` as another run would; return its lock key."""
+    keys = task.singleton_keys((key,), {})
+    store_for(task.singleton_options().redis_url).acquire(keys, "other-run", 0, 10_000)
+    return str(keys.lock)
+
+
+def test_eager_run_takes_and_releases_its_lock(eager_app: Celery, singleton_locks: str) -> None:
+    """An eager delay() runs under a fenced lock in the private prefix, freed afterwards."""
+    hold = eager_app.tasks["e.hold"]
+    result = hold.delay("k")
+    assert result.state == "SUCCESS"
+    assert isinstance(result.get()["token"], int)
+    assert result.get()["key"].startswith(singleton_locks)
+    assert skip_info(result) is None
+    assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_eager_duplicate_is_skipped_with_skip_info(eager_app: Celery, singleton_locks: str) -> None:
+    """With the lock held elsewhere, the eager result is a SUCCESS that skip_info recognises."""
+    hold = eager_app.tasks["e.hold"]
+    lock = _hold_elsewhere(hold, "k")
+    result = hold.delay("k")
+    assert result.state == "SUCCESS"
+    assert skip_info(result) == SkipInfo(key=lock, holder="other-run", task_id=result.id)
+    assert skip_info(result.get()) == skip_info(result)
+    assert held_locks(eager_app, singleton_locks) == [lock]
+
+
+def test_eager_retry_policy_raises(eager_app: Celery, singleton_locks: str) -> None:
+    """Under "retry" an eager duplicate fails with DuplicateTaskError (no queue to wait in)."""
+    retry = eager_app.tasks["e.retry"]
+    _hold_elsewhere(retry, "k")
+    result = retry.delay("k")
+    assert result.state == "FAILURE"
+    with pytest.raises(DuplicateTaskError, match="other-run"):
+        result.get()
+
+
+def test_isolated_locks_deletes_its_keys_and_restores_the_prefix(
+    eager_app: Celery, redis_client: redis.Redis, request: pytest.FixtureRequest
+) -> None:
+    """Every key under the private prefix is gone after the block; the plugin is loaded."""
+    eager_app.conf.singleton_key_prefix = "outer:"
+    with isolated_locks(eager_app) as prefix:
+        lock = _hold_elsewhere(eager_app.tasks["e.hold"], "k")
+        assert lock.startswith(prefix)
+        assert redis_client.exists(lock)
+    assert not redis_client.exists(lock)
+    assert eager_app.tasks["e.hold"].singleton_options().key_prefix == "outer:"
+    assert request.config.pluginmanager.hasplugin("celery_singleton_lock")
