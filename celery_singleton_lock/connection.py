@@ -32,7 +32,7 @@ from .config import LockUrl, parse_lock_url, redact_url
 from .lock import Client, LockStore
 from .renewer import Renewer
 
-__all__ = ["client_for", "lock_url", "renewer_for", "reset", "store_for"]
+__all__ = ["client_for", "flush_releases", "lock_url", "renewer_for", "reset", "store_for"]
 
 logger = logging.getLogger("celery_singleton_lock.connection")
 
@@ -156,6 +156,15 @@ def renewer_for(url: str, configure: Callable[[Renewer], None]) -> Renewer:
                 _renewers[key] = renewer
     renewer.ensure_started()
     return renewer
+
+
+def flush_releases() -> None:
+    """Send the releases this process's renewers still have queued (at shutdown)."""
+    pid = os.getpid()
+    with _mutex:
+        renewers = [r for (owner_pid, _), r in _renewers.items() if owner_pid == pid]
+    for renewer in renewers:
+        renewer.flush_releases()
 
 
 def reset() -> None:

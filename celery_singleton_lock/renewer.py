@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import LockUnavailableError
-from .lock import LockStore, RenewItem, RenewStatus
+from .lock import LockStore, ReleaseStatus, RenewItem, RenewStatus
 
 __all__ = ["HeldLock", "Renewer"]
 
@@ -64,6 +64,7 @@ class HeldLock:
 LostCallback = Callable[[HeldLock, RenewStatus], None]
 HeldCallback = Callable[[HeldLock], None]
 ErrorCallback = Callable[[LockUnavailableError], None]
+ReleasedCallback = Callable[[HeldLock, "ReleaseStatus | LockUnavailableError", str], None]
 
 
 def _ignore(*_args: object) -> None:
@@ -81,6 +82,7 @@ class Renewer:
         on_lost: LostCallback = _ignore,
         on_max_hold: HeldCallback = _ignore,
         on_error: ErrorCallback = _ignore,
+        on_released: ReleasedCallback = _ignore,
         error_retry_s: float = 1.0,
     ) -> None:
         self.store = store
@@ -90,7 +92,13 @@ class Renewer:
         self.on_error = on_error
         self.error_retry_s = error_retry_s
         self.round_trips = 0
+        self.on_released = on_released
         self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
+        self._releases: list[tuple[HeldLock, str]] = []
+        self._adds = 0
+        #: When the thread wakes up next (clock time); -inf while it is running, +inf when
+        #: it waits for a lock to be added.
+        self._deadline = float("-inf")
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -100,15 +108,71 @@ class Renewer:
     # -- registry ------------------------------------------------------------------------
 
     def add(self, held: HeldLock) -> None:
-        """Start renewing ``held`` (the caller keeps the only strong reference)."""
+        """Start renewing ``held`` (the caller keeps the only strong reference).
+
+        The thread is woken only when ``held`` falls due before the thread's next wake-up
+        (the registry was empty, or ``held`` has a shorter ttl than the others): waking it on
+        every acquire costs more CPU than the rest of the registry work.
+        """
         with self._mutex:
             self._held.add(held)
-        self._wake.set()
+            self._adds += 1
+            wake = held.next_due < self._deadline
+        if wake:
+            self._wake.set()
 
     def remove(self, held: HeldLock) -> None:
         """Stop renewing ``held`` at once; a renewal already on the wire may still land."""
         with self._mutex:
             self._held.discard(held)
+
+    # -- deferred releases -------------------------------------------------------------------
+
+    def release_later(self, held: HeldLock, reason: str) -> None:
+        """Stop renewing ``held`` and queue its release, off the caller's critical path.
+
+        The thread sends the queue at once, in one round trip; :meth:`take_releases` lets
+        the next acquire of this process send whatever is still queued in its own round
+        trip, ahead of the acquire. Without a running thread, release with the store instead.
+        """
+        with self._mutex:
+            self._held.discard(held)
+            self._releases.append((held, reason))
+        self._wake.set()
+
+    def take_releases(self) -> list[tuple[HeldLock, str]]:
+        """Take every queued release out of the queue; the caller must send them."""
+        if not self._releases:
+            return []
+        with self._mutex:
+            taken, self._releases = self._releases, []
+        return taken
+
+    def report_releases(
+        self,
+        taken: list[tuple[HeldLock, str]],
+        outcomes: list[ReleaseStatus | LockUnavailableError],
+    ) -> None:
+        """Hand the outcome of each release in ``taken`` to ``on_released``."""
+        for (held, reason), outcome in zip(taken, outcomes, strict=True):
+            try:
+                self.on_released(held, outcome, reason)
+            except Exception:  # one callback must not lose the others' reports
+                logger.exception("singleton: release callback failed: key=%s", held.key)
+
+    def flush_releases(self) -> int:
+        """Send every queued release now, in one round trip; return how many were sent."""
+        taken = self.take_releases()
+        if not taken:
+            return 0
+        items = [(held.key, held.owner, held.generation) for held, _ in taken]
+        outcomes: list[ReleaseStatus | LockUnavailableError]
+        try:
+            outcomes = list(self.store.release_many(items))
+        except LockUnavailableError as exc:
+            outcomes = [exc] * len(taken)
+        self.report_releases(taken, outcomes)
+        return len(taken)
 
     def __len__(self) -> int:
         with self._mutex:
@@ -178,21 +242,33 @@ class Renewer:
             self._thread.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread; registered locks are no longer renewed."""
+        """Stop the thread, after it sent the queued releases; locks are no longer renewed."""
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         self._thread = None
+        self.flush_releases()  # whatever the thread did not send (or no thread ran)
 
     def _run(self) -> None:
-        stop, wake = self._stop, self._wake
+        stop, wake, clock = self._stop, self._wake, self.clock
         while not stop.is_set():
+            with self._mutex:
+                self._deadline = float("-inf")  # running: add() need not wake us
+                adds = self._adds
             try:
-                timeout = self.run_due(self.clock())
+                self.flush_releases()
+                start = clock()
+                timeout = self.run_due(start)
+                if timeout is not None:  # from the end of the round trip, not its start
+                    timeout = max(0.0, timeout - (clock() - start))
             except Exception:  # keep renewing whatever a callback did
                 logger.exception("singleton: renewer tick failed")
                 timeout = self.error_retry_s
+            with self._mutex:
+                if self._adds != adds or self._releases:
+                    continue  # a lock came in (or a release) while we ran: look again
+                self._deadline = float("inf") if timeout is None else clock() + timeout
             wake.wait(timeout)
             wake.clear()

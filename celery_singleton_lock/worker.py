@@ -7,6 +7,9 @@ Where each release happens:
 
 ==========================================  ==============================================
 run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing process
+                                              queues it; its renewer thread sends it at
+                                              once (or its next acquire, in the same round
+                                              trip); flushed at process shutdown
 ``retry()``                                   no release: the retried message takes over
 pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
 hard time limit                               ``task_failure`` in the main process, after a
@@ -37,6 +40,7 @@ from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .config import describe, read_options
+from .connection import flush_releases
 from .errors import SingletonConfigError
 from .keys import check_key_args
 from .task import SingletonTask
@@ -109,6 +113,11 @@ def _release_after_terminate(
         )
 
 
+def _flush_releases(**_: Any) -> None:
+    """Send the releases still queued in this process before it exits (see task.py)."""
+    flush_releases()
+
+
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
     """Fail start-up on a bad setting; add the lock settings to the worker banner."""
     app = getattr(instance, "app", None)
@@ -146,3 +155,5 @@ celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
+celery_signals.worker_process_shutdown.connect(_flush_releases, weak=False)  # prefork child
+celery_signals.worker_shutdown.connect(_flush_releases, weak=False)  # solo, threads: same process
