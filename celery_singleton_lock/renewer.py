@@ -67,6 +67,15 @@ ErrorCallback = Callable[[LockUnavailableError], None]
 ReleasedCallback = Callable[[HeldLock, "ReleaseStatus | LockUnavailableError", str], None]
 
 
+#: How long a queued release may wait for the next acquire of its process to carry it (in
+#: that acquire's round trip) before the renewer thread sends it itself.
+RELEASE_DELAY_S = 0.005
+#: How long the thread keeps looking at the release queue every ``release_delay_s`` after the
+#: last release was queued (it then needs no wake-up per release), and the longest it sleeps
+#: when it holds no lock.
+IDLE_S = 1.0
+
+
 def _ignore(*_args: object) -> None:
     return None
 
@@ -84,6 +93,8 @@ class Renewer:
         on_error: ErrorCallback = _ignore,
         on_released: ReleasedCallback = _ignore,
         error_retry_s: float = 1.0,
+        release_delay_s: float = RELEASE_DELAY_S,
+        idle_s: float = IDLE_S,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -91,10 +102,14 @@ class Renewer:
         self.on_max_hold = on_max_hold
         self.on_error = on_error
         self.error_retry_s = error_retry_s
+        self.release_delay_s = release_delay_s
+        self.idle_s = idle_s
         self.round_trips = 0
         self.on_released = on_released
         self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
         self._releases: list[tuple[HeldLock, str]] = []
+        self._first_release_at = 0.0  # clock time the oldest queued release was queued
+        self._last_release_at = float("-inf")
         self._adds = 0
         #: When the thread wakes up next (clock time); -inf while it is running, +inf when
         #: it waits for a lock to be added.
@@ -131,14 +146,22 @@ class Renewer:
     def release_later(self, held: HeldLock, reason: str) -> None:
         """Stop renewing ``held`` and queue its release, off the caller's critical path.
 
-        The thread sends the queue at once, in one round trip; :meth:`take_releases` lets
-        the next acquire of this process send whatever is still queued in its own round
-        trip, ahead of the acquire. Without a running thread, release with the store instead.
+        The next acquire of this process sends whatever is queued in its own round trip,
+        ahead of the acquire (:meth:`take_releases`); a release no acquire took within
+        ``release_delay_s`` the thread sends, all of them in one round trip. While releases
+        keep coming, the thread looks at the queue every ``release_delay_s`` by itself, so
+        it is woken only by the first release after a quiet second.
         """
+        now = self.clock()
         with self._mutex:
             self._held.discard(held)
+            if not self._releases:
+                self._first_release_at = now
             self._releases.append((held, reason))
-        self._wake.set()
+            self._last_release_at = now
+            wake = self._deadline > now + self.release_delay_s
+        if wake:
+            self._wake.set()
 
     def take_releases(self) -> list[tuple[HeldLock, str]]:
         """Take every queued release out of the queue; the caller must send them."""
@@ -258,7 +281,8 @@ class Renewer:
                 self._deadline = float("-inf")  # running: add() need not wake us
                 adds = self._adds
             try:
-                self.flush_releases()
+                if self._releases and clock() - self._first_release_at >= self.release_delay_s:
+                    self.flush_releases()
                 start = clock()
                 timeout = self.run_due(start)
                 if timeout is not None:  # from the end of the round trip, not its start
@@ -267,8 +291,15 @@ class Renewer:
                 logger.exception("singleton: renewer tick failed")
                 timeout = self.error_retry_s
             with self._mutex:
-                if self._adds != adds or self._releases:
-                    continue  # a lock came in (or a release) while we ran: look again
-                self._deadline = float("inf") if timeout is None else clock() + timeout
+                if self._adds != adds:
+                    continue  # a lock came in while we ran: look again
+                now = clock()
+                timeout = self.idle_s if timeout is None else min(timeout, self.idle_s)
+                if self._releases:
+                    due = self._first_release_at + self.release_delay_s
+                    timeout = min(timeout, max(0.0, due - now))
+                elif now - self._last_release_at < self.idle_s:
+                    timeout = min(timeout, self.release_delay_s)
+                self._deadline = now + timeout
             wake.wait(timeout)
             wake.clear()
