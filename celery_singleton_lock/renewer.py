@@ -58,7 +58,13 @@ class HeldLock:
         return self.ttl_ms / 3000.0
 
     def as_item(self) -> RenewItem:
-        return RenewItem(self.key, self.owner, self.generation, self.ttl_ms)
+        """What the store renews: made once (key, owner, generation and ttl never change)."""
+        item = self.__dict__.get("_item")
+        if item is None:
+            item = self.__dict__["_item"] = RenewItem(
+                self.key, self.owner, self.generation, self.ttl_ms
+            )
+        return item
 
 
 LostCallback = Callable[[HeldLock, RenewStatus], None]

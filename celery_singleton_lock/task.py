@@ -216,7 +216,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         pending = renewer.take_releases()
         try:
             released, outcome = store.acquire_after(
-                [(h.key, h.owner, h.generation) for h, _ in pending],
+                _release_items(pending),
                 keys,
                 task_id,
                 generation,
@@ -227,6 +227,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             renewer.report_releases(pending, [exc] * len(pending))
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
+        except Exception:  # nothing was sent (a bad argument): the releases still must go
+            renewer.report_releases(pending, store.release_many(_release_items(pending)))
+            raise
         renewer.report_releases(pending, released)
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
@@ -471,6 +474,10 @@ def _retry_delay(eta: datetime | None, countdown: float | None, default: float |
         now = datetime.now(timezone.utc) if eta.tzinfo else datetime.now()
         return (eta - now).total_seconds()
     return float(default or 0)
+
+
+def _release_items(pending: list[tuple[HeldLock, str]]) -> list[tuple[str, str, int | None]]:
+    return [(held.key, held.owner, held.generation) for held, _ in pending]
 
 
 def _configure_renewer(renewer: Renewer) -> None:
