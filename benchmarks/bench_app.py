@@ -9,7 +9,9 @@ that differ only in their base class:
 - ``bench.celery_singleton``: celery-singleton's ``Singleton`` (locks at publish time);
 - ``bench.celery_once``: celery-once's ``QueueOnce`` (locks at publish time, graceful);
 - ``bench.two_pings``: a plain task that sends one PING where SingletonTask acquires and one
-  where it releases: the floor for any lock taken on the worker with two round trips.
+  where it releases: the floor for any lock taken on the worker with two round trips;
+- ``bench.one_ping``: only the first PING, the floor for one blocking round trip per run
+  (SingletonTask's release leaves the run's path: it rides in the next acquire).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SINGLETON = "bench.singleton"
 CELERY_SINGLETON = "bench.celery_singleton"
 CELERY_ONCE = "bench.celery_once"
 TWO_PINGS = "bench.two_pings"
+ONE_PING = "bench.one_ping"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -79,6 +82,13 @@ class TwoPings(Task):  # type: ignore[misc]
         self._ping()
 
 
+class OnePing(TwoPings):
+    """One round trip before the body: the floor for a lock with one blocking round trip."""
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 @app.task(name=PLAIN, base=Task)
 def plain(i: int) -> None:
     return None
@@ -104,8 +114,14 @@ def two_pings(i: int) -> None:
     return None
 
 
+@app.task(name=ONE_PING, base=OnePing)
+def one_ping(i: int) -> None:
+    return None
+
+
 TASKS: dict[str, Any] = {
     "plain Task": plain,
+    "plain + 1 PING (floor, 1 round trip)": one_ping,
     "plain + 2 PINGs (floor)": two_pings,
     "SingletonTask": singleton,
     "celery-singleton": celery_singleton,

@@ -71,6 +71,7 @@ def _throughput(ax: Any, data: Any) -> None:
     width = 0.8 / len(names)
     palette = {
         "plain Task": "#bbbbbb",
+        "plain + 1 PING (floor, 1 round trip)": "#dddddd",
         "SingletonTask": OURS_COLOR,
         "celery-singleton": "#8c564b",
         "celery-once": "#9467bd",

@@ -42,6 +42,7 @@ from .renewer import Renewer
 __all__ = [
     "claims_for",
     "client_for",
+    "flush_releases",
     "lock_url",
     "redlock_clients",
     "renewer_for",
@@ -214,6 +215,15 @@ def renewer_for(url: str, configure: Callable[[Renewer], None]) -> Renewer:
                 _renewers[key] = renewer
     renewer.ensure_started()
     return renewer
+
+
+def flush_releases() -> None:
+    """Send the releases this process's renewers still have queued (at shutdown)."""
+    pid = os.getpid()
+    with _mutex:
+        renewers = [r for (owner_pid, _), r in _renewers.items() if owner_pid == pid]
+    for renewer in renewers:
+        renewer.flush_releases()
 
 
 def reset() -> None:

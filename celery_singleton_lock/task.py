@@ -166,10 +166,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Take the lock, or deal with the duplicate by policy, before the body runs."""
         super().before_start(task_id, args, kwargs)
         try:
-            self._singleton_acquire(task_id, args, kwargs)
+            try:
+                self._singleton_acquire(task_id, args, kwargs)
+            except _Skipped as skip:
+                marker = skip.marker
+            else:
+                return
         finally:  # the queued marker is handed over to the lock (publish.py)
             if self.singleton_options().lock_on != "execute" and not self.request.is_eager:
                 forget_queued(self, task_id, args, kwargs, "start")
+        # Raised here, not where the skip was decided: Celery snapshots and formats the
+        # traceback of an Ignore twice, and each frame in it costs (about 2 ms a skip less).
+        raise _Skipped(marker) from None
 
     def apply_async(
         self,
@@ -230,17 +238,33 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
         generation = int(request.retries or 0)
         store = store_for(opts.redis_url)
+        renewer = renewer_for(opts.redis_url, _configure_renewer)
         meta = {
             "task": self.name,
             "host": str(request.hostname or socket.gethostname()),
             "pid": str(os.getpid()),
             "args": args_preview(args, kwargs),
         }
+        # Releases this process queued and the renewer thread has not sent yet go first, in
+        # the acquire's own round trip: a run never finds a lock this process already let go.
+        pending = renewer.take_releases()
         try:
-            outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+            released, outcome = store.acquire_after(
+                _release_items(pending),
+                keys,
+                task_id,
+                generation,
+                opts.ttl_ms,
+                meta,
+            )
         except LockUnavailableError as exc:
+            renewer.report_releases(pending, [exc] * len(pending))
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
+        except Exception:  # nothing was sent (a bad argument): the releases still must go
+            renewer.report_releases(pending, store.release_many(_release_items(pending)))
+            raise
+        renewer.report_releases(pending, released)
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
         held = HeldLock(
@@ -254,7 +278,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             context=self,
         )
         request._singleton_handle = LockHandle(keys.lock, task_id, held, outcome.reentered)
-        renewer_for(opts.redis_url, _configure_renewer).add(held)
+        renewer.add(held)
         logger.debug(
             "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
             self.name,
@@ -416,37 +440,32 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
 
     def _singleton_after_run(self, state: str) -> None:
-        """Stop renewing and release; on RETRY leave the lock for the retried message."""
+        """Stop renewing and release; on RETRY leave the lock for the retried message.
+
+        Outside eager runs the release is queued for this process's renewer thread, which
+        sends it at once, off the run's critical path; the next acquire of this process
+        sends it in its own round trip if the thread has not yet (see docs/design.md).
+        """
         handle = self.singleton
         held = handle._held
         if held is None:
             return
         opts = self.singleton_options()
-        renewer_for(opts.redis_url, _configure_renewer).remove(held)
+        renewer = renewer_for(opts.redis_url, _configure_renewer)
         handle._held = None if state != states.RETRY else held
         if state == states.RETRY:
+            renewer.remove(held)
             return
+        if not self.request.is_eager:
+            renewer.release_later(held, state)
+            return
+        renewer.remove(held)
+        status: ReleaseStatus | LockUnavailableError
         try:
             status = store_for(opts.redis_url).release(held.key, held.owner, held.generation)
         except LockUnavailableError as exc:
-            logger.warning(
-                "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
-                self.name,
-                held.owner,
-                held.key,
-                exc,
-            )
-            return
-        if status is ReleaseStatus.RELEASED:
-            logger.debug("singleton: released %s[%s] key=%s", self.name, held.owner, held.key)
-            signals.lock_released.send(sender=self, key=held.key, task_id=held.owner, reason=state)
-        elif not held.lost:
-            logger.warning(
-                "singleton: lock was no longer ours at release: %s[%s] key=%s",
-                self.name,
-                held.owner,
-                held.key,
-            )
+            status = exc
+        _on_released(held, status, state)
 
     def singleton_release_for(
         self,
@@ -492,11 +511,40 @@ def _retry_delay(eta: datetime | None, countdown: float | None, default: float |
     return float(default or 0)
 
 
+def _release_items(pending: list[tuple[HeldLock, str]]) -> list[tuple[str, str, int | None]]:
+    return [(held.key, held.owner, held.generation) for held, _ in pending]
+
+
 def _configure_renewer(renewer: Renewer) -> None:
+    renewer.on_released = _on_released
     renewer.on_lost = _on_lost
     renewer.on_max_hold = _on_max_hold
     renewer.on_error = _on_renew_error
     renewer.on_late = _on_late
+
+
+def _on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, reason: str) -> None:
+    """Log (and signal) what the release of a run's lock found."""
+    task = held.context
+    name = getattr(task, "name", "?")
+    if isinstance(status, LockUnavailableError):
+        logger.warning(
+            "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
+            name,
+            held.owner,
+            held.key,
+            status,
+        )
+    elif status is ReleaseStatus.RELEASED:
+        logger.debug("singleton: released %s[%s] key=%s", name, held.owner, held.key)
+        signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
+    elif not held.lost:
+        logger.warning(
+            "singleton: lock was no longer ours at release: %s[%s] key=%s",
+            name,
+            held.owner,
+            held.key,
+        )
 
 
 def _on_lost(held: HeldLock, status: RenewStatus) -> None:

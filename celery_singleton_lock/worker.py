@@ -7,6 +7,9 @@ Where each release happens:
 
 ==========================================  ==============================================
 run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing process
+                                              queues it; its renewer thread sends it at
+                                              once (or its next acquire, in the same round
+                                              trip); flushed at process shutdown
 ``retry()``                                   no release: the retried message takes over
 pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
 hard time limit                               ``task_failure`` in the main process, after a
@@ -52,7 +55,7 @@ from celery.worker import state as worker_state
 from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from .claims import RunClaims
 from .config import describe, read_options
-from .connection import claims_for
+from .connection import claims_for, flush_releases
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
 from .publish import forget_queued
@@ -181,6 +184,11 @@ def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         forget_queued(sender, request.id, request.args, request.kwargs, "revoke")
 
 
+def _flush_releases(**_: Any) -> None:
+    """Send the releases still queued in this process before it exits (see task.py)."""
+    flush_releases()
+
+
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
     """Fail start-up on a bad setting; add the lock settings to the worker banner."""
     app = getattr(instance, "app", None)
@@ -229,3 +237,5 @@ celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
 celery_signals.task_revoked.connect(_forget_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
 celery_signals.task_received.connect(_witness_scheduled_run, weak=False)
+celery_signals.worker_process_shutdown.connect(_flush_releases, weak=False)  # prefork child
+celery_signals.worker_shutdown.connect(_flush_releases, weak=False)  # solo, threads: same process

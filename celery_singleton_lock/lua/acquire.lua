@@ -23,12 +23,11 @@ end
 
 local now = redis.call('TIME')
 local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local token = redis.call('INCR', KEYS[2])
+local token = (tonumber(redis.call('GET', KEYS[2])) or 0) + 1
 if token < now_us then
   token = now_us
-  redis.call('SET', KEYS[2], string.format('%d', token))
 end
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[2], string.format('%d', token), 'PX', ARGV[4])
 
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'gen', ARGV[2], 'token', string.format('%d', token),

@@ -1,21 +1,24 @@
--- Renew many locks in one round trip, each only if its owner and generation still hold it.
+-- Renew many locks of one ttl in one call, each only if its owner and generation still hold it.
 --
--- KEYS[i]      lock i (a hash written by acquire.lua)
--- ARGV[3i-2]   owner of lock i
--- ARGV[3i-1]   generation of lock i
--- ARGV[3i]     new ttl of lock i, milliseconds
--- return       {status_1, ..., status_n}: 1 renewed, 0 gone, -1 held by another owner or generation
+-- KEYS[i]       lock i (a hash written by acquire.lua)
+-- ARGV[1]       new ttl of every lock, milliseconds
+-- ARGV[2i]      owner of lock i
+-- ARGV[2i+1]    generation of lock i
+-- return        {i, status, ...} for the locks NOT renewed only (an empty list when all were):
+--               status 0 gone, -1 held by another owner or generation
 local result = {}
+local ttl = ARGV[1]
 for i = 1, #KEYS do
   local held = redis.call('HMGET', KEYS[i], 'owner', 'gen')
   if not held[1] then
-    result[i] = 0
-  elseif held[1] == ARGV[3 * i - 2] and held[2] == ARGV[3 * i - 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[3 * i])
+    result[#result + 1] = i
+    result[#result + 1] = 0
+  elseif held[1] == ARGV[2 * i] and held[2] == ARGV[2 * i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ttl)
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
-    result[i] = 1
   else
-    result[i] = -1
+    result[#result + 1] = i
+    result[#result + 1] = -1
   end
 end
 return result

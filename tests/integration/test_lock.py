@@ -159,3 +159,39 @@ def test_lock_expires_by_ttl(redis_client: redis.Redis, key_prefix: str) -> None
     while redis_client.exists(keys.lock):
         pass
     assert isinstance(store.acquire(keys, "task-2", 0, 5000), Acquired)
+
+
+def test_renew_in_chunks_reports_each_lock(redis_client: redis.Redis, key_prefix: str) -> None:
+    """A batch over two ttls and several 1,000-lock calls keeps every lock's own status."""
+    store = LockStore(redis_client)
+    held = [_keys(key_prefix, f"c{i}") for i in range(2100)]
+    for keys in held:
+        store.acquire(keys, "owner", 0, 2000)
+    redis_client.hset(held[1500].lock, "owner", "thief")
+    redis_client.delete(held[2050].lock)
+    items = [RenewItem(k.lock, "owner", 0, 60_000 if i % 2 else 50_000) for i, k in enumerate(held)]
+    statuses = store.renew(items)
+    expected = [RenewStatus.RENEWED] * len(held)
+    expected[1500], expected[2050] = RenewStatus.TAKEN, RenewStatus.GONE
+    assert statuses == expected
+    assert 50_000 < redis_client.pttl(held[1].lock) <= 60_000
+    assert 2000 < redis_client.pttl(held[2].lock) <= 50_000
+
+
+def test_acquire_after_releases_first(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Queued releases run before the acquire, in order, each owner-checked."""
+    store = LockStore(redis_client)
+    keys, other = _keys(key_prefix), _keys(key_prefix, "other")
+    store.acquire(keys, "run-1", 0, 5000)
+    store.acquire(other, "someone-else", 0, 5000)
+    released, outcome = store.acquire_after(
+        [(keys.lock, "run-1", 0), (other.lock, "run-1", 0)], keys, "run-2", 0, 5000
+    )
+    assert released == [ReleaseStatus.RELEASED, ReleaseStatus.TAKEN]
+    assert isinstance(outcome, Acquired)
+    assert store.holder(keys.lock)["owner"] == "run-2"
+    assert store.holder(other.lock)["owner"] == "someone-else"
+    assert store.release_many([(keys.lock, "run-2", 0), (keys.lock, "run-2", 0)]) == [
+        ReleaseStatus.RELEASED,
+        ReleaseStatus.NOT_HELD,
+    ]

@@ -8,7 +8,7 @@ import time
 import redis
 
 from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, RenewStatus
+from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus, RenewStatus
 from celery_singleton_lock.renewer import HeldLock, Renewer
 
 
@@ -132,3 +132,31 @@ def test_thread_renews_in_real_time(redis_client: redis.Redis, key_prefix: str) 
         assert not held.lost
     finally:
         renewer.stop()
+
+
+def test_queued_release_is_sent_by_thread_or_stop(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A queued release leaves the registry, reaches Redis from the thread, and stop() flushes."""
+    store = LockStore(redis_client)
+    outcomes: list[tuple[str, object, str]] = []
+    renewer = Renewer(store, on_released=lambda h, s, r: outcomes.append((h.key, s, r)))
+    first = _hold(store, key_prefix, "first", 3000, now=renewer.clock())
+    renewer.add(first)
+    renewer.ensure_started()
+    try:
+        renewer.release_later(first, "SUCCESS")
+        assert len(renewer) == 0
+        deadline = time.monotonic() + 10
+        while redis_client.exists(first.key) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not redis_client.exists(first.key)
+        second = _hold(store, key_prefix, "second", 3000, now=renewer.clock())
+        renewer.release_later(second, "FAILURE")
+    finally:
+        renewer.stop()
+    assert not redis_client.exists(second.key)
+    assert outcomes == [
+        (first.key, ReleaseStatus.RELEASED, "SUCCESS"),
+        (second.key, ReleaseStatus.RELEASED, "FAILURE"),
+    ]
