@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import socket
 import sys
 import time
@@ -32,8 +33,14 @@ def load(monkeypatch: pytest.MonkeyPatch, name: str, **env: str) -> ModuleType:
 
 @pytest.fixture
 def running() -> Iterator[Any]:
-    """Runs an example's app in an in-process worker (threads pool) for the test's duration."""
+    """Runs an example's app in an in-process worker (threads pool) for the test's duration.
+
+    Celery's test worker sets up logging for the whole process (the root logger's level and a
+    stderr handler); both are put back afterwards, so later tests still see warnings.
+    """
     stack: list[Any] = []
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
 
     def run(app: Any) -> None:
         context = start_worker(app, pool="threads", concurrency=2, perform_ping_check=False)
@@ -44,6 +51,8 @@ def running() -> Iterator[Any]:
     for context, app in reversed(stack):
         context.__exit__(None, None, None)
         app.close()
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
 
 def wait_for_lock(redis_url: str, prefix: str) -> list[bytes]:
