@@ -30,12 +30,12 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from .claims import RunClaims
-from .config import BeatOptions, parse_lock_url, read_beat_options, redact_url
-from .connection import client_for, redlock_clients
+from .config import BeatOptions, read_beat_options, redact_url
+from .connection import claims_and_store
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import leader_keys, run_claim_key
 from .lock import REDIS_ERRORS, Acquired, LockStore, RenewItem, RenewStatus
-from .redlock import DEFAULT_MASTER_TIMEOUT_S, RedlockClaims, RedlockStore
+from .redlock import RedlockClaims
 from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
@@ -103,7 +103,7 @@ class SingletonSchedulerMixin:
         if state is None or state.pid != os.getpid():
             opts = self.singleton_options
             claimer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-            claims, store = _claims_and_store(opts.redis_url, claimer)
+            claims, store = claims_and_store(opts.redis_url, claimer)
             state = self._singleton = _BeatState(
                 opts=opts, pid=os.getpid(), claimer=claimer, claims=claims, store=store
             )
@@ -386,24 +386,6 @@ class SingletonSchedulerMixin:
             logger.info("beat: became leader: instance=%s token=%d", state.claimer, outcome.token)
             return True
         return False
-
-
-def _claims_and_store(url: str, claimer: str) -> tuple[RunClaims | RedlockClaims, LockStore]:
-    """The run claims and the leader-lease store of one beat instance for ``url``.
-
-    Over a ``redis+redlock://`` URL both go to a majority of the masters, as the workers'
-    locks do: a run is published once as long as a majority of the masters is up.
-    """
-    parsed = parse_lock_url(url)
-    if parsed.kind == "redlock":
-        clients = redlock_clients(url)
-        timeout = parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
-        return (
-            RedlockClaims(clients, claimer, master_timeout_s=timeout),
-            RedlockStore(clients, master_timeout_s=timeout),
-        )
-    client = client_for(url)
-    return RunClaims(client, claimer), LockStore(client)
 
 
 @dataclass

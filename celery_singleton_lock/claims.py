@@ -77,8 +77,7 @@ class RunClaims:
             raise LockUnavailableError(f"could not claim {key}: {exc}", key=key) from exc
         if reply[0] == 1:
             return Claim(won=True, holder=self.claimer)
-        state, holder, *_ = [*as_text(reply[1]).split(" "), ""]
-        return Claim(False, holder, published=state == "done", pttl_ms=int(reply[2]))
+        return _seen(reply[1], reply[2])
 
     def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
         """Mark the run published as ``task_id`` and keep the claim ``keep_ms``."""
@@ -122,11 +121,7 @@ class RunClaims:
             ) from exc
         claims: list[Claim | None] = []
         for value, pttl in zip(replies[::2], replies[1::2], strict=True):
-            if value is None:
-                claims.append(None)
-                continue
-            state, holder, *_ = [*as_text(value).split(" "), ""]
-            claims.append(Claim(False, holder, published=state == "done", pttl_ms=int(pttl)))
+            claims.append(None if value is None else _seen(value, pttl))
         return claims
 
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
@@ -144,3 +139,9 @@ class RunClaims:
                 f"could not witness {key}: {exc}", key=key, task_id=task_id
             ) from exc
         return first or None
+
+
+def _seen(value: bytes | str, pttl_ms: int) -> Claim:
+    """Another instance's claim, from its value ("pending <id>", "done <id> <task>")."""
+    state, holder, *_ = [*as_text(value).split(" "), ""]
+    return Claim(False, holder, published=state == "done", pttl_ms=int(pttl_ms))

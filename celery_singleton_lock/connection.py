@@ -40,7 +40,7 @@ from .redlock import DEFAULT_MASTER_TIMEOUT_S, RedlockClaims, RedlockStore
 from .renewer import Renewer
 
 __all__ = [
-    "claims_for",
+    "claims_and_store",
     "client_for",
     "flush_releases",
     "lock_url",
@@ -149,19 +149,29 @@ def redlock_clients(url: str) -> list[redis.Redis]:
     return [redis.Redis(host=host, port=port, **options) for host, port in parsed.nodes]
 
 
-def claims_for(url: str, claimer: str) -> RunClaims | RedlockClaims:
-    """New run claims (beat's claims, the workers' witness) for ``url``, as ``claimer``."""
+def claims_and_store(url: str, claimer: str) -> tuple[RunClaims | RedlockClaims, LockStore]:
+    """New run claims for ``url`` as ``claimer``, and a lock store on the same connections.
+
+    Beat's claims and leader lease, the workers' witness of scheduled runs. Over a
+    ``redis+redlock://`` URL both go to a majority of the masters, as the workers' locks do.
+    """
     parsed = lock_url(url)
     if parsed.kind == "redlock":
-        timeout = parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
-        return RedlockClaims(redlock_clients(url), claimer, master_timeout_s=timeout)
-    return RunClaims(client_for(url), claimer)
+        clients, timeout = redlock_clients(url), _master_timeout(parsed)
+        return (
+            RedlockClaims(clients, claimer, master_timeout_s=timeout),
+            RedlockStore(clients, master_timeout_s=timeout),
+        )
+    client = client_for(url)
+    return RunClaims(client, claimer), LockStore(client)
+
+
+def _master_timeout(parsed: LockUrl) -> float:
+    return parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
 
 
 def _redlock_store(url: str) -> RedlockStore:
-    parsed = lock_url(url)
-    timeout = parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
-    store = RedlockStore(redlock_clients(url), master_timeout_s=timeout)
+    store = RedlockStore(redlock_clients(url), master_timeout_s=_master_timeout(lock_url(url)))
     if len(store.clients) % 2 == 0:
         logger.warning(
             "singleton: redlock over an even number of masters (%d) tolerates no more "

@@ -27,7 +27,7 @@ from typing import Any
 from .errors import LockUnavailableError
 from .lock import LockStore, ReleaseStatus, RenewItem, RenewStatus
 
-__all__ = ["HeldLock", "Renewer"]
+__all__ = ["HeldLock", "Renewer", "release_items"]
 
 logger = logging.getLogger("celery_singleton_lock.renewer")
 
@@ -206,7 +206,7 @@ class Renewer:
         taken = self.take_releases()
         if not taken:
             return 0
-        items = [(held.key, held.owner, held.generation) for held, _ in taken]
+        items = release_items(taken)
         outcomes: list[ReleaseStatus | LockUnavailableError]
         try:
             outcomes = list(self.store.release_many(items))
@@ -325,3 +325,8 @@ class Renewer:
                 self._deadline = now + timeout
             wake.wait(timeout)
             wake.clear()
+
+
+def release_items(taken: list[tuple[HeldLock, str]]) -> list[tuple[str, str, int | None]]:
+    """``(key, owner, generation)`` of each queued release, as ``LockStore.release_many`` takes."""
+    return [(held.key, held.owner, held.generation) for held, _ in taken]

@@ -35,7 +35,7 @@ from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 from .keys import LockKeys, args_preview, derive_keys
 from .lock import Contended, ReleaseStatus, RenewItem, RenewStatus
 from .publish import forget_queued, publish_once
-from .renewer import HeldLock, Renewer
+from .renewer import HeldLock, Renewer, release_items
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
 
@@ -250,7 +250,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         pending = renewer.take_releases()
         try:
             released, outcome = store.acquire_after(
-                _release_items(pending),
+                release_items(pending),
                 keys,
                 task_id,
                 generation,
@@ -262,7 +262,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
         except Exception:  # nothing was sent (a bad argument): the releases still must go
-            renewer.report_releases(pending, store.release_many(_release_items(pending)))
+            renewer.report_releases(pending, store.release_many(release_items(pending)))
             raise
         renewer.report_releases(pending, released)
         if isinstance(outcome, Contended):
@@ -509,10 +509,6 @@ def _retry_delay(eta: datetime | None, countdown: float | None, default: float |
         now = datetime.now(timezone.utc) if eta.tzinfo else datetime.now()
         return (eta - now).total_seconds()
     return float(default or 0)
-
-
-def _release_items(pending: list[tuple[HeldLock, str]]) -> list[tuple[str, str, int | None]]:
-    return [(held.key, held.owner, held.generation) for held, _ in pending]
 
 
 def _configure_renewer(renewer: Renewer) -> None:

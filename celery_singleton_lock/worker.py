@@ -55,7 +55,7 @@ from celery.worker import state as worker_state
 from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from .claims import RunClaims
 from .config import describe, read_options
-from .connection import claims_for, flush_releases
+from .connection import claims_and_store, flush_releases
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
 from .publish import forget_queued
@@ -172,7 +172,7 @@ def _witness_claims(url: str) -> RunClaims | RedlockClaims:
     claims = _witnesses.get(key)
     if claims is None:
         claimer = f"worker:{socket.gethostname()}:{os.getpid()}"
-        claims = _witnesses[key] = claims_for(url, claimer)
+        claims = _witnesses[key] = claims_and_store(url, claimer)[0]
     return claims
 
 
