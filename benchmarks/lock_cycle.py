@@ -26,6 +26,9 @@ from .server import PrivateRedis
 Cycle = Callable[[], None]
 
 PING_FLOOR = "two PINGs (floor)"
+#: the same two PINGs written and read on a bare connection, without redis-py's per-command
+#: layers (pool checkout, retries, response callbacks), as the library sends its scripts
+RAW_PING_FLOOR = "two PINGs, bare connection"
 OURS = "celery-singleton-lock"
 #: the cycle as a SingletonTask worker runs it: the release rides in the next acquire
 OURS_DEFERRED = "celery-singleton-lock, release in next acquire"
@@ -157,6 +160,19 @@ def _pings(url: str) -> Cycle:
     return cycle
 
 
+def _raw_pings(url: str) -> Cycle:
+    connection = redis.Redis.from_url(url).connection_pool.get_connection()
+    packed = connection.pack_command("PING")
+
+    def cycle() -> None:
+        connection.send_packed_command(packed, check_health=False)
+        connection.read_response()
+        connection.send_packed_command(packed, check_health=False)
+        connection.read_response()
+
+    return cycle
+
+
 CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     OURS: _ours,
     OURS_DEFERRED: _ours_deferred,
@@ -166,6 +182,7 @@ CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     "celery-once backend": _celery_once,
     "pottery Redlock (1 master)": _pottery,
     PING_FLOOR: _pings,
+    RAW_PING_FLOOR: _raw_pings,
 }
 
 #: round trips per cycle, from reading each library's code (checked against commandstats)
@@ -178,6 +195,7 @@ ROUND_TRIPS = {
     "celery-once backend": "1 + 1 (SET NX, DEL)",
     "pottery Redlock (1 master)": "1 + 1 (SET NX, EVALSHA) + threads",
     PING_FLOOR: "2 (PING, PING)",
+    RAW_PING_FLOOR: "2 (PING, PING)",
 }
 
 
@@ -230,6 +248,8 @@ def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[Cycl
         f"{rounds} rounds x {batch} cycles per contender, contenders interleaved; ratios are "
         "medians of per-round ratios; target: ours <= 1.15x two PINGs "
         f"(now {paired_ratio(ours, floor):.2f}x; "
+        f"{paired_ratio(ours, samples[RAW_PING_FLOOR]):.2f}x two PINGs on a bare connection, "
+        "the way the library sends its scripts; "
         f"{paired_ratio(samples[OURS_DEFERRED], floor):.2f}x with the release carried by "
         "the next acquire, as SingletonTask does) and below every peer."
     )

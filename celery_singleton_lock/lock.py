@@ -32,6 +32,7 @@ from redis.exceptions import NoScriptError, RedisClusterException
 
 from .errors import LockUnavailableError
 from .keys import LockKeys
+from .sendahead import SendAhead
 
 __all__ = [
     "FENCE_TTL_MS",
@@ -140,6 +141,8 @@ class LockStore:
         self.wait_timeout_ms = wait_timeout_ms
         self._connect = connect
         self._client: Client | None = None
+        #: releases written now whose replies are read later (single server only)
+        self._ahead: SendAhead | None = None
         self._client_mutex = threading.Lock()
         if client is not None:
             self._bind(client)
@@ -190,6 +193,9 @@ class LockStore:
         self._renew = client.register_script(load_script("renew.lua"))
         self._release = client.register_script(load_script("release.lua"))
         self._client = client
+        if self._pipelines() and not self.wait_replicas:
+            assert not isinstance(client, RedisCluster)
+            self._ahead = SendAhead(client)
 
     # -- public API: validate, then delegate -------------------------------------------
 
@@ -245,6 +251,35 @@ class LockStore:
                 f"could not release {key}: {exc}", key=key, task_id=owner
             ) from exc
 
+    def release_ahead(self, key: str, owner: str, generation: int | None, tag: Any) -> bool:
+        """Write the release of ``key`` now; its reply is read later, ``tag`` with it.
+
+        The lock is free as soon as Redis reads the release; :meth:`collect_released` (or the
+        next acquire of this store, which is sent after it on the same connection and reads
+        its reply) hands back ``(tag, status)``. False, with nothing sent, when this store
+        cannot send ahead (a cluster, Redlock, ``wait_replicas``) or the connection failed:
+        release it some other way then.
+        """
+        _check_owner(owner, 0 if generation is None else generation)
+        ahead = self._ahead
+        if ahead is None:
+            return False
+        try:
+            ahead.send(self._release, _release_args(key, owner, generation), (key, owner, tag))
+        except REDIS_ERRORS:
+            return False
+        return True
+
+    def collect_released(self) -> list[tuple[Any, ReleaseStatus | LockUnavailableError]]:
+        """``(tag, status)`` of every :meth:`release_ahead` not yet collected, in order."""
+        ahead = self._ahead
+        if ahead is None or not len(ahead):
+            return []
+        return [
+            (tag, _release_outcome((key, owner), reply))
+            for (key, owner, tag), reply in ahead.collect()
+        ]
+
     def release_many(
         self, items: Sequence[tuple[str, str, int | None]]
     ) -> list[ReleaseStatus | LockUnavailableError]:
@@ -295,7 +330,7 @@ class LockStore:
         """
         if not releases:
             return [], self.acquire(keys, owner, generation, ttl_ms, meta)
-        if not (self._pipelines() and not self.wait_replicas):
+        if self._ahead is None:
             return self.release_many(releases), self.acquire(keys, owner, generation, ttl_ms, meta)
         _check_owner(owner, generation)
         if ttl_ms <= 0:
@@ -305,7 +340,7 @@ class LockStore:
         calls = [(self._release, _release_args(*item)) for item in releases]
         calls.append((self._acquire, self._acquire_args(keys, owner, generation, ttl_ms, meta)))
         try:
-            replies = self._pipeline(calls)
+            replies = self._ahead.call(calls)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not acquire {keys.lock}: {exc}", key=keys.lock, task_id=owner
@@ -350,7 +385,7 @@ class LockStore:
         if self.wait_replicas:
             reply, replicas = self._acquire_and_wait(keys, args)
         else:
-            reply = self._evalsha(self._acquire, args)
+            reply = self._call(self._acquire, args)
         outcome = _acquire_outcome(reply, replicas)
         if replicas is not None and replicas < self.wait_replicas:
             logger.warning(
@@ -372,6 +407,17 @@ class LockStore:
         except NoScriptError:  # a new or restarted server
             client.script_load(script.script)
             return client.execute_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
+
+    def _call(self, script: Script, args: Sequence[Any]) -> Any:
+        """One script call: on the send-ahead connection (after the releases written ahead,
+        without redis-py's per-command layers), or through the client when another thread is
+        using that connection and nothing is pending on it."""
+        replies = None if self._ahead is None else self._ahead.try_call([(script, args)])
+        if replies is None:
+            return self._evalsha(script, args)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        return replies[0]
 
     def _pipelines(self) -> bool:
         """Whether this store may batch calls in one pipeline of a single-server client."""
@@ -540,8 +586,7 @@ class LockStore:
 
     def _do_release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
         self._connected()
-        reply = self._evalsha(self._release, _release_args(key, owner, generation))
-        return ReleaseStatus(int(reply))
+        return ReleaseStatus(int(self._call(self._release, _release_args(key, owner, generation))))
 
 
 #: Most locks one renew.lua call renews: the server runs one script at a time and answers
@@ -587,7 +632,7 @@ def _release_args(key: str, owner: str, generation: int | None) -> list[Any]:
 
 
 def _release_outcome(
-    item: tuple[str, str, int | None], reply: Any
+    item: tuple[str, str] | tuple[str, str, int | None], reply: Any
 ) -> ReleaseStatus | LockUnavailableError:
     if isinstance(reply, Exception):
         return LockUnavailableError(

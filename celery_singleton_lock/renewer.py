@@ -161,18 +161,22 @@ class Renewer:
     # -- deferred releases -------------------------------------------------------------------
 
     def release_later(self, held: HeldLock, reason: str) -> None:
-        """Stop renewing ``held`` and queue its release, off the caller's critical path.
+        """Stop renewing ``held`` and release it, off the caller's critical path.
 
-        The thread sends the queue (all of it in one round trip) once its oldest release has
-        waited ``release_delay_s`` (0 by default: at once); the next acquire of this process
-        sends whatever is still queued in its own round trip, ahead of the acquire
-        (:meth:`take_releases`). With ``release_delay_s`` > 0 the thread, while releases keep
-        coming, looks at the queue by itself and is woken only by the first one after a quiet
-        ``idle_s``.
+        On a single server the release is written at once on the store's send-ahead
+        connection and its reply read later (:meth:`report_sent`): by the next acquire of
+        this process, or by the thread within ``idle_s``. Otherwise (a cluster, Redlock, a
+        failed write) it is queued: the thread sends the queue (all of it in one round trip)
+        once its oldest release has waited ``release_delay_s`` (0 by default: at once), and the
+        next acquire of this process sends whatever is still queued in its own round trip,
+        ahead of the acquire (:meth:`take_releases`).
         """
-        now = self.clock()
         with self._mutex:
             self._held.discard(held)
+        if self.store.release_ahead(held.key, held.owner, held.generation, (held, reason)):
+            return
+        now = self.clock()
+        with self._mutex:
             if not self._releases:
                 self._first_release_at = now
             self._releases.append((held, reason))
@@ -180,6 +184,13 @@ class Renewer:
             wake = self._deadline > now + self.release_delay_s
         if wake:
             self._wake.set()
+
+    def report_sent(self) -> int:
+        """Hand the outcome of every release written ahead to ``on_released``; how many."""
+        done = self.store.collect_released()
+        if done:
+            self.report_releases([tag for tag, _ in done], [outcome for _, outcome in done])
+        return len(done)
 
     def take_releases(self) -> list[tuple[HeldLock, str]]:
         """Take every queued release out of the queue; the caller must send them."""
@@ -202,10 +213,14 @@ class Renewer:
                 logger.exception("singleton: release callback failed: key=%s", held.key)
 
     def flush_releases(self) -> int:
-        """Send every queued release now, in one round trip; return how many were sent."""
+        """Send every queued release now, in one round trip, and report those written ahead.
+
+        Returns how many releases were reported.
+        """
+        sent = self.report_sent()
         taken = self.take_releases()
         if not taken:
-            return 0
+            return sent
         items = release_items(taken)
         outcomes: list[ReleaseStatus | LockUnavailableError]
         try:
@@ -213,7 +228,7 @@ class Renewer:
         except LockUnavailableError as exc:
             outcomes = [exc] * len(taken)
         self.report_releases(taken, outcomes)
-        return len(taken)
+        return sent + len(taken)
 
     def __len__(self) -> int:
         with self._mutex:
@@ -303,6 +318,7 @@ class Renewer:
                 self._deadline = float("-inf")  # running: add() need not wake us
                 adds = self._adds
             try:
+                self.report_sent()
                 if self._releases and clock() - self._first_release_at >= self.release_delay_s:
                     self.flush_releases()
                 start = clock()

@@ -259,12 +259,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         except LockUnavailableError as exc:
             renewer.report_releases(pending, [exc] * len(pending))
+            renewer.report_sent()
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
         except Exception:  # nothing was sent (a bad argument): the releases still must go
             renewer.report_releases(pending, store.release_many(release_items(pending)))
             raise
         renewer.report_releases(pending, released)
+        renewer.report_sent()  # the replies of releases written ahead came with the acquire
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
         held = HeldLock(

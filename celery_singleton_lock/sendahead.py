@@ -1,0 +1,186 @@
+"""Script calls written to Redis now, their replies read later, on one connection.
+
+A release does not need to wait for its reply: Redis runs it as soon as it reads it, so a
+run's lock is free the moment the release is written. What the reply says (released, or
+already gone, or taken by someone else) only feeds a log line and a signal. :class:`SendAhead`
+writes such calls on a connection of its own, keeps a note of each, and reads their replies
+later, with the next call that does need its reply (the process's next acquire, which is then
+ordered after them on the same connection) or when the owner asks (:meth:`SendAhead.collect`).
+
+Knows nothing of Celery or of what the scripts do: a call is a script, its arguments
+(numkeys first) and a ``tag`` the caller gets back with the reply.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+from redis.connection import Connection
+from redis.exceptions import NoScriptError, ResponseError
+
+__all__ = ["SendAhead"]
+
+#: a call written ahead whose reply is not read yet: (script, args, tag)
+_Pending = tuple[Script, Sequence[Any], Any]
+
+
+class SendAhead:
+    """One connection of ``client``'s pool, kept for calls whose replies are read later.
+
+    Thread-safe. Replies come back as ``(tag, reply)`` pairs, where ``reply`` is what the
+    script returned or the exception that stands for it: a ``redis.RedisError`` when the call
+    could not be written or its reply not read (the call may or may not have run).
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._mutex = threading.Lock()
+        self._connection: Connection | None = None
+        self._pid = os.getpid()
+        self._pending: list[_Pending] = []  # written, reply still on the wire
+        self._done: list[tuple[Any, Any]] = []  # read, not yet handed out by collect()
+
+    def __len__(self) -> int:
+        """How many calls were written ahead and not yet collected."""
+        return len(self._pending) + len(self._done)
+
+    def send(self, script: Script, args: Sequence[Any], tag: Any) -> None:
+        """Write one call now; its reply comes back later, from :meth:`collect`.
+
+        Raises ``redis.RedisError`` if it could not be written (it did not run then, unless
+        the connection broke halfway through the write).
+        """
+        with self._mutex:
+            try:
+                connection = self._connect()
+                _write(connection, connection.pack_command("EVALSHA", script.sha, *args))  # type: ignore[no-untyped-call]
+            except redis.RedisError as exc:
+                self._broken(exc)
+                raise
+            self._pending.append((script, args, tag))
+
+    def call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+        """Write ``calls`` after everything sent ahead, then read every reply.
+
+        Returns the replies of ``calls`` (each a value or its exception, as
+        :meth:`collect`); those of the calls sent ahead are kept for :meth:`collect`. Calls
+        that found their script missing (a new or restarted server) are loaded and sent
+        again, once, through the client's pool.
+        """
+        with self._mutex:
+            return self._call(calls)
+
+    def try_call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any] | None:
+        """:meth:`call`, or None at once if another thread is using the connection and no
+        reply of a call sent ahead is pending (the caller may then go another way)."""
+        if not self._mutex.acquire(blocking=not self._pending):
+            return None
+        try:
+            return self._call(calls)
+        finally:
+            self._mutex.release()
+
+    def _call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+        mine: list[_Pending] = [(script, args, None) for script, args in calls]
+        ahead = len(self._pending)
+        commands = [("EVALSHA", script.sha, *args) for script, args, _ in mine]
+        try:
+            connection = self._connect()
+            _write(connection, connection.pack_commands(commands))  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            self._broken(exc)
+            raise
+        self._pending += mine
+        replies = self._read_all()
+        if ahead:
+            self._done += replies[:ahead]
+        return [reply for _, reply in replies[ahead:]]
+
+    def collect(self) -> list[tuple[Any, Any]]:
+        """Every ``(tag, reply)`` of the calls written ahead so far, reading what is left."""
+        if not self._pending and not self._done:
+            return []
+        with self._mutex:
+            if self._pid != os.getpid():
+                self._forget()
+            done = self._done + self._read_all()
+            self._done = []
+            return done
+
+    # -- the connection ------------------------------------------------------------------------
+
+    def _connect(self) -> Connection:
+        """This process's connection, checked as the pool checks one it hands out.
+
+        A new one after a fork (the parent keeps its own). With no reply pending, a
+        connection that can be read from is stale (the server closed it, or a reply nobody
+        waits for is left on it): it is dropped, and the write that follows reconnects.
+        """
+        if self._pid != os.getpid():
+            self._forget()
+        connection = self._connection
+        if connection is None:
+            connection = self._connection = self._client.connection_pool.get_connection()
+        elif not self._pending:
+            try:
+                stale = connection.can_read()
+            except (redis.RedisError, OSError):
+                stale = True
+            if stale:
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                connection.connect()  # type: ignore[no-untyped-call]  # a Sentinel asks again
+        return connection
+
+    def _forget(self) -> None:
+        """After a fork: the calls and the connection are the parent's."""
+        self._pid = os.getpid()
+        self._connection = None
+        self._pending = []
+        self._done = []
+
+    def _read_all(self) -> list[tuple[Any, Any]]:
+        """Read the reply of every pending call, in order; reload missing scripts once."""
+        pending, self._pending = self._pending, []
+        connection = self._connection
+        replies: list[tuple[Any, Any]] = []
+        for index, (script, args, tag) in enumerate(pending):
+            assert connection is not None
+            try:
+                reply: Any = connection.read_response()
+            except NoScriptError:
+                reply = self._again(script, args)
+            except ResponseError as exc:  # the script's own error: the connection is fine
+                reply = exc
+            except redis.RedisError as exc:  # the connection is gone, with every later reply
+                self._broken(exc)
+                replies += [(t, exc) for _, _, t in pending[index:]]
+                break
+            replies.append((tag, reply))
+        return replies
+
+    def _again(self, script: Script, args: Sequence[Any]) -> Any:
+        """A call that did not run (no such script on the server): load it, run it now."""
+        try:
+            self._client.script_load(script.script)
+            return self._client.execute_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            return exc
+
+    def _broken(self, exc: redis.RedisError) -> None:
+        """The connection failed: drop it; every reply still on it is lost with it."""
+        connection, self._connection = self._connection, None
+        lost, self._pending = self._pending, []
+        self._done += [(tag, exc) for _, _, tag in lost]
+        if connection is not None:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            self._client.connection_pool.release(connection)
+
+
+def _write(connection: Connection, packed: Any) -> None:
+    """Send packed commands; no health check (it would read a reply that is not its own)."""
+    connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
