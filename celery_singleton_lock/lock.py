@@ -321,7 +321,7 @@ class LockStore:
         return outcomes, _acquire_outcome(reply, None)
 
     def holder(self, key: str) -> dict[str, str]:
-        """The lock's hash (owner, gen, token, since, renewals, metadata); empty when free."""
+        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
         return {as_text(k): as_text(v) for k, v in self.client.hgetall(key).items()}
 
     # -- Redis round trips --------------------------------------------------------------

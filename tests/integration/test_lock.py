@@ -144,10 +144,10 @@ def test_renew_batch(redis_client: redis.Redis, key_prefix: str) -> None:
     statuses = store.renew(items)
     assert statuses[:100] == [RenewStatus.RENEWED] * 100
     assert statuses[100:] == [RenewStatus.TAKEN, RenewStatus.GONE]
-    assert redis_client.pttl(held[0].lock) > 2000
+    assert all(redis_client.pttl(k.lock) > 2000 for k in held)
     assert redis_client.pttl(taken.lock) <= 2000
     assert not redis_client.exists(gone.lock)  # a renewal never resurrects a lock
-    assert store.holder(held[0].lock)["renewals"] == "1"
+    assert "renewals" not in store.holder(held[0].lock)  # the expiry is its only write
 
 
 def test_lock_expires_by_ttl(redis_client: redis.Redis, key_prefix: str) -> None:
