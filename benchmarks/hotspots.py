@@ -16,11 +16,10 @@ B. one SingletonTask run, eagerly (``task.apply``: Celery's tracer, no broker), 
 C. one skipped duplicate, eagerly, with and without Celery's ``ExceptionInfo`` (what
    raising ``Ignore`` from ``before_start`` costs);
 D. one renewal of 10,000 locks, split into client argument packing and the server's script
-   time, with two variant scripts defined here (without ``HINCRBY renewals``; one argument
-   per lock and only the failures in the reply).
+   time, with a variant script defined here (one argument per lock instead of two).
 
 The prototypes show what a change could save; they are not the library's behaviour (the lean
-acquire, for one, drops the ``since``/``renewals``/``ttl`` fields and folds the metadata).
+acquire, for one, drops the ``since``/``ttl`` fields and folds the metadata).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from celery import Celery, Task
 from celery_singleton_lock import SingletonTask, signals
 from celery_singleton_lock.connection import client_for, store_for
 from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import LockStore
+from celery_singleton_lock.lock import LockStore, _renew_groups, _RenewCall
 from celery_singleton_lock.renewer import Renewer
 
 from .report import Table, median, spread
@@ -409,28 +408,8 @@ def glue(url: str, n: int, repeats: int) -> Table:
 
 # -- D. renewal of 10,000 locks ----------------------------------------------------------------
 
-#: the library's renew.lua without its ``HINCRBY renewals``
-RENEW_NO_COUNTER = """
-local result = {}
-local ttl = ARGV[1]
-for i = 1, #KEYS do
-  local held = redis.call('HMGET', KEYS[i], 'owner', 'gen')
-  if not held[1] then
-    result[#result + 1] = i
-    result[#result + 1] = 0
-  elseif held[1] == ARGV[2 * i] and held[2] == ARGV[2 * i + 1] then
-    redis.call('PEXPIRE', KEYS[i], ttl)
-  else
-    result[#result + 1] = i
-    result[#result + 1] = -1
-  end
-end
-return result
-"""
-
-
-#: a prototype, not the library's script: one ttl for all, "owner:gen" per lock, no renewal
-#: counter, and only the failures in the reply (pairs of index, status)
+#: a prototype, not the library's script: "owner:gen" in one argument per lock (the library
+#: sends owner and generation as two)
 RENEW_LEAN = """
 local bad = {}
 local ttl = ARGV[1]
@@ -464,8 +443,6 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
     args: list[Any] = [items[0].ttl_ms]
     for it in items:
         args += [it.owner, it.generation]
-    no_counter = client.register_script(RENEW_NO_COUNTER)
-    no_counter(keys=keys, args=args)
     lean = client.register_script(RENEW_LEAN)
     compact_args = [items[0].ttl_ms, *[f"{it.owner}:{it.generation}" for it in items]]
     if lean(keys=keys, args=compact_args):
@@ -481,6 +458,13 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
     def pack(n: int) -> None:
         for _ in range(n):
             conn.pack_command("EVALSHA", store._renew.sha, len(keys), *keys, *args)
+
+    groups = _renew_groups(items, range(len(items)))
+
+    def prepacked(n: int) -> None:
+        for _ in range(n):
+            for group in groups:
+                _RenewCall(store._renew.sha, items, group)()
 
     def pack_compact(n: int) -> None:
         for _ in range(n):
@@ -498,23 +482,14 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
         for _ in range(n):
             store.renew(items)
 
-    def raw_no_counter(n: int) -> None:
-        for _ in range(n):
-            no_counter(keys=keys, args=args)
-
-    lean = client.register_script(RENEW_LEAN)
-    compact_args = [items[0].ttl_ms, *[f"{it.owner}:{it.generation}" for it in items]]
-    if lean(keys=keys, args=compact_args):
-        raise RuntimeError("lean renew prototype found a lock not held")
-
     variants: dict[str, Variant] = {
         "Renewer.run_due (section 3)": (due, _nothing),
-        "LockStore.renew: 10 calls of 1,000 locks, one pipeline": (chunked, _nothing),
+        "LockStore.renew: 10 calls of 1,000 locks, streamed": (chunked, _nothing),
         "renew.lua via Script, all locks in one call, no LockStore/Renewer": (raw, _nothing),
-        "renew.lua without HINCRBY renewals": (raw_no_counter, _nothing),
-        "prototype: 1 arg/lock, no HINCRBY, only failures returned": (raw_lean, _nothing),
+        "prototype: 1 arg/lock": (raw_lean, _nothing),
         "client packing only (3 args/lock)": (pack, _nothing),
         "client packing only (2 args/lock)": (pack_compact, _nothing),
+        "client packing only, 10 calls from packed items (the library's)": (prepacked, _nothing),
     }
     samples = _measure(variants, 1, rounds)
     client.connection_pool.release(conn)
@@ -527,7 +502,6 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
         table.add(name, median(ms), spread(ms), median(cpu) / 1000)
     for label, script, argv in (
         ("renew.lua", store._renew, args),
-        ("without HINCRBY", no_counter, args),
         ("prototype", lean, compact_args),
     ):
         before = command_stats(client)
@@ -540,9 +514,15 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hotspots", description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("A", "B", "D"),
+        help="run only this section (repeatable); default: all",
+    )
     args = parser.parse_args(argv)
     batch, rounds = (200, 5) if args.quick else (1000, 11)
-    for section in ("A", "B", "D"):
+    for section in args.only or ("A", "B", "D"):
         with PrivateRedis() as server:
             if section == "A":
                 tables = [lock_cycle(server.url, batch * 2, rounds)]

@@ -6,7 +6,9 @@ Knows nothing of Celery: every function takes a redis-py client (``redis.Redis``
 database: a batch costs one SCAN page and one round trip.
 
 Everything shown is read from the lock hash itself (written by ``lua/acquire.lua``) and its
-``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it.
+``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it. How long
+ago a lock was last renewed is ``ttl`` minus its ``PTTL`` (the hash keeps no renewal count: a
+write per lock per renewal cost a quarter of the server's renewal time).
 
 ====================  =====================================================================
 hash field            meaning
@@ -15,8 +17,7 @@ hash field            meaning
 ``gen``               the holder's retries count
 ``token``             fencing token of the holder's run
 ``since``             when it was taken, ms since the epoch (the Redis server's clock)
-``renewals``          renewals since it was taken
-``ttl``               the ttl it is renewed to, ms
+``ttl``               the ttl it is renewed to, ms (every renewal sets the key's expiry to it)
 ``task``              task name
 ``host``              the holder's worker node name (``name@host``)
 ``pid``               pid of the process running the task
@@ -70,7 +71,6 @@ class LockInfo:
     host: str | None
     pid: int | None
     token: int | None
-    renewals: int | None
     since_ms: int | None
     #: seconds since it was taken (Redis server clock)
     age_s: float | None
@@ -78,6 +78,11 @@ class LockInfo:
     ttl_s: float | None
     #: the ttl it is renewed to, seconds
     lease_s: float | None
+    #: seconds since it was last renewed (or taken): ``lease_s - ttl_s``. A live holder renews
+    #: every third of the ttl; negative when the key was given a longer expiry than its ttl (a
+    #: lock handed over to a retry is stretched over the countdown). None without a ttl field
+    #: or without an expiry
+    renewed_s: float | None
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-friendly dict."""
@@ -123,11 +128,11 @@ def _info(key: str, fields: dict[str, str], pttl: int, now_ms: int, prefix: str)
         host=fields.get("host"),
         pid=_int(fields.get("pid")),
         token=_int(fields.get("token")),
-        renewals=_int(fields.get("renewals")),
         since_ms=since,
         age_s=None if since is None else max(0.0, (now_ms - since) / 1000),
         ttl_s=None if pttl < 0 else pttl / 1000,
         lease_s=None if lease is None else lease / 1000,
+        renewed_s=None if lease is None or pttl < 0 else (lease - pttl) / 1000,
     )
 
 
@@ -240,7 +245,9 @@ class Stats:
     by_host: dict[str, int] = field(default_factory=dict)
     without_ttl: int = 0
     oldest_age_s: float | None = None
-    most_renewals: int | None = None
+    #: the longest time since a lock was last renewed (the stalest lock): more than a third of
+    #: its ttl points at a holder whose renewer is starved or dead
+    longest_since_renewal_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The totals as a JSON-friendly dict."""
@@ -248,7 +255,7 @@ class Stats:
 
 
 def stats(locks: Iterable[LockInfo]) -> Stats:
-    """Count ``locks`` by task and host; the oldest and the most renewed."""
+    """Count ``locks`` by task and host; the oldest and the longest since a renewal."""
     result = Stats()
     for info in locks:
         result.locks += 1
@@ -260,6 +267,9 @@ def stats(locks: Iterable[LockInfo]) -> Stats:
             result.without_ttl += 1
         if info.age_s is not None:
             result.oldest_age_s = max(result.oldest_age_s or 0.0, info.age_s)
-        if info.renewals is not None:
-            result.most_renewals = max(result.most_renewals or 0, info.renewals)
+        if info.renewed_s is not None and (
+            result.longest_since_renewal_s is None
+            or info.renewed_s > result.longest_since_renewal_s
+        ):
+            result.longest_since_renewal_s = info.renewed_s
     return result

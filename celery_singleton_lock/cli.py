@@ -98,11 +98,15 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}s"
 
 
+def _ago(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s ago"
+
+
 def _text(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-_COLUMNS = ("TASK", "HOLDER", "HOST", "PID", "AGE", "TTL", "TOKEN", "RENEWS", "ARGS", "KEY")
+_COLUMNS = ("TASK", "HOLDER", "HOST", "PID", "AGE", "TTL", "TOKEN", "RENEWED", "ARGS", "KEY")
 
 
 def _row(info: LockInfo) -> tuple[str, ...]:
@@ -114,7 +118,7 @@ def _row(info: LockInfo) -> tuple[str, ...]:
         _seconds(info.age_s),
         _seconds(info.ttl_s),
         _text(info.token),
-        _text(info.renewals),
+        _seconds(info.renewed_s),
         _text(info.args),
         info.key,
     )
@@ -130,7 +134,7 @@ def _describe(info: LockInfo) -> str:
         f"age:       {_seconds(info.age_s)}",
         f"ttl:       {_seconds(info.ttl_s)} left of {_seconds(info.lease_s)}",
         f"token:     {_text(info.token)}",
-        f"renewals:  {_text(info.renewals)}",
+        f"renewed:   {_ago(info.renewed_s)}",
     ]
     return "\n".join(lines)
 
@@ -140,7 +144,7 @@ def _describe(info: LockInfo) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of lock objects.")
 @click.pass_obj
 def list_locks(target: _Target, task: str | None, as_json: bool) -> None:
-    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, renewals."""
+    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, last renewal."""
     if as_json:  # streamed: a big database never sits in memory
         click.echo("[", nl=False)
         for count, info in enumerate(_locks(target, task)):
@@ -303,18 +307,18 @@ def purge(
 @click.option("--json", "as_json", is_flag=True, help="The totals as a JSON object.")
 @click.pass_obj
 def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
-    """How many locks, by task and by worker; the oldest, the most renewed."""
+    """How many locks, by task and by worker; the oldest, the longest since a renewal."""
     totals = stats(_locks(target, task))
     data = {"redis": redact_url(target.url), "prefix": target.prefix, **totals.as_dict()}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(f"redis:          {data['redis']}")
-    click.echo(f"prefix:         {target.prefix}")
-    click.echo(f"locks:          {totals.locks}")
-    click.echo(f"without ttl:    {totals.without_ttl}")
-    click.echo(f"oldest:         {_seconds(totals.oldest_age_s)}")
-    click.echo(f"most renewals:  {_text(totals.most_renewals)}")
+    click.echo(f"redis:                  {data['redis']}")
+    click.echo(f"prefix:                 {target.prefix}")
+    click.echo(f"locks:                  {totals.locks}")
+    click.echo(f"without ttl:            {totals.without_ttl}")
+    click.echo(f"oldest:                 {_seconds(totals.oldest_age_s)}")
+    click.echo(f"longest since renewal:  {_seconds(totals.longest_since_renewal_s)}")
     for title, counts in (("by task", totals.by_task), ("by worker", totals.by_host)):
         click.echo(f"{title}:")
         for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -83,12 +84,30 @@ class Contended:
 
 @dataclass(frozen=True)
 class RenewItem:
-    """One lock to renew: the key, who must hold it, and the ttl to set."""
+    """One lock to renew: the key, who must hold it, and the ttl to set.
+
+    Checked when made (``ValueError``), so the stores need not check it at every renewal (the
+    renewer makes one per lock and renews it every interval).
+    """
 
     key: str
     owner: str
     generation: int
     ttl_ms: int
+
+    def __post_init__(self) -> None:
+        _check_owner(self.owner, self.generation)
+        if self.ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {self.ttl_ms!r}")
+
+    @functools.cached_property
+    def _packed(self) -> tuple[bytes, bytes]:
+        """Its key, and its owner and generation, as renew.lua's arguments on the wire (RESP).
+
+        Made once: packing a lock's arguments anew at every renewal costs about 0.3 µs (3 ms of
+        the renewer's time per interval for 10,000 locks); joining these costs a tenth of that.
+        """
+        return _bulk(self.key), _bulk(self.owner) + _bulk(self.generation)
 
 
 class RenewStatus(enum.IntEnum):
@@ -230,11 +249,7 @@ class LockStore:
         """
         if not items:
             return []
-        for item in items:
-            _check_owner(item.owner, item.generation)
-            if item.ttl_ms <= 0:
-                raise ValueError(f"ttl_ms must be positive, got {item.ttl_ms!r}")
-        try:
+        try:  # the items were checked when made
             return self._do_renew(items)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
@@ -356,7 +371,7 @@ class LockStore:
         return outcomes, _acquire_outcome(reply, None)
 
     def holder(self, key: str) -> dict[str, str]:
-        """The lock's hash (owner, gen, token, since, renewals, metadata); empty when free."""
+        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
         return {as_text(k): as_text(v) for k, v in self.client.hgetall(key).items()}
 
     # -- Redis round trips --------------------------------------------------------------
@@ -498,17 +513,39 @@ class LockStore:
         if isinstance(client, RedisCluster):
             return self._renew_cluster(client, items)
         groups = _renew_groups(items, range(len(items)))
-        statuses: list[RenewStatus | None] = [None] * len(items)
-        if len(groups) == 1:
-            _fill(statuses, groups[0], self._evalsha(self._renew, _renew_call(items, groups[0])))
-        else:  # one round trip still; the server serves other clients between the calls
-            replies = self._pipeline([(self._renew, _renew_call(items, g)) for g in groups])
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            for group, reply in zip(groups, replies, strict=True):
-                _fill(statuses, group, reply)
-        return [RenewStatus.GONE if status is None else status for status in statuses]
+        # one round trip still; the server serves other clients between the calls
+        sha = self._renew.sha
+        replies = self._stream(client, self._renew, [_RenewCall(sha, items, g) for g in groups])
+        statuses = [RenewStatus.RENEWED] * len(items)
+        for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            _fill_failures(statuses, group, reply)
+        return statuses
+
+    def _stream(
+        self, client: redis.Redis, script: Script, calls: Sequence[Callable[[], bytes]]
+    ) -> list[Any]:
+        """``EVALSHA`` calls of ``script`` (single server): each call is packed (``call()``) and
+        written to the connection as soon as the previous call is written, and the replies are
+        read once all are: one round trip of waiting, and the server runs a call while the next
+        one is being packed. Each reply or its error, in order.
+
+        Calls that found their script missing (a new or restarted server) are loaded and sent
+        again, once, as in :meth:`_pipeline`; the calls that ran are not sent again (unless the
+        connection fails: then redis-py retries them all, as it retries a pipeline).
+        """
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in (1, 2):
+            sent = _send_then_read(client, [calls[i] for i in todo])
+            for index, reply in zip(todo, sent, strict=True):
+                replies[index] = reply
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo or attempt == 2:
+                break
+            client.script_load(script.script)
+        return replies
 
     def _renew_cluster(self, client: RedisCluster, items: Sequence[RenewItem]) -> list[RenewStatus]:
         """One renew.lua call per slot; the calls of one node in one pipeline.
@@ -599,7 +636,11 @@ def _renew_groups(items: Sequence[RenewItem], indexes: Iterable[int]) -> list[li
     """``indexes`` in groups of one ttl and at most :data:`RENEW_CHUNK` locks each."""
     by_ttl: dict[int, list[int]] = {}
     for index in indexes:
-        by_ttl.setdefault(items[index].ttl_ms, []).append(index)
+        ttl = items[index].ttl_ms
+        group = by_ttl.get(ttl)
+        if group is None:
+            group = by_ttl[ttl] = []
+        group.append(index)
     return [
         group[start : start + RENEW_CHUNK]
         for group in by_ttl.values()
@@ -618,10 +659,75 @@ def _renew_call(items: Sequence[RenewItem], group: Sequence[int]) -> list[Any]:
     return args
 
 
+def _bulk(value: str | int) -> bytes:
+    """``value`` as a RESP bulk string, as redis-py packs it (UTF-8; an int in decimal)."""
+    data = value.encode() if isinstance(value, str) else b"%d" % value
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass(frozen=True)
+class _RenewCall:
+    """One renew.lua call, packed when called (by :meth:`LockStore._stream`): the same bytes as
+    ``EVALSHA sha`` with :func:`_renew_call`'s arguments, from the items' packed arguments."""
+
+    sha: str
+    items: Sequence[RenewItem]
+    group: Sequence[int]
+
+    def __call__(self) -> bytes:
+        items, group = self.items, self.group
+        packed = [items[index]._packed for index in group]
+        parts = [b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 * len(group) + 4), _bulk(self.sha)]
+        parts.append(_bulk(len(group)))
+        parts += [key for key, _ in packed]
+        parts.append(_bulk(items[group[0]].ttl_ms))
+        parts += [holder for _, holder in packed]
+        return b"".join(parts)
+
+
+def _send_then_read(client: redis.Redis, calls: Sequence[Callable[[], bytes]]) -> list[Any]:
+    """The packed ``EVALSHA`` of each call, written one by one, then every reply read.
+
+    On one pooled connection, retried as redis-py retries a pipeline (the calls must be safe to
+    run twice). A connection that fails, or whose replies are not all read, is disconnected
+    before it goes back to the pool, so no later command reads a reply meant for these.
+    """
+    pool = client.connection_pool
+    connection: Any = pool.get_connection()  # redis-py's connections are untyped
+
+    def write_then_read() -> list[Any]:
+        try:
+            for count, call in enumerate(calls):
+                connection.send_packed_command([call()], check_health=count == 0)
+            replies: list[Any] = []
+            for _ in calls:
+                try:
+                    replies.append(client.parse_response(connection, "EVALSHA"))  # type: ignore[no-untyped-call]
+                except redis.ResponseError as exc:  # this call's error (NOSCRIPT, ...)
+                    replies.append(exc)
+        except BaseException:
+            connection.disconnect()
+            raise
+        return replies
+
+    try:
+        replies: list[Any] = connection.retry.call_with_retry(
+            write_then_read, lambda _error: connection.disconnect()
+        )
+        return replies
+    finally:
+        pool.release(connection)
+
+
 def _fill(statuses: list[RenewStatus | None], indexes: Sequence[int], reply: Any) -> None:
     """Statuses from renew.lua's reply, which lists only the locks it did not renew."""
     for index in indexes:
         statuses[index] = RenewStatus.RENEWED
+    _fill_failures(statuses, indexes, reply)
+
+
+def _fill_failures(statuses: list[Any], indexes: Sequence[int], reply: Any) -> None:
+    """The statuses of the locks renew.lua's reply lists: those it did not renew."""
     for position in range(0, len(reply), 2):
         statuses[indexes[int(reply[position]) - 1]] = RenewStatus(int(reply[position + 1]))
 

@@ -36,7 +36,8 @@ logger = logging.getLogger("celery_singleton_lock.renewer")
 class HeldLock:
     """A lock this process holds and renews, as seen by the run that took it.
 
-    ``context`` is whatever the caller wants handed back to its callbacks (the task).
+    ``context`` is whatever the caller wants handed back to its callbacks (the task). ``key``,
+    ``owner``, ``generation`` and ``ttl_ms`` never change once it is made.
     """
 
     key: str
@@ -50,22 +51,19 @@ class HeldLock:
     renewals: int = 0
     context: Any = field(default=None, repr=False)
     next_due: float = field(default=0.0, repr=False)
+    #: seconds between renewals: a third of the ttl
+    interval: float = field(default=0.0, init=False, repr=False)
+    _item: RenewItem | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.interval = self.ttl_ms / 3000.0
         self.next_due = self.acquired_at + self.interval
 
-    @property
-    def interval(self) -> float:
-        """Seconds between renewals: a third of the ttl."""
-        return self.ttl_ms / 3000.0
-
     def as_item(self) -> RenewItem:
-        """What the store renews: made once (key, owner, generation and ttl never change)."""
-        item = self.__dict__.get("_item")
+        """What the store renews: made at the first renewal, then kept."""
+        item = self._item
         if item is None:
-            item = self.__dict__["_item"] = RenewItem(
-                self.key, self.owner, self.generation, self.ttl_ms
-            )
+            item = self._item = RenewItem(self.key, self.owner, self.generation, self.ttl_ms)
         return item
 
 
@@ -237,7 +235,11 @@ class Renewer:
     # -- the timer's body -------------------------------------------------------------------
 
     def run_due(self, now: float) -> float | None:
-        """Renew everything if anything is due at ``now``; return seconds until the next due."""
+        """Renew everything if anything is due at ``now``; return seconds until the next due.
+
+        The loops over the locks are kept lean: with 10,000 locks, every Python step per lock
+        adds about a millisecond to the interval's work.
+        """
         with self._mutex:
             held = list(self._held)
         if not held:
@@ -245,30 +247,34 @@ class Renewer:
         expired = [
             h for h in held if h.max_hold_s is not None and now - h.acquired_at >= h.max_hold_s
         ]
-        for h in expired:  # the lock now expires within a ttl: the run cannot count on it
-            self.remove(h)
-            h.lost = True
-            self.on_max_hold(h)
-        held = [h for h in held if h not in expired]
-        if not held:
-            return None
-        earliest = min(h.next_due for h in held)
+        if expired:
+            for h in expired:  # the lock now expires within a ttl: the run cannot count on it
+                self.remove(h)
+                h.lost = True
+                self.on_max_hold(h)
+            ended = set(expired)
+            held = [h for h in held if h not in ended]
+            if not held:
+                return None
+        earliest = min([h.next_due for h in held])
         if earliest > now:
             return earliest - now
         try:
-            statuses = self.store.renew([h.as_item() for h in held])
+            statuses = self.store.renew([h._item or h.as_item() for h in held])
         except LockUnavailableError as exc:
             self.round_trips += 1
             self.on_error(exc)
             return self.error_retry_s
         self.round_trips += 1
+        renewed = RenewStatus.RENEWED
         for h, status in zip(held, statuses, strict=True):
-            if status is RenewStatus.RENEWED:
+            if status is renewed:
+                interval = h.interval
                 # renewed late: less than a third of the ttl was left (two intervals passed)
-                left = h.ttl_ms / 1000.0 - (now - (h.next_due - h.interval))
+                left = h.ttl_ms / 1000.0 - (now - (h.next_due - interval))
                 h.renewals += 1
-                h.next_due = now + h.interval
-                if left < h.interval:
+                h.next_due = now + interval
+                if left < interval:
                     self.on_late(h, left)
                 continue
             with self._mutex:
@@ -281,7 +287,7 @@ class Renewer:
             remaining = list(self._held)
         if not remaining:
             return None
-        return max(0.0, min(h.next_due for h in remaining) - now)
+        return max(0.0, min([h.next_due for h in remaining]) - now)
 
     # -- the thread ------------------------------------------------------------------------
 

@@ -77,6 +77,11 @@ class LockHandle:
         """True once a renewal found the lock gone or taken, or max_hold stopped renewing it."""
         return self._held is not None and self._held.lost
 
+    @property
+    def renewals(self) -> int:
+        """How many times this process renewed the lock for this run so far (0 without a lock)."""
+        return 0 if self._held is None else self._held.renewals
+
     def __repr__(self) -> str:
         return (
             f"<LockHandle key={self.key!r} task_id={self.task_id!r} "

@@ -19,9 +19,9 @@ The schedule (``SingletonScheduler``: several beats, each run published once):
 Users call :func:`sync_account` (1.5 s, ttl 1 s) and :func:`long` by hand, several times at
 once; the duplicates are skipped. Every finished run appends one JSON event to
 ``<prefix>events`` (``kind`` ``run``: start and end on the Redis server's clock, node, fencing
-token, renewals, run label) and every skipped duplicate one (``kind`` ``skip``); a started run
-is noted in the hash ``<prefix>started`` until it ends, so a run cut short by a killed node
-is known.
+token, renewals (``self.singleton.renewals``, counted by the worker process), run label) and
+every skipped duplicate one (``kind`` ``skip``); a started run is noted in the hash
+``<prefix>started`` until it ends, so a run cut short by a killed node is known.
 
 Messages are acknowledged after the run and restored 8 s after a node died without
 acknowledging them (``visibility_timeout``), so a killed worker's runs run again elsewhere.
@@ -141,9 +141,8 @@ def _run(task: Any, job: str, seconds: float, **args: Any) -> dict[str, Any]:
     started = f"{task.request.id}/{os.getpid()}"  # a redelivered run gets its own field
     conn.hset(STARTED_KEY, started, json.dumps(record))
     time.sleep(seconds)
-    renewals = conn.hget(task.singleton.key, "renewals") if task.singleton.key else None
     record.update(
-        end_us=server_time_us(conn), renewals=int(renewals or 0), lost=task.singleton.lost
+        end_us=server_time_us(conn), renewals=task.singleton.renewals, lost=task.singleton.lost
     )
     with conn.pipeline() as pipe:
         pipe.rpush(EVENTS_KEY, json.dumps(record))

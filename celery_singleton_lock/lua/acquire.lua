@@ -31,7 +31,7 @@ redis.call('SET', KEYS[2], string.format('%d', token), 'PX', ARGV[4])
 
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'gen', ARGV[2], 'token', string.format('%d', token),
-  'since', string.format('%d', math.floor(now_us / 1000)), 'renewals', '0',
+  'since', string.format('%d', math.floor(now_us / 1000)),
   'ttl', ARGV[3], unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {1, token, reentered}

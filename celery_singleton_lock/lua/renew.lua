@@ -15,7 +15,6 @@ for i = 1, #KEYS do
     result[#result + 1] = 0
   elseif held[1] == ARGV[2 * i] and held[2] == ARGV[2 * i + 1] then
     redis.call('PEXPIRE', KEYS[i], ttl)
-    redis.call('HINCRBY', KEYS[i], 'renewals', 1)
   else
     result[#result + 1] = i
     result[#result + 1] = -1

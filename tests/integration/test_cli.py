@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -103,6 +104,7 @@ def test_list_purge_and_release_on_a_live_worker(
     assert lock["token"] > 0
     assert 0 < lock["ttl_s"] <= 4.0
     assert lock["lease_s"] == 4.0
+    assert 0 <= lock["renewed_s"] < 4.0  # renewed every 4/3 s, else it would be gone
 
     purged = _celery(redis_url, key_prefix, "purge", "--yes", "--timeout", "3")
     assert purged.returncode == 0, purged.stderr
@@ -187,6 +189,31 @@ def test_stale_reasons(redis_client: redis.Redis, key_prefix: str) -> None:
     assert reason(local) is None
     assert reason(bare) == "no ttl"
     assert reason(orphan) == "no owner"
+
+
+def test_renewed_is_the_ttl_minus_the_time_left(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """`renewed` is ttl - PTTL: about 0 right after the acquire, 15 s once 15 s went unrenewed."""
+    fresh = _plant(redis_client, key_prefix, "t.a", b"fresh", "w1@h")
+    stale = _plant(redis_client, key_prefix, "t.a", b"stale", "w1@h")
+    assert redis_client.pexpire(stale, 45_000)  # 15 s of its 60 s ttl went by without a renewal
+    infos = {info.key: info for info in iter_locks(redis_client, key_prefix)}
+    assert infos[fresh].renewed_s is not None
+    assert 0 <= infos[fresh].renewed_s < 1
+    assert infos[stale].renewed_s is not None
+    assert 15 <= infos[stale].renewed_s < 16
+    longest = stats(infos.values()).longest_since_renewal_s
+    assert longest is not None
+    assert 15 <= longest < 16
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", key_prefix]
+    shown = runner.invoke(singleton, [*base, "show", stale])
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"^renewed: +15\.\ds ago$", shown.output, re.MULTILINE), shown.output
+    totals = runner.invoke(singleton, [*base, "stats"])
+    assert totals.exit_code == 0, totals.output
+    assert re.search(r"^longest since renewal: +15\.\ds$", totals.output, re.MULTILINE)
 
 
 def test_cli_never_shows_the_password(key_prefix: str) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import pytest
 import redis
+from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
+from celery_singleton_lock import lock as lock_module
+from celery_singleton_lock.errors import LockUnavailableError
 from celery_singleton_lock.keys import LockKeys, lock_keys
 from celery_singleton_lock.lock import (
     Acquired,
@@ -16,6 +21,7 @@ from celery_singleton_lock.lock import (
     RenewItem,
     RenewStatus,
 )
+from tests.support.servers import RedisServer
 
 
 def _keys(prefix: str, name: str = "job") -> LockKeys:
@@ -144,10 +150,92 @@ def test_renew_batch(redis_client: redis.Redis, key_prefix: str) -> None:
     statuses = store.renew(items)
     assert statuses[:100] == [RenewStatus.RENEWED] * 100
     assert statuses[100:] == [RenewStatus.TAKEN, RenewStatus.GONE]
-    assert redis_client.pttl(held[0].lock) > 2000
+    assert all(redis_client.pttl(k.lock) > 2000 for k in held)
     assert redis_client.pttl(taken.lock) <= 2000
     assert not redis_client.exists(gone.lock)  # a renewal never resurrects a lock
-    assert store.holder(held[0].lock)["renewals"] == "1"
+    assert "renewals" not in store.holder(held[0].lock)  # the expiry is its only write
+
+
+def _chunked(
+    store: LockStore, client: redis.Redis, prefix: str, count: int
+) -> tuple[list[LockKeys], list[RenewItem]]:
+    """``count`` locks of one owner, aged to 1 s left, and their renew items (ttl 60 s)."""
+    held = [_keys(prefix, f"chunk{i}") for i in range(count)]
+    for keys in held:
+        store.acquire(keys, "owner", 0, 60_000)
+        client.pexpire(keys.lock, 1000)
+    return held, [RenewItem(k.lock, "owner", 0, 60_000) for k in held]
+
+
+def test_renew_writes_every_call_before_it_reads_a_reply(
+    redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four calls: all four are written, then the four replies read; the statuses in order."""
+    monkeypatch.setattr(lock_module, "RENEW_CHUNK", 10)
+    store = LockStore(redis_client)
+    held, items = _chunked(store, redis_client, key_prefix, 35)
+    redis_client.hset(held[23].lock, "owner", "thief")  # in the third call
+    redis_client.unlink(held[34].lock)  # the last one of the fourth
+    events: list[str] = []
+    send, parse = AbstractConnection.send_packed_command, redis.Redis.parse_response
+
+    def sending(connection: Any, command: Any, check_health: bool = True) -> Any:
+        events.append("write")
+        return send(connection, command, check_health)
+
+    def reading(client: redis.Redis, connection: Any, name: str, **options: Any) -> Any:
+        events.append("read")
+        return parse(client, connection, name, **options)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", sending)
+    monkeypatch.setattr(redis.Redis, "parse_response", reading)
+    statuses = store.renew(items)
+    monkeypatch.undo()
+    assert events == ["write"] * 4 + ["read"] * 4
+    expected = [RenewStatus.RENEWED] * 35
+    expected[23], expected[34] = RenewStatus.TAKEN, RenewStatus.GONE
+    assert statuses == expected
+    assert all(redis_client.pttl(k.lock) > 1000 for i, k in enumerate(held) if i not in (23, 34))
+    assert redis_client.pttl(held[23].lock) <= 1000
+
+
+def test_renew_loads_its_script_on_a_new_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After SCRIPT FLUSH (a restarted server) every call is sent again once the script is in."""
+    monkeypatch.setattr(lock_module, "RENEW_CHUNK", 10)
+    with RedisServer() as server:
+        client = server.client()
+        try:
+            store = LockStore(client)
+            held, items = _chunked(store, client, "p:", 25)
+            client.script_flush()
+            assert store.renew(items) == [RenewStatus.RENEWED] * 25
+            assert all(client.pttl(k.lock) > 1000 for k in held)
+            assert store.renew(items) == [RenewStatus.RENEWED] * 25
+        finally:
+            client.close()
+
+
+def test_a_failed_call_leaves_the_connection_in_step(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that errors (not a hash) fails the batch; the replies after it are still read."""
+    monkeypatch.setattr(lock_module, "RENEW_CHUNK", 10)
+    client = redis.Redis.from_url(redis_url, max_connections=1)  # every command on one connection
+    try:
+        store = LockStore(client)
+        held, items = _chunked(store, client, key_prefix, 25)
+        client.unlink(held[12].lock)
+        client.set(held[12].lock, "not a hash")  # HMGET fails: the second call errors
+        with pytest.raises(LockUnavailableError, match=r"WRONGTYPE|wrong kind"):
+            store.renew(items)
+        assert all(client.pttl(k.lock) > 1000 for k in held[20:])  # the third call ran
+        assert client.get(held[12].lock) == b"not a hash"  # the one connection reads its own reply
+        client.unlink(held[12].lock)
+        statuses = store.renew(items)
+        assert statuses[12] is RenewStatus.GONE
+        assert statuses.count(RenewStatus.RENEWED) == 24
+    finally:
+        client.close()
 
 
 def test_lock_expires_by_ttl(redis_client: redis.Redis, key_prefix: str) -> None:
