@@ -12,6 +12,10 @@ that differ only in their base class:
   where it releases: the floor for any lock taken on the worker with two round trips;
 - ``bench.one_ping``: only the first PING, the floor for one blocking round trip per run
   (SingletonTask's release leaves the run's path: it rides in the next acquire).
+- ``bench.same_wire``: a plain task that sends exactly SingletonTask's Redis traffic (the
+  library's acquire.lua with the same arguments, then release.lua written after the run and
+  its reply read with the next acquire) from a few lines of its own: what the lock costs on
+  the wire and in the server, without the library's Python.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
+from celery_singleton_lock.lock import load_script
 
 URL_ENV = "BENCH_REDIS_URL"
 
@@ -34,6 +39,7 @@ CELERY_SINGLETON = "bench.celery_singleton"
 CELERY_ONCE = "bench.celery_once"
 TWO_PINGS = "bench.two_pings"
 ONE_PING = "bench.one_ping"
+SAME_WIRE = "bench.same_wire"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -89,6 +95,60 @@ class OnePing(TwoPings):
         return None
 
 
+class SameWire(Task):  # type: ignore[misc]
+    """SingletonTask's scripts and round trips, on a bare connection of its own."""
+
+    _connection: Any = None
+    _shas: tuple[str, str] = ("", "")
+    _pending = 0
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if self._connection is None:
+            client = redis.Redis.from_url(app.conf.broker_url)
+            type(self)._shas = (
+                client.script_load(load_script("acquire.lua")),
+                client.script_load(load_script("release.lua")),
+            )
+            type(self)._connection = client.connection_pool.get_connection()
+        key = f"bench-wire:{{{args[0]}}}"
+        connection = self._connection
+        connection.send_packed_command(
+            connection.pack_command(
+                "EVALSHA",
+                self._shas[0],
+                2,
+                f"{key}:lock",
+                f"{key}:fence",
+                task_id,
+                0,
+                300_000,
+                604_800_000,
+                "task",
+                SAME_WIRE,
+                "host",
+                "bench@localhost",
+                "pid",
+                "12345",
+                "args",
+                repr(tuple(args)),
+            ),
+            check_health=False,
+        )
+        for _ in range(self._pending + 1):
+            connection.read_response()
+        type(self)._pending = 0
+        self.request.wire_key = key
+
+    def after_return(self, status: str, retval: Any, task_id: str, *args: Any) -> None:
+        connection = self._connection
+        key = self.request.wire_key
+        connection.send_packed_command(
+            connection.pack_command("EVALSHA", self._shas[1], 1, f"{key}:lock", task_id, 0),
+            check_health=False,
+        )
+        type(self)._pending += 1
+
+
 @app.task(name=PLAIN, base=Task)
 def plain(i: int) -> None:
     return None
@@ -119,10 +179,16 @@ def one_ping(i: int) -> None:
     return None
 
 
+@app.task(name=SAME_WIRE, base=SameWire)
+def same_wire(i: int) -> None:
+    return None
+
+
 TASKS: dict[str, Any] = {
     "plain Task": plain,
     "plain + 1 PING (floor, 1 round trip)": one_ping,
     "plain + 2 PINGs (floor)": two_pings,
+    "plain + SingletonTask's Redis traffic (floor, no library Python)": same_wire,
     "SingletonTask": singleton,
     "celery-singleton": celery_singleton,
     "celery-once": celery_once,

@@ -117,9 +117,10 @@ class SendAhead:
     def _connect(self) -> Connection:
         """This process's connection, checked as the pool checks one it hands out.
 
-        A new one after a fork (the parent keeps its own). With no reply pending, a
-        connection that can be read from is stale (the server closed it, or a reply nobody
-        waits for is left on it): it is dropped, and the write that follows reconnects.
+        Taken from the client's pool and kept (it counts against ``max_connections``, and
+        closing the client closes it); a new one after a fork (the parent keeps its own).
+        With no reply pending, a connection that can be read from is stale (the server closed
+        it, or a reply nobody waits for is left on it): it is dropped and connected again.
         """
         if self._pid != os.getpid():
             self._forget()
@@ -133,7 +134,7 @@ class SendAhead:
                 stale = True
             if stale:
                 connection.disconnect()  # type: ignore[no-untyped-call]
-                connection.connect()  # type: ignore[no-untyped-call]  # a Sentinel asks again
+                connection.connect()  # type: ignore[no-untyped-call]
         return connection
 
     def _forget(self) -> None:

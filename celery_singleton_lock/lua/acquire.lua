@@ -1,6 +1,6 @@
 -- Take a lock, or hand it over to a later generation of its owner, and issue a fencing token.
 --
--- KEYS[1]   the lock: a hash with fields owner, gen, token, since, renewals and metadata
+-- KEYS[1]   the lock: a hash with fields owner, gen, token, since, ttl and metadata
 -- KEYS[2]   the fencing counter of that lock (same hash slot); outlives the lock, expires after ARGV[4]
 -- ARGV[1]   owner: the Celery task id
 -- ARGV[2]   generation: the Celery retries count; the same owner with a LARGER generation re-enters

@@ -220,7 +220,8 @@ def test_a_failed_call_leaves_the_connection_in_step(
 ) -> None:
     """A call that errors (not a hash) fails the batch; the replies after it are still read."""
     monkeypatch.setattr(lock_module, "RENEW_CHUNK", 10)
-    client = redis.Redis.from_url(redis_url, max_connections=1)  # every command on one connection
+    # the acquires keep one connection (sendahead.py): every other command goes on the second
+    client = redis.Redis.from_url(redis_url, max_connections=2)
     try:
         store = LockStore(client)
         held, items = _chunked(store, client, key_prefix, 25)
