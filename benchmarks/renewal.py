@@ -98,6 +98,9 @@ class _TimedStore:
         self.client = store.client
         self.starts: list[float] = []
 
+    def __getattr__(self, name: str) -> object:  # the rest of the store's API, as it is
+        return getattr(self.store, name)
+
     def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
         self.starts.append(time.monotonic())
         return self.store.renew(items)

@@ -424,15 +424,16 @@ class LockStore:
             return client.execute_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
 
     def _call(self, script: Script, args: Sequence[Any]) -> Any:
-        """One script call: on the send-ahead connection (after the releases written ahead,
-        without redis-py's per-command layers), or through the client when another thread is
-        using that connection and nothing is pending on it."""
-        replies = None if self._ahead is None else self._ahead.try_call([(script, args)])
-        if replies is None:
+        """One script call: on the send-ahead connection when the store has one (after the
+        releases written ahead, without redis-py's per-command layers), else through the
+        client. One call at a time on that connection: a thread that finds it busy waits, so
+        a call never overtakes a release written before it."""
+        if self._ahead is None:
             return self._evalsha(script, args)
-        if isinstance(replies[0], Exception):
-            raise replies[0]
-        return replies[0]
+        reply = self._ahead.call([(script, args)])[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def _pipelines(self) -> bool:
         """Whether this store may batch calls in one pipeline of a single-server client."""

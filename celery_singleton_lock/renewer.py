@@ -324,13 +324,13 @@ class Renewer:
                 self._deadline = float("-inf")  # running: add() need not wake us
                 adds = self._adds
             try:
-                self.report_sent()
                 if self._releases and clock() - self._first_release_at >= self.release_delay_s:
                     self.flush_releases()
                 start = clock()
                 timeout = self.run_due(start)
                 if timeout is not None:  # from the end of the round trip, not its start
                     timeout = max(0.0, timeout - (clock() - start))
+                self.report_sent()  # replies of releases written ahead that no acquire read
             except Exception:  # keep renewing whatever a callback did
                 logger.exception("singleton: renewer tick failed")
                 timeout = self.error_retry_s

@@ -58,7 +58,7 @@ class SendAhead:
         with self._mutex:
             try:
                 connection = self._connect()
-                _write(connection, connection.pack_command("EVALSHA", script.sha, *args))  # type: ignore[no-untyped-call]
+                _write(connection, connection.pack_command(*_eval(script, args)))  # type: ignore[no-untyped-call]
             except redis.RedisError as exc:
                 self._broken(exc)
                 raise
@@ -75,20 +75,11 @@ class SendAhead:
         with self._mutex:
             return self._call(calls)
 
-    def try_call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any] | None:
-        """:meth:`call`, or None at once if another thread is using the connection and no
-        reply of a call sent ahead is pending (the caller may then go another way)."""
-        if not self._mutex.acquire(blocking=not self._pending):
-            return None
-        try:
-            return self._call(calls)
-        finally:
-            self._mutex.release()
-
     def _call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
         mine: list[_Pending] = [(script, args, None) for script, args in calls]
         ahead = len(self._pending)
-        commands = [("EVALSHA", script.sha, *args) for script, args, _ in mine]
+        commands = [_eval(script, args) for script, args, _ in mine[:-1]]
+        commands.append(("EVALSHA", mine[-1][0].sha, *mine[-1][1]))
         try:
             connection = self._connect()
             _write(connection, connection.pack_commands(commands))  # type: ignore[no-untyped-call]
@@ -145,7 +136,8 @@ class SendAhead:
         self._done = []
 
     def _read_all(self) -> list[tuple[Any, Any]]:
-        """Read the reply of every pending call, in order; reload missing scripts once."""
+        """Read the reply of every pending call, in order; a missing script (only the last
+        call of a batch uses ``EVALSHA``) is loaded and its call made again."""
         pending, self._pending = self._pending, []
         connection = self._connection
         replies: list[tuple[Any, Any]] = []
@@ -180,6 +172,18 @@ class SendAhead:
         if connection is not None:
             connection.disconnect()  # type: ignore[no-untyped-call]
             self._client.connection_pool.release(connection)
+
+
+def _eval(script: Script, args: Sequence[Any]) -> tuple[Any, ...]:
+    """``EVAL`` with the script's text, for a call that other calls follow on the connection.
+
+    ``EVALSHA`` of a script the server does not have (new, restarted, flushed) fails without
+    running, and the calls written after it would run before it is sent again: an acquire
+    would find the lock a release ahead of it was to free. ``EVAL`` always runs, in order (the
+    server caches the script by its digest). Only the last call of a batch, which nothing
+    follows, may use ``EVALSHA`` and be sent again.
+    """
+    return ("EVAL", script.script, *args)
 
 
 def _write(connection: Connection, packed: Any) -> None:

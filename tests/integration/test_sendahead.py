@@ -9,7 +9,7 @@ import redis
 
 from celery_singleton_lock.errors import LockUnavailableError
 from celery_singleton_lock.keys import LockKeys, lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
+from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus, load_script
 from celery_singleton_lock.renewer import HeldLock, Renewer
 from tests.support.servers import RedisServer
 
@@ -90,17 +90,22 @@ def test_a_connection_lost_with_replies_on_it_reports_each_as_an_error(
     assert not store.release_ahead(first.lock, "run-1", 0, "server down")
 
 
-def test_a_server_without_the_script_gets_it_loaded(
+def test_a_release_ahead_runs_before_the_next_acquire_on_a_server_without_its_script(
     private_redis: RedisServer, key_prefix: str
 ) -> None:
-    """SCRIPT FLUSH between acquire and release: the release is loaded and run, once."""
+    """New or flushed server: a release never sent before still runs before the acquire after it."""
     client = private_redis.client()
     store = LockStore(client)
-    keys = _take(store, key_prefix, "k", "run-1")
-    client.script_flush()
+    keys = _take(store, key_prefix, "k", "run-1")  # the server has acquire.lua, not release.lua
     assert store.release_ahead(keys.lock, "run-1", 0, "k")
+    assert isinstance(store.acquire(keys, "run-2", 0, 30_000), Acquired)
     assert store.collect_released() == [("k", ReleaseStatus.RELEASED)]
-    assert not client.exists(keys.lock)
+    client.script_flush()
+    client.script_load(load_script("acquire.lua"))
+    released, outcome = store.acquire_after([(keys.lock, "run-2", 0)], keys, "run-3", 0, 30_000)
+    assert released == [ReleaseStatus.RELEASED]
+    assert isinstance(outcome, Acquired)
+    assert store.holder(keys.lock)["owner"] == "run-3"
 
 
 def _child_collects(store: LockStore, key: str, out: multiprocessing.Queue[object]) -> None:
