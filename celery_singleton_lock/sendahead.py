@@ -68,9 +68,10 @@ class SendAhead:
         """Write ``calls`` after everything sent ahead, then read every reply.
 
         Returns the replies of ``calls`` (each a value or its exception, as
-        :meth:`collect`); those of the calls sent ahead are kept for :meth:`collect`. Calls
-        that found their script missing (a new or restarted server) are loaded and sent
-        again, once, through the client's pool.
+        :meth:`collect`); those of the calls sent ahead are kept for :meth:`collect`. The
+        last call goes as ``EVALSHA``: if the server lacks its script (new, restarted or
+        flushed) it is loaded and the call made again, once, through the client's pool; the
+        others go as ``EVAL`` (see :func:`_eval`).
         """
         with self._mutex:
             return self._call(calls)
