@@ -14,6 +14,7 @@ Knows nothing of Celery or of what the scripts do: a call is a script, its argum
 from __future__ import annotations
 
 import os
+import select
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -83,7 +84,11 @@ class SendAhead:
         commands.append(("EVALSHA", mine[-1][0].sha, *mine[-1][1]))
         try:
             connection = self._connect()
-            _write(connection, connection.pack_commands(commands))  # type: ignore[no-untyped-call]
+            if len(commands) == 1:
+                packed = connection.pack_command(*commands[0])  # type: ignore[no-untyped-call]
+            else:
+                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+            _write(connection, packed)
         except redis.RedisError as exc:
             self._broken(exc)
             raise
@@ -119,14 +124,9 @@ class SendAhead:
         connection = self._connection
         if connection is None:
             connection = self._connection = self._client.connection_pool.get_connection()
-        elif not self._pending:
-            try:
-                stale = connection.can_read()
-            except (redis.RedisError, OSError):
-                stale = True
-            if stale:
-                connection.disconnect()  # type: ignore[no-untyped-call]
-                connection.connect()  # type: ignore[no-untyped-call]
+        elif not self._pending and _readable(connection):
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            connection.connect()  # type: ignore[no-untyped-call]
         return connection
 
     def _forget(self) -> None:
@@ -185,6 +185,18 @@ def _eval(script: Script, args: Sequence[Any]) -> tuple[Any, ...]:
     follows, may use ``EVALSHA`` and be sent again.
     """
     return ("EVAL", script.script, *args)
+
+
+def _readable(connection: Connection) -> bool:
+    """Whether the server sent something (or closed) while no reply was due: one ``select``
+    on the socket, the check redis-py's pool makes with ``can_read`` (a third of its cost)."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return False  # not connected: the write connects
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):  # closed under us
+        return True
 
 
 def _write(connection: Connection, packed: Any) -> None:
