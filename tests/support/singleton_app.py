@@ -146,8 +146,12 @@ def _signal_logger(signal_name: str) -> Any:
     return receiver
 
 
-for _signal_name in _singleton_signals.__all__:
-    getattr(_singleton_signals, _signal_name).connect(_signal_logger(_signal_name), weak=False)
+# Only in processes started for a test (they get a private prefix): a test process that
+# imports this module for signals_key() must not log its own in-process runs to the
+# shared server under the default prefix, where nothing would ever delete them.
+if os.environ.get("SINGLETON_TEST_PREFIX"):
+    for _signal_name in _singleton_signals.__all__:
+        getattr(_singleton_signals, _signal_name).connect(_signal_logger(_signal_name), weak=False)
 
 # SINGLETON_TEST_BAD_POLICY=<value> sets singleton_on_duplicate app-wide to that (invalid) value,
 # so the worker must refuse to start.
