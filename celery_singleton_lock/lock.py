@@ -451,21 +451,20 @@ class LockStore:
         """
         client = self.client
         assert not isinstance(client, RedisCluster)
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in (1, 2):
+
+        def send(todo: list[int]) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for index in todo:
                 script, args = calls[index]
                 pipe.execute_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
-            for index, reply in zip(todo, pipe.execute(raise_on_error=False), strict=True):
-                replies[index] = reply
-            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
-            if not todo or attempt == 2:
-                break
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
+
+        def load(todo: list[int]) -> None:
             for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
                 client.script_load(script.script)
-        return replies
+
+        return _reloading(len(calls), send, load)
 
     def _acquire_and_wait(self, keys: LockKeys, args: list[Any]) -> tuple[list[Any], int]:
         """acquire.lua and ``WAIT`` in one pipeline: WAIT counts the writes of its connection."""
@@ -533,20 +532,14 @@ class LockStore:
         one is being packed. Each reply or its error, in order.
 
         Calls that found their script missing (a new or restarted server) are loaded and sent
-        again, once, as in :meth:`_pipeline`; the calls that ran are not sent again (unless the
+        again, once (:func:`_reloading`); the calls that ran are not sent again (unless the
         connection fails: then redis-py retries them all, as it retries a pipeline).
         """
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in (1, 2):
-            sent = _send_then_read(client, [calls[i] for i in todo])
-            for index, reply in zip(todo, sent, strict=True):
-                replies[index] = reply
-            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
-            if not todo or attempt == 2:
-                break
-            client.script_load(script.script)
-        return replies
+        return _reloading(
+            len(calls),
+            lambda todo: _send_then_read(client, [calls[i] for i in todo]),
+            lambda _todo: client.script_load(script.script),
+        )
 
     def _renew_cluster(self, client: RedisCluster, items: Sequence[RenewItem]) -> list[RenewStatus]:
         """One renew.lua call per slot; the calls of one node in one pipeline.
@@ -606,21 +599,20 @@ class LockStore:
         self, connection: redis.Redis, items: Sequence[RenewItem], groups: list[list[int]]
     ) -> list[Any]:
         """One pipeline of renew.lua calls, one per group; loads the script where missing."""
-        replies: list[Any] = [None] * len(groups)
-        todo = list(range(len(groups)))
-        for attempt in (1, 2):
+
+        def send(todo: list[int]) -> list[Any]:
             pipe = connection.pipeline(transaction=False)
             for index in todo:
                 pipe.execute_command(  # type: ignore[no-untyped-call]
                     "EVALSHA", self._renew.sha, *_renew_call(items, groups[index])
                 )
-            for index, reply in zip(todo, pipe.execute(raise_on_error=False), strict=True):
-                replies[index] = reply
-            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
-            if not todo or attempt == 2:
-                break
-            connection.script_load(self._renew.script)  # a new, restarted or promoted node
-        return replies
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
+
+        # a new, restarted or promoted node
+        return _reloading(
+            len(groups), send, lambda _todo: connection.script_load(self._renew.script)
+        )
 
     def _do_release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
         self._connected()
@@ -658,6 +650,27 @@ def _renew_call(items: Sequence[RenewItem], group: Sequence[int]) -> list[Any]:
         item = items[index]
         args += (item.owner, item.generation)
     return args
+
+
+def _reloading(
+    count: int,
+    send: Callable[[list[int]], list[Any]],
+    load: Callable[[list[int]], object],
+) -> list[Any]:
+    """Replies of ``count`` script calls sent as a batch by ``send(indexes)``, each reply or its
+    error, in order. Calls that found their script missing (``NOSCRIPT``: they did not run)
+    get it loaded by ``load(indexes)`` and are sent again, once; calls that ran are never sent
+    twice."""
+    replies: list[Any] = [None] * count
+    todo = list(range(count))
+    for attempt in (1, 2):
+        for index, reply in zip(todo, send(todo), strict=True):
+            replies[index] = reply
+        todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+        if not todo or attempt == 2:
+            break
+        load(todo)
+    return replies
 
 
 def _bulk(value: str | int) -> bytes:
