@@ -75,16 +75,8 @@ ErrorCallback = Callable[[LockUnavailableError], None]
 ReleasedCallback = Callable[[HeldLock, "ReleaseStatus | LockUnavailableError", str], None]
 
 
-#: How long a queued release may wait for the next acquire of its process to carry it (in
-#: that acquire's round trip) before the renewer thread sends it itself. 0: the thread is woken
-#: and sends it at once, so a lock stays in Redis after its run about as long as with a release
-#: made in the run (a duplicate elsewhere is not turned away any longer than before); a few
-#: milliseconds would save the thread's wake-up per run (about 80 us of CPU here) at the price
-#: of keeping the lock that much longer.
-RELEASE_DELAY_S = 0.0
-#: With ``release_delay_s`` > 0: how long the thread keeps looking at the release queue every
-#: ``release_delay_s`` after the last release (it then needs no wake-up per release). Also the
-#: longest it sleeps when it holds no lock.
+#: The longest the thread sleeps: it then reads the replies of releases written ahead that no
+#: acquire has read, even when it holds no lock.
 IDLE_S = 1.0
 
 
@@ -106,7 +98,6 @@ class Renewer:
         on_late: LateCallback = _ignore,
         on_released: ReleasedCallback = _ignore,
         error_retry_s: float = 1.0,
-        release_delay_s: float | None = None,
         idle_s: float = IDLE_S,
     ) -> None:
         self.store = store
@@ -116,15 +107,11 @@ class Renewer:
         self.on_error = on_error
         self.on_late = on_late
         self.error_retry_s = error_retry_s
-        #: None: the module's RELEASE_DELAY_S as it is when the renewer is made
-        self.release_delay_s = RELEASE_DELAY_S if release_delay_s is None else release_delay_s
         self.idle_s = idle_s
         self.round_trips = 0
         self.on_released = on_released
         self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
         self._releases: list[tuple[HeldLock, str]] = []
-        self._first_release_at = 0.0  # clock time the oldest queued release was queued
-        self._last_release_at = float("-inf")
         self._adds = 0
         #: When the thread wakes up next (clock time); -inf while it is running, +inf when
         #: it waits for a lock to be added.
@@ -164,10 +151,9 @@ class Renewer:
         On a single server the release is written at once on the store's send-ahead
         connection and its reply read later (:meth:`report_sent`): by the next acquire of
         this process, or by the thread within ``idle_s``. Otherwise (a cluster, Redlock, a
-        failed write) it is queued: the thread sends the queue (all of it in one round trip)
-        once its oldest release has waited ``release_delay_s`` (0 by default: at once), and the
-        next acquire of this process sends whatever is still queued in its own round trip,
-        ahead of the acquire (:meth:`take_releases`).
+        failed write) it is queued and the thread woken: it sends the queue at once, all of it
+        in one round trip, and the next acquire of this process sends whatever is still queued
+        in its own round trip, ahead of the acquire (:meth:`take_releases`).
         """
         with self._mutex:
             self._held.discard(held)
@@ -175,11 +161,8 @@ class Renewer:
             return
         now = self.clock()
         with self._mutex:
-            if not self._releases:
-                self._first_release_at = now
             self._releases.append((held, reason))
-            self._last_release_at = now
-            wake = self._deadline > now + self.release_delay_s
+            wake = self._deadline > now
         if wake:
             self._wake.set()
 
@@ -324,7 +307,7 @@ class Renewer:
                 self._deadline = float("-inf")  # running: add() need not wake us
                 adds = self._adds
             try:
-                if self._releases and clock() - self._first_release_at >= self.release_delay_s:
+                if self._releases:
                     self.flush_releases()
                 start = clock()
                 timeout = self.run_due(start)
@@ -339,11 +322,8 @@ class Renewer:
                     continue  # a lock came in while we ran: look again
                 now = clock()
                 timeout = self.idle_s if timeout is None else min(timeout, self.idle_s)
-                if self._releases:
-                    due = self._first_release_at + self.release_delay_s
-                    timeout = min(timeout, max(0.0, due - now))
-                elif self.release_delay_s > 0 and now - self._last_release_at < self.idle_s:
-                    timeout = min(timeout, self.release_delay_s)
+                if self._releases:  # queued while we ran: send them now
+                    timeout = 0.0
                 self._deadline = now + timeout
             wake.wait(timeout)
             wake.clear()
