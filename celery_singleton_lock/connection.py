@@ -21,7 +21,6 @@ the calling process. Knows nothing of Celery.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from ._pid import current_pid
 from .claims import RunClaims
 from .config import LockUrl, parse_lock_url, redact_url
 from .lock import Client, LockStore
@@ -201,7 +201,7 @@ def _ms(seconds: float) -> int:
 
 def store_for(url: str) -> LockStore:
     """The lock store for ``url`` in this process."""
-    key = (os.getpid(), url)
+    key = (current_pid(), url)
     store = _stores.get(key)
     if store is None:
         with _mutex:
@@ -213,7 +213,7 @@ def store_for(url: str) -> LockStore:
 
 def renewer_for(url: str, configure: Callable[[Renewer], None]) -> Renewer:
     """This process's renewer for ``url``, its thread running; ``configure`` runs once."""
-    key = (os.getpid(), url)
+    key = (current_pid(), url)
     renewer = _renewers.get(key)
     if renewer is None:
         store = store_for(url)
@@ -229,7 +229,7 @@ def renewer_for(url: str, configure: Callable[[Renewer], None]) -> Renewer:
 
 def flush_releases() -> None:
     """Send the releases this process's renewers still have queued (at shutdown)."""
-    pid = os.getpid()
+    pid = current_pid()
     with _mutex:
         renewers = [r for (owner_pid, _), r in _renewers.items() if owner_pid == pid]
     for renewer in renewers:

@@ -23,6 +23,7 @@ import contextlib
 import datetime as _dt
 import decimal
 import enum
+import functools
 import hashlib
 import inspect
 import re
@@ -136,11 +137,48 @@ for _limit in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset"):
     setattr(_preview, _limit, 4)
 
 
+#: Types whose repr the preview shows whole when it is short; reprlib would show the same.
+_PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})
+
+
+def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """The preview of a call of a few short scalars, built without reprlib (which takes ten
+    times longer), or None. Gives exactly what reprlib gives: nothing in it is shortened."""
+    if len(args) > 4 or len(kwargs) > 4:  # reprlib's maxtuple and maxdict
+        return None
+    limit = _preview.maxother  # == maxstring
+    parts = []
+    for value in args:
+        if type(value) not in _PLAIN_TYPES:
+            return None
+        text = repr(value)
+        if len(text) > limit:
+            return None
+        parts.append(text)
+    shown = f"({', '.join(parts)},)" if len(parts) == 1 else f"({', '.join(parts)})"
+    if not kwargs:
+        return shown + " {}"
+    items = []
+    if any(type(name) is not str for name in kwargs):
+        return None
+    for name in sorted(kwargs):  # reprlib sorts a dict's keys
+        value = kwargs[name]
+        if type(value) not in _PLAIN_TYPES:
+            return None
+        key, text = repr(name), repr(value)
+        if len(key) > limit or len(text) > limit:
+            return None
+        items.append(f"{key}: {text}")
+    return f"{shown} {{{', '.join(items)}}}"
+
+
 def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     """A short, human-readable preview of a call's arguments (``reprlib``, at most
     :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
     try:
-        text = f"{_preview.repr(tuple(args))} {_preview.repr(dict(kwargs))}"
+        text = _plain_preview(args, kwargs) or (
+            f"{_preview.repr(tuple(args))} {_preview.repr(dict(kwargs))}"
+        )
     except Exception as exc:
         text = f"<unprintable arguments: {type(exc).__name__}>"
     if len(text) > MAX_PREVIEW_CHARS:
@@ -198,6 +236,13 @@ def _encode_time(value: _dt.time) -> bytes:
 
 def _encode(value: object, depth: int, active: set[int]) -> bytes:
     """Encode one value; ``depth`` is the number of containers around it."""
+    kind = type(value)
+    if kind is int:  # the most common arguments first: what the int and str branches give
+        payload = int.__format__(value, "x").encode("ascii")  # type: ignore[arg-type]
+        return b"%s%d:%s" % (_T_INT, len(payload), payload)
+    if kind is str:
+        payload = str.encode(value, "utf-8", "surrogatepass")  # type: ignore[arg-type]
+        return b"%s%d:%s" % (_T_STR, len(payload), payload)
     if value is None:
         return _T_NONE
     if isinstance(value, bool):
@@ -299,6 +344,12 @@ def _encode_dict_items(
     return pairs
 
 
+@functools.lru_cache(maxsize=4096)
+def _name_atom(name: str) -> bytes:
+    """An argument name, encoded (names repeat: a function has few)."""
+    return _encode(name, 1, set())
+
+
 def _encode_dict_pairs(pairs: list[tuple[bytes, bytes]]) -> bytes:
     pairs.sort()
     body = b"".join(key + item for key, item in pairs)
@@ -326,7 +377,7 @@ def _encode_arguments(arguments: Mapping[str, Any]) -> bytes:
     pairs: list[tuple[bytes, bytes]] = []
     for name, value in arguments.items():
         try:
-            pairs.append((_encode(name, 1, active), _encode(value, 1, active)))
+            pairs.append((_name_atom(name), _encode(value, 1, active)))
         except _EncodeError as exc:
             raise _key_error(name, exc) from exc.__cause__
         except RecursionError:
@@ -339,28 +390,71 @@ def _describe(func: object) -> str:
     return name if isinstance(name, str) else repr(func)
 
 
-#: Signatures already read, per function (a bound method is keyed by its function and its
-#: class, never by the instance). Weak keys: a function that goes away drops out.
-_signatures: weakref.WeakKeyDictionary[Any, dict[Any, inspect.Signature]] = (
-    weakref.WeakKeyDictionary()
-)
+class _Shape:
+    """A function's signature, read once, and a fast way to bind calls to it.
+
+    Most task functions take positional-or-keyword parameters only. For those, :meth:`bind`
+    binds a call that fits with a few dict operations, about a tenth of what
+    ``Signature.bind`` plus ``apply_defaults`` cost; any other call (another kind of parameter,
+    or arguments that do not fit) goes through ``Signature.bind``, which also words the error.
+    """
+
+    __slots__ = ("defaults", "names", "signature")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        parameters = signature.parameters.values()
+        simple = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
+        #: the parameter names in order when all are positional-or-keyword, else None
+        self.names: tuple[str, ...] | None = tuple(signature.parameters) if simple else None
+        #: ``(name, default)`` of the parameters that have a default, in order
+        self.defaults = tuple(
+            (p.name, p.default) for p in parameters if p.default is not inspect.Parameter.empty
+        )
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``{name: value}`` in signature order, defaults applied, as ``Signature.bind`` and
+        ``apply_defaults`` give it; None when the call needs ``Signature.bind``."""
+        names = self.names
+        if names is None or len(args) > len(names):
+            return None
+        arguments = dict(zip(names, args, strict=False))  # the rest: keywords, defaults
+        if kwargs:
+            for name, value in kwargs.items():
+                if name in arguments or name not in self.signature.parameters:
+                    return None  # given twice, or unknown: Signature.bind says which
+                arguments[name] = value
+        if len(arguments) < len(names):
+            for name, default in self.defaults:
+                if name not in arguments:
+                    arguments[name] = default
+            if len(arguments) < len(names):
+                return None  # a required argument is missing
+        if kwargs:
+            return {name: arguments[name] for name in names}
+        return arguments
 
 
-def _signature(func: Callable[..., Any], error: type[SingletonError]) -> inspect.Signature:
-    """``inspect.signature(func)``, read once per function and cached (it costs ~15 us)."""
+#: Shapes already read, per function (a bound method is keyed by its function and its class,
+#: never by the instance). Weak keys: a function that goes away drops out.
+_shapes: weakref.WeakKeyDictionary[Any, dict[Any, _Shape]] = weakref.WeakKeyDictionary()
+
+
+def _shape(func: Callable[..., Any], error: type[SingletonError]) -> _Shape:
+    """``func``'s signature and binder, read once per function and cached (~15 us each)."""
     target: Any = getattr(func, "__func__", func) if inspect.ismethod(func) else func
     variant: Any = type(func.__self__) if inspect.ismethod(func) else None
     try:
-        return _signatures[target][variant]
+        return _shapes[target][variant]
     except (KeyError, TypeError):  # not cached yet, or not weakly referenceable
         pass
     try:
-        signature = inspect.signature(func)
+        shape = _Shape(inspect.signature(func))
     except (TypeError, ValueError) as exc:
         raise error(f"cannot read the signature of {_describe(func)}: {exc}") from exc
     with contextlib.suppress(TypeError):  # a callable that cannot be weakly referenced
-        _signatures.setdefault(target, {})[variant] = signature
-    return signature
+        _shapes.setdefault(target, {})[variant] = shape
+    return shape
 
 
 def _key_arg_names(
@@ -386,7 +480,7 @@ def _key_arg_names(
 def check_key_args(func: Callable[..., Any], key_args: Sequence[str] | None) -> None:
     """Raise :class:`SingletonConfigError` unless every name in ``key_args`` is a parameter of
     ``func`` (meant for start-up, so a typo fails before the first task runs)."""
-    _key_arg_names(func, _signature(func, SingletonConfigError), key_args)
+    _key_arg_names(func, _shape(func, SingletonConfigError).signature, key_args)
 
 
 def bind_arguments(
@@ -402,16 +496,18 @@ def bind_arguments(
     raises :class:`SingletonConfigError`. Arguments that do not fit the signature raise
     :class:`SingletonKeyError` carrying the ``TypeError`` text.
     """
-    signature = _signature(func, SingletonKeyError)
-    names = _key_arg_names(func, signature, key_args)
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise SingletonKeyError(
-            f"arguments do not match the signature of {_describe(func)}: {exc}"
-        ) from exc
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
+    shape = _shape(func, SingletonKeyError)
+    names = _key_arg_names(func, shape.signature, key_args)
+    arguments = shape.bind(args, kwargs)
+    if arguments is None:
+        try:
+            bound = shape.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise SingletonKeyError(
+                f"arguments do not match the signature of {_describe(func)}: {exc}"
+            ) from exc
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
     if names is None:
         return arguments
     return {name: arguments[name] for name in names}
@@ -419,17 +515,20 @@ def bind_arguments(
 
 def argument_digest(task_name: str, identity: bytes) -> str:
     """32 hex chars: blake2b (16 bytes) over the UTF-8 task name, a NUL byte and ``identity``."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(task_name.encode("utf-8", "surrogatepass"))
-    digest.update(b"\0")
-    digest.update(identity)
-    return digest.hexdigest()
+    return hashlib.blake2b(_name_parts(task_name)[1] + identity, digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_parts(task_name: str) -> tuple[str, bytes]:
+    """A task name's readable key part, and its UTF-8 bytes and NUL as the digest starts."""
+    safe = _UNSAFE_NAME_CHARS.sub("_", task_name[:MAX_NAME_CHARS])
+    return safe, task_name.encode("utf-8", "surrogatepass") + b"\0"
 
 
 def safe_name(task_name: str) -> str:
     """The readable part of a key: ``[A-Za-z0-9_.-]`` kept, anything else ``_``, cut to
     :data:`MAX_NAME_CHARS` (the digest covers the full name, so this may lose information)."""
-    return _UNSAFE_NAME_CHARS.sub("_", task_name[:MAX_NAME_CHARS])
+    return _name_parts(task_name)[0]
 
 
 @dataclass(frozen=True)

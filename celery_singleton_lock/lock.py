@@ -758,7 +758,11 @@ def _release_outcome(
         return LockUnavailableError(
             f"could not release {item[0]}: {reply}", key=item[0], task_id=item[1]
         )
-    return ReleaseStatus(int(reply))
+    return _RELEASE_STATUSES[int(reply)]
+
+
+#: release.lua's replies (a dict lookup: ReleaseStatus(n) goes through the enum machinery)
+_RELEASE_STATUSES = {status.value: status for status in ReleaseStatus}
 
 
 def _acquire_outcome(reply: Any, replicas: int | None) -> Acquired | Contended:

@@ -16,7 +16,6 @@ after the last one: the thread was starved, or Redis failed in between) is repor
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._pid import current_pid
 from .errors import LockUnavailableError
 from .lock import LockStore, ReleaseStatus, RenewItem, RenewStatus
 
@@ -120,6 +120,8 @@ class Renewer:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: True from the thread's start until its _run returns (cheaper than is_alive())
+        self._thread_running = False
         self._pid = 0
 
     # -- registry ------------------------------------------------------------------------
@@ -276,11 +278,11 @@ class Renewer:
 
     def ensure_started(self) -> None:
         """Run the timer in a daemon thread of this process (again after a fork)."""
-        pid = os.getpid()
-        if self._pid == pid and self._thread is not None and self._thread.is_alive():
+        pid = current_pid()
+        if self._pid == pid and self._thread_running:
             return
         with self._mutex:
-            if self._pid == pid and self._thread is not None and self._thread.is_alive():
+            if self._pid == pid and self._thread_running:
                 return
             self._pid = pid
             self._stop = threading.Event()
@@ -288,6 +290,7 @@ class Renewer:
             self._thread = threading.Thread(
                 target=self._run, name="celery-singleton-renewer", daemon=True
             )
+            self._thread_running = True
             self._thread.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
@@ -298,9 +301,17 @@ class Renewer:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         self._thread = None
+        self._thread_running = False
         self.flush_releases()  # whatever the thread did not send (or no thread ran)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # a thread that stop() or a fork replaced must not speak for its successor
+            if self._thread is threading.current_thread():
+                self._thread_running = False
+
+    def _loop(self) -> None:
         stop, wake, clock = self._stop, self._wake, self.clock
         while not stop.is_set():
             with self._mutex:

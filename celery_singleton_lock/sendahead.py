@@ -13,7 +13,6 @@ Knows nothing of Celery or of what the scripts do: a call is a script, its argum
 
 from __future__ import annotations
 
-import os
 import select
 import threading
 from collections.abc import Sequence
@@ -23,6 +22,8 @@ import redis
 from redis.commands.core import Script
 from redis.connection import Connection
 from redis.exceptions import NoScriptError, ResponseError
+
+from ._pid import current_pid
 
 __all__ = ["SendAhead"]
 
@@ -42,7 +43,7 @@ class SendAhead:
         self._client = client
         self._mutex = threading.Lock()
         self._connection: Connection | None = None
-        self._pid = os.getpid()
+        self._pid = current_pid()
         self._pending: list[_Pending] = []  # written, reply still on the wire
         self._done: list[tuple[Any, Any]] = []  # read, not yet handed out by collect()
 
@@ -103,7 +104,7 @@ class SendAhead:
         if not self._pending and not self._done:
             return []
         with self._mutex:
-            if self._pid != os.getpid():
+            if self._pid != current_pid():
                 self._forget()
             done = self._done + self._read_all()
             self._done = []
@@ -119,7 +120,7 @@ class SendAhead:
         With no reply pending, a connection that can be read from is stale (the server closed
         it, or a reply nobody waits for is left on it): it is dropped and connected again.
         """
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._forget()
         connection = self._connection
         if connection is None:
@@ -131,7 +132,7 @@ class SendAhead:
 
     def _forget(self) -> None:
         """After a fork: the calls and the connection are the parent's."""
-        self._pid = os.getpid()
+        self._pid = current_pid()
         self._connection = None
         self._pending = []
         self._done = []

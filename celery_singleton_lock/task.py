@@ -16,7 +16,6 @@ outcome of a traced run: success, failure, Ignore, Reject and Retry.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +28,7 @@ from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
 
 from . import signals
+from ._pid import current_pid
 from .config import Options, read_options
 from .connection import renewer_for, store_for
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
@@ -48,7 +48,7 @@ SKIP_MARKER = "__singleton_skipped__"
 class LockHandle:
     """What a run knows of its lock: ``self.singleton`` inside a bound task."""
 
-    __slots__ = ("_held", "key", "reentered", "task_id")
+    __slots__ = ("_held", "_renewer", "key", "reentered", "task_id")
 
     def __init__(
         self,
@@ -56,11 +56,13 @@ class LockHandle:
         task_id: str | None = None,
         held: HeldLock | None = None,
         reentered: bool = False,
+        renewer: Renewer | None = None,
     ) -> None:
         self.key = key
         self.task_id = task_id
         self.reentered = reentered
         self._held = held
+        self._renewer = renewer  # the one renewing it: the release goes through it
 
     @property
     def held(self) -> bool:
@@ -247,21 +249,21 @@ class SingletonTask(Task):  # type: ignore[misc]
         meta = {
             "task": self.name,
             "host": str(request.hostname or socket.gethostname()),
-            "pid": str(os.getpid()),
+            "pid": str(current_pid()),
             "args": args_preview(args, kwargs),
         }
         # Releases this process queued and the renewer thread has not sent yet go first, in
         # the acquire's own round trip: a run never finds a lock this process already let go.
+        # (On a single server there are none: releases are written ahead, see release_later.)
         pending = renewer.take_releases()
         try:
-            released, outcome = store.acquire_after(
-                release_items(pending),
-                keys,
-                task_id,
-                generation,
-                opts.ttl_ms,
-                meta,
-            )
+            if pending:
+                released, outcome = store.acquire_after(
+                    release_items(pending), keys, task_id, generation, opts.ttl_ms, meta
+                )
+                renewer.report_releases(pending, released)
+            else:
+                outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
         except LockUnavailableError as exc:
             renewer.report_releases(pending, [exc] * len(pending))
             renewer.report_sent()
@@ -270,7 +272,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception:  # nothing was sent (a bad argument): the releases still must go
             renewer.report_releases(pending, store.release_many(release_items(pending)))
             raise
-        renewer.report_releases(pending, released)
         renewer.report_sent()  # the replies of releases written ahead came with the acquire
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
@@ -284,7 +285,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             max_hold_s=opts.max_hold,
             context=self,
         )
-        request._singleton_handle = LockHandle(keys.lock, task_id, held, outcome.reentered)
+        request._singleton_handle = LockHandle(keys.lock, task_id, held, outcome.reentered, renewer)
         renewer.add(held)
         logger.debug(
             "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
@@ -428,10 +429,11 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _singleton_hand_over(self, handle: LockHandle, delay: float) -> None:
         """Stop renewing and stretch the lock over the retry's countdown."""
-        held = handle._held
+        held, renewer = handle._held, handle._renewer
         assert held is not None
+        assert renewer is not None
         opts = self.singleton_options()
-        renewer_for(opts.redis_url, _configure_renewer).remove(held)
+        renewer.remove(held)
         ttl_ms = round((max(delay, 0.0) + opts.ttl) * 1000)
         item = RenewItem(held.key, held.owner, held.generation, ttl_ms)
         try:
@@ -449,16 +451,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _singleton_after_run(self, state: str) -> None:
         """Stop renewing and release; on RETRY leave the lock for the retried message.
 
-        Outside eager runs the release is queued for this process's renewer thread, which
-        sends it at once, off the run's critical path; the next acquire of this process
-        sends it in its own round trip if the thread has not yet (see docs/design.md).
+        Outside eager runs the release leaves the run's critical path: written at once, its
+        reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md).
         """
         handle = self.singleton
-        held = handle._held
-        if held is None:
+        held, renewer = handle._held, handle._renewer
+        if held is None or renewer is None:
             return
-        opts = self.singleton_options()
-        renewer = renewer_for(opts.redis_url, _configure_renewer)
         handle._held = None if state != states.RETRY else held
         if state == states.RETRY:
             renewer.remove(held)
@@ -469,7 +468,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         renewer.remove(held)
         status: ReleaseStatus | LockUnavailableError
         try:
-            status = store_for(opts.redis_url).release(held.key, held.owner, held.generation)
+            status = store_for(self.singleton_options().redis_url).release(
+                held.key, held.owner, held.generation
+            )
         except LockUnavailableError as exc:
             status = exc
         _on_released(held, status, state)

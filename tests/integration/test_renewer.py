@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 
+import pytest
 import redis
 
 from celery_singleton_lock.keys import lock_keys
@@ -160,3 +161,68 @@ def test_release_later_reaches_redis_and_stop_reports_it(
         (first.key, ReleaseStatus.RELEASED, "SUCCESS"),
         (second.key, ReleaseStatus.RELEASED, "FAILURE"),
     ]
+
+
+def test_thread_is_started_again_after_stop_or_death(redis_client: redis.Redis) -> None:
+    """ensure_started() starts a new thread after stop(), and after the thread died."""
+    renewer = Renewer(LockStore(redis_client))
+    renewer.ensure_started()
+    first = renewer._thread
+    assert first is not None
+    renewer.ensure_started()
+    assert renewer._thread is first  # running: not started twice
+    renewer.stop()
+    assert not first.is_alive()
+    renewer.ensure_started()
+    second = renewer._thread
+    assert second is not None
+    assert second is not first
+    assert second.is_alive()
+
+    def die() -> None:
+        raise SystemExit  # ends a thread without the loop's own error handling
+
+    renewer._loop = die  # type: ignore[method-assign]
+    renewer._stop.set()
+    renewer._wake.set()
+    second.join(5)
+    renewer._stop.clear()
+    renewer._loop = Renewer._loop.__get__(renewer)  # type: ignore[method-assign]
+    renewer.ensure_started()
+    try:
+        third = renewer._thread
+        assert third is not None
+        assert third is not second
+        assert third.is_alive()
+    finally:
+        renewer.stop()
+
+
+@pytest.mark.filterwarnings("ignore:.*multi-threaded.*fork:DeprecationWarning")  # 3.12+
+def test_forked_child_gets_a_renewer_and_thread_of_its_own(redis_url: str) -> None:
+    """After a fork, renewer_for hands the child its own renewer, thread and pid."""
+    import os
+
+    from celery_singleton_lock import connection
+    from celery_singleton_lock._pid import current_pid
+
+    renewer = connection.renewer_for(redis_url, lambda r: None)
+    parent = renewer._thread
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's teardown
+        mine = connection.renewer_for(redis_url, lambda r: None)
+        ok = current_pid() == os.getpid() and mine is not renewer
+        ok = ok and mine._thread is not None and mine._thread.is_alive()
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    try:
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        assert os.waitpid(pid, 0)[1] == 0
+        assert connection.renewer_for(redis_url, lambda r: None) is renewer
+        assert renewer._thread is parent
+        assert current_pid() == os.getpid()
+    finally:
+        os.close(read)
+        connection.reset()

@@ -7,6 +7,7 @@ import collections
 import datetime as dt
 import decimal
 import enum
+import inspect
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from celery_singleton_lock import keys
@@ -683,3 +684,140 @@ def test_args_preview_is_short_and_never_raises() -> None:
     assert len(long) <= MAX_PREVIEW_CHARS
     assert long.startswith("('xxxx")
     assert "Broken" in args_preview((Broken(),), {})
+
+
+# --------------------------------------------------------------------------- fast paths
+
+_KINDS = (
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.KEYWORD_ONLY,
+    inspect.Parameter.VAR_POSITIONAL,
+    inspect.Parameter.VAR_KEYWORD,
+)
+
+
+@st.composite
+def signatures(draw: st.DrawFn) -> inspect.Signature:
+    """Valid signatures of up to five parameters; half of them positional-or-keyword only."""
+    any_kind = st.sampled_from(_KINDS) if draw(st.booleans()) else st.just(_KINDS[0])
+    kinds = sorted(draw(st.lists(any_kind, max_size=5)))
+    parameters: list[inspect.Parameter] = []
+    seen_default = False
+    for index, kind in enumerate(kinds):
+        if kind in {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and any(
+            p.kind is kind for p in parameters
+        ):
+            continue
+        default: Any = inspect.Parameter.empty
+        positional = kind in {
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        }
+        if kind not in {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and (
+            (positional and seen_default) or draw(st.booleans())
+        ):
+            default = draw(st.integers(-3, 3) | st.none())
+            seen_default = seen_default or positional
+        parameters.append(inspect.Parameter(f"p{index}", kind, default=default))
+    return inspect.Signature(parameters)
+
+
+@given(
+    signatures(),
+    st.lists(st.integers(-5, 5), max_size=6),
+    st.dictionaries(
+        st.sampled_from(["p0", "p1", "p2", "p3", "p4", "zz"]), st.integers(), max_size=4
+    ),
+)
+def test_binding_matches_signature_bind(
+    signature: inspect.Signature, args: list[int], kwargs: dict[str, int]
+) -> None:
+    """Every call binds exactly as Signature.bind + apply_defaults: values, order and errors."""
+
+    def task(*a: Any, **k: Any) -> None:
+        """Takes anything; its signature is set below."""
+
+    task.__signature__ = signature  # type: ignore[attr-defined]
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    if error:
+        with pytest.raises(SingletonKeyError) as info:
+            bind_arguments(task, args, kwargs)
+        assert error in str(info.value)
+        return
+    bound.apply_defaults()
+    assert list(bind_arguments(task, args, kwargs).items()) == list(bound.arguments.items())
+    assert list(bind_arguments(task, tuple(args), kwargs).items()) == list(bound.arguments.items())
+
+
+_plain = (
+    st.integers()
+    | st.integers(10**21, 10**26).filter(lambda n: n > 10**23)  # around where reprlib shortens
+    | st.floats()
+    | st.text(max_size=30)
+    | st.text(alphabet="ab'\"", min_size=20, max_size=26)
+    | st.booleans()
+    | st.none()
+    | st.builds(decimal.Decimal, st.integers())  # not plain: goes through reprlib
+)
+
+
+@given(
+    st.lists(_plain, max_size=6),
+    st.dictionaries(
+        st.text(max_size=25) | st.text("ab", min_size=20, max_size=26), _plain, max_size=6
+    ),
+)
+@example(["x" * 22, 10**23], {"k" * 22: "v" * 22})  # the longest shown whole
+@example(["x" * 23], {})  # one more: shortened
+@example([10**24], {})
+@example([], {"k" * 23: 1})
+@example([], {"k": "v" * 23})
+def test_args_preview_matches_reprlib(args: list[Any], kwargs: dict[str, Any]) -> None:
+    """The preview of scalars built without reprlib is exactly reprlib's, cut alike."""
+    from celery_singleton_lock.keys import MAX_PREVIEW_CHARS, args_preview
+
+    expected = f"{keys._preview.repr(tuple(args))} {keys._preview.repr(dict(kwargs))}"
+    if len(expected) > MAX_PREVIEW_CHARS:
+        expected = expected[: MAX_PREVIEW_CHARS - 3] + "..."
+    assert args_preview(args, kwargs) == expected
+
+
+def _sync(account_id: Any, full: bool = False) -> None:
+    """A task body for the pinned keys."""
+
+
+def _many(a: Any, b: Any = 2, *rest: Any, c: Any = None, **kw: Any) -> None:
+    """A task body with every kind of parameter, for the pinned keys."""
+
+
+@pytest.mark.parametrize(
+    ("func", "args", "kwargs", "digest"),
+    [
+        (_sync, [42], {}, "aa2ab49a3dda91f55efc6917a52ce6d8"),
+        (_sync, [], {"account_id": 42}, "aa2ab49a3dda91f55efc6917a52ce6d8"),
+        (_sync, [42, True], {}, "9b958339e9e3c1570dc3c45d5e1d4daf"),
+        (_sync, ["42"], {}, "54e3df506364a8f7cb6df6dc78186572"),
+        (_sync, [-7], {"full": True}, "1f6480bc66281f46c35ed2a8675738bc"),
+        (_sync, ["grüße"], {}, "85c86a8612b5f88a73b3657cd9bad975"),
+        (_many, [1, 2, 3], {"c": None, "x": [1, "a"]}, "61f687ab91d2ad18b09322e8edf021a6"),
+        (_many, [{"k": (1, 2.5)}], {}, "4e02700d60d23c6e128e106a7011c1c1"),
+        (
+            _many,
+            [uuid.UUID(int=1), decimal.Decimal("1.50"), dt.date(2024, 1, 2)],
+            {},
+            "823d3d7a356cdd4828c70f852979ea64",
+        ),
+    ],
+)
+def test_keys_are_pinned(func: Any, args: list[Any], kwargs: dict[str, Any], digest: str) -> None:
+    """Keys never change between releases: workers of two versions must find each other's locks."""
+    name = f"proj.tasks.{func.__name__.lstrip('_')}"
+    expected = f"app:{{{name}:{digest}}}:lock"
+    assert derive_keys("app:", name, func, args, kwargs).lock == expected
