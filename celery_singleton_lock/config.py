@@ -10,6 +10,7 @@ Knows nothing of Celery's classes: it reads any mapping with ``get``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -347,7 +348,7 @@ class Options:
     lock_on: str = "execute"
     publish_ttl: float = 300.0
 
-    @property
+    @functools.cached_property
     def ttl_ms(self) -> int:
         return max(1, round(self.ttl * 1000))
 

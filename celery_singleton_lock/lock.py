@@ -230,11 +230,8 @@ class LockStore:
         _check_owner(owner, generation)
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
-        fields: list[str] = []
-        for field, value in (meta or {}).items():
-            fields += [field, value]
         try:
-            return self._do_acquire(keys, owner, generation, ttl_ms, fields)
+            return self._do_acquire(keys, owner, generation, ttl_ms, meta)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not acquire {keys.lock}: {exc}", key=keys.lock, task_id=owner
@@ -392,10 +389,15 @@ class LockStore:
         return args
 
     def _do_acquire(
-        self, keys: LockKeys, owner: str, generation: int, ttl_ms: int, fields: list[str]
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None,
     ) -> Acquired | Contended:
         self._connected()
-        args = self._acquire_args(keys, owner, generation, ttl_ms, None) + fields
+        args = self._acquire_args(keys, owner, generation, ttl_ms, meta)
         replicas: int | None = None
         if self.wait_replicas:
             reply, replicas = self._acquire_and_wait(keys, args)
