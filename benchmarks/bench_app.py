@@ -12,6 +12,9 @@ that differ only in their base class:
   where it releases: the floor for any lock taken on the worker with two round trips;
 - ``bench.one_ping``: only the first PING, the floor for one blocking round trip per run
   (SingletonTask's release leaves the run's path: it rides in the next acquire).
+- ``bench.bare_ping``: one PING written and read on a bare connection, without redis-py's
+  per-command layers: the least one blocking round trip before the body can cost, and so the
+  floor of any lock taken on the worker.
 - ``bench.same_wire``: a plain task that sends exactly SingletonTask's Redis traffic (the
   library's acquire.lua with the same arguments, then release.lua written after the run and
   its reply read with the next acquire) from a few lines of its own: what the lock costs on
@@ -39,6 +42,7 @@ CELERY_SINGLETON = "bench.celery_singleton"
 CELERY_ONCE = "bench.celery_once"
 TWO_PINGS = "bench.two_pings"
 ONE_PING = "bench.one_ping"
+BARE_PING = "bench.bare_ping"
 SAME_WIRE = "bench.same_wire"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
@@ -93,6 +97,20 @@ class OnePing(TwoPings):
 
     def after_return(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+
+class BarePing(Task):  # type: ignore[misc]
+    """One PING before the body on a bare connection: a round trip and nothing else."""
+
+    _connection: Any = None
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        connection = self._connection
+        if connection is None:
+            client = redis.Redis.from_url(app.conf.broker_url)
+            connection = type(self)._connection = client.connection_pool.get_connection()
+        connection.send_packed_command([b"*1\r\n$4\r\nPING\r\n"], check_health=False)
+        connection.read_response()
 
 
 class SameWire(Task):  # type: ignore[misc]
@@ -179,6 +197,11 @@ def one_ping(i: int) -> None:
     return None
 
 
+@app.task(name=BARE_PING, base=BarePing)
+def bare_ping(i: int) -> None:
+    return None
+
+
 @app.task(name=SAME_WIRE, base=SameWire)
 def same_wire(i: int) -> None:
     return None
@@ -186,6 +209,7 @@ def same_wire(i: int) -> None:
 
 TASKS: dict[str, Any] = {
     "plain Task": plain,
+    "plain + 1 bare PING (floor: a round trip, nothing else)": bare_ping,
     "plain + 1 PING (floor, 1 round trip)": one_ping,
     "plain + 2 PINGs (floor)": two_pings,
     "plain + SingletonTask's Redis traffic (floor, no library Python)": same_wire,

@@ -118,7 +118,9 @@ class _Tasks:
             "hostname": "bench@work",
             "is_eager": False,
         }
-        self.trace(task_id, args, {}, request)
+        _retval, info, _runtime, _shown = self.trace(task_id, args, {}, request)
+        if info is not None:  # a failed run would count Celery formatting its traceback
+            raise RuntimeError(f"{self.task.name}[{task_id}] ended {info.state}: {info.retval!r}")
 
     def both(self, n: int) -> None:
         for _ in range(n):
