@@ -25,6 +25,8 @@ broker's and the worker's own loop, which are the same for every contender.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--instructions", action="store_true", help="also count CPU instructions (valgrind)"
     )
+    parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.add_argument("--child", nargs=3, metavar=("NAME", "N", "URL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -294,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     with PrivateRedis() as server:
         table, _ = run(server, args.instructions)
     print(table.render())
+    if args.json:
+        args.json.write_text(json.dumps(dataclasses.asdict(table), default=str))
     return 0
 
 
