@@ -167,42 +167,42 @@ class SameWire(Task):  # type: ignore[misc]
         type(self)._pending += 1
 
 
-@app.task(name=PLAIN, base=Task)
+@app.task(name=PLAIN, base=Task)  # type: ignore[untyped-decorator]
 def plain(i: int) -> None:
     return None
 
 
-@app.task(name=SINGLETON, base=SingletonTask)
+@app.task(name=SINGLETON, base=SingletonTask)  # type: ignore[untyped-decorator]
 def singleton(i: int) -> None:
     return None
 
 
-@app.task(name=CELERY_SINGLETON, base=Singleton)
+@app.task(name=CELERY_SINGLETON, base=Singleton)  # type: ignore[untyped-decorator]
 def celery_singleton(i: int) -> None:
     return None
 
 
-@app.task(name=CELERY_ONCE, base=QueueOnce, once={"graceful": True})
+@app.task(name=CELERY_ONCE, base=QueueOnce, once={"graceful": True})  # type: ignore[untyped-decorator]
 def celery_once(i: int) -> None:
     return None
 
 
-@app.task(name=TWO_PINGS, base=TwoPings)
+@app.task(name=TWO_PINGS, base=TwoPings)  # type: ignore[untyped-decorator]
 def two_pings(i: int) -> None:
     return None
 
 
-@app.task(name=ONE_PING, base=OnePing)
+@app.task(name=ONE_PING, base=OnePing)  # type: ignore[untyped-decorator]
 def one_ping(i: int) -> None:
     return None
 
 
-@app.task(name=BARE_PING, base=BarePing)
+@app.task(name=BARE_PING, base=BarePing)  # type: ignore[untyped-decorator]
 def bare_ping(i: int) -> None:
     return None
 
 
-@app.task(name=SAME_WIRE, base=SameWire)
+@app.task(name=SAME_WIRE, base=SameWire)  # type: ignore[untyped-decorator]
 def same_wire(i: int) -> None:
     return None
 

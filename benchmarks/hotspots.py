@@ -29,8 +29,9 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery, Task
 
 from celery_singleton_lock import SingletonTask, signals
@@ -146,7 +147,7 @@ return {1, token, 0}
 
 
 def lock_cycle(url: str, batch: int, rounds: int) -> Table:
-    client = client_for(url)
+    client = cast(redis.Redis, client_for(url))  # a single private server
     store = LockStore(client)
     keys = lock_keys("hot:", "hot.cycle", b"a")
     owner = uuid.uuid4().hex
@@ -154,7 +155,13 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
     store.acquire(keys, owner, 0, 30_000, meta)
     store.release(keys.lock, owner, 0)  # loads both scripts
     acq, rel = store._acquire.sha, store._release.sha
-    args = [owner, 0, 30_000, store.fence_ttl_ms, *[x for kv in meta.items() for x in kv]]
+    args: list[str | int] = [
+        owner,
+        0,
+        30_000,
+        store.fence_ttl_ms,
+        *[x for kv in meta.items() for x in kv],
+    ]
     lean = client.register_script(LEAN_ACQUIRE)
     lean_meta = "hot.cycle|bench@localhost|12345"
     trivial = client.script_load("return 1")
@@ -271,15 +278,15 @@ def task_runs(url: str, batch: int, rounds: int) -> tuple[Table, Table]:
         def after_return(self, *args: Any, **kwargs: Any) -> None:
             ping_client.ping()
 
-    @app.task(name="hot.plain", base=Task)
+    @app.task(name="hot.plain", base=Task)  # type: ignore[untyped-decorator]
     def plain(i: int) -> None:
         return None
 
-    @app.task(name="hot.pings", base=TwoPings)
+    @app.task(name="hot.pings", base=TwoPings)  # type: ignore[untyped-decorator]
     def pings(i: int) -> None:
         return None
 
-    @app.task(name="hot.singleton", base=SingletonTask)
+    @app.task(name="hot.singleton", base=SingletonTask)  # type: ignore[untyped-decorator]
     def single(i: int) -> None:
         return None
 
@@ -356,7 +363,7 @@ def glue(url: str, n: int, repeats: int) -> Table:
 
     app = _eager_app(url)
 
-    @app.task(name="hot.glue", base=SingletonTask)
+    @app.task(name="hot.glue", base=SingletonTask)  # type: ignore[untyped-decorator]
     def single(i: int) -> None:
         return None
 
@@ -432,7 +439,7 @@ return bad
 def renewal(url: str, locks: int, rounds: int) -> Table:
     from .renewal import _take
 
-    client = client_for(url)
+    client = cast(redis.Redis, client_for(url))  # a single private server
     store = LockStore(client)
     held = _take(store, locks)
     renewer = Renewer(store)
@@ -444,7 +451,10 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
     for it in items:
         args += [it.owner, it.generation]
     lean = client.register_script(RENEW_LEAN)
-    compact_args = [items[0].ttl_ms, *[f"{it.owner}:{it.generation}" for it in items]]
+    compact_args: list[int | str] = [
+        items[0].ttl_ms,
+        *[f"{it.owner}:{it.generation}" for it in items],
+    ]
     if lean(keys=keys, args=compact_args):
         raise RuntimeError("lean renew prototype found a lock not held")
     conn = client.connection_pool.get_connection()
@@ -457,7 +467,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
 
     def pack(n: int) -> None:
         for _ in range(n):
-            conn.pack_command("EVALSHA", store._renew.sha, len(keys), *keys, *args)
+            conn.pack_command("EVALSHA", store._renew.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
 
     groups = _renew_groups(items, range(len(items)))
 
@@ -468,7 +478,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
 
     def pack_compact(n: int) -> None:
         for _ in range(n):
-            conn.pack_command("EVALSHA", lean.sha, len(keys), *keys, *compact_args)
+            conn.pack_command("EVALSHA", lean.sha, len(keys), *keys, *compact_args)  # type: ignore[no-untyped-call]
 
     def raw_lean(n: int) -> None:
         for _ in range(n):

@@ -162,12 +162,12 @@ def _pings(url: str) -> Cycle:
 
 def _raw_pings(url: str) -> Cycle:
     connection = redis.Redis.from_url(url).connection_pool.get_connection()
-    packed = connection.pack_command("PING")
+    packed = connection.pack_command("PING")  # type: ignore[no-untyped-call]
 
     def cycle() -> None:
-        connection.send_packed_command(packed, check_health=False)
+        connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
         connection.read_response()
-        connection.send_packed_command(packed, check_health=False)
+        connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
         connection.read_response()
 
     return cycle

@@ -23,6 +23,9 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
+
+import redis
 
 from celery_singleton_lock.connection import client_for
 from celery_singleton_lock.keys import lock_keys
@@ -67,7 +70,7 @@ def _lost(held: HeldLock, status: object) -> None:
 
 
 def _batches(store: LockStore, held: list[HeldLock], intervals: int, out: SizeResult) -> None:
-    client = store.client
+    client = cast(redis.Redis, store.client)  # a single private server
     renewer = Renewer(store, clock=time.monotonic, on_lost=_lost)
     for h in held:
         renewer.add(h)
@@ -107,6 +110,7 @@ class _TimedStore:
 
 
 def _thread(store: LockStore, held: list[HeldLock], renewals: int, out: SizeResult) -> None:
+    client = cast(redis.Redis, store.client)  # a single private server
     timed = _TimedStore(store)
     renewer = Renewer(timed, on_lost=_lost)  # type: ignore[arg-type]
     start = time.monotonic()
@@ -114,7 +118,7 @@ def _thread(store: LockStore, held: list[HeldLock], renewals: int, out: SizeResu
         HeldLock(h.key, h.owner, h.generation, THREAD_TTL_MS, h.token, acquired_at=start)
         for h in held
     ]
-    before = command_stats(store.client)
+    before = command_stats(client)
     for h in threaded:
         renewer.add(h)
     renewer.ensure_started()
@@ -137,7 +141,7 @@ def _thread(store: LockStore, held: list[HeldLock], renewals: int, out: SizeResu
     cpu = cpu_after(renewals + 1) - first
     renewals = len(timed.starts) - 1
     renewer.stop()
-    delta = command_stats(store.client) - before
+    delta = command_stats(client) - before
     out.thread_evalsha_per_renewal = delta.calls("evalsha") / len(timed.starts)
     out.thread_cpu_ms_per_renewal = cpu * 1000 / renewals
     gaps = [b - a for a, b in itertools.pairwise(timed.starts)]

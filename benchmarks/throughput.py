@@ -96,6 +96,11 @@ class _Counter:
         return start
 
 
+def _args_from(base: int) -> Callable[[int], tuple[int]]:
+    """The i-th task's arguments in a batch: ``(base + i,)``."""
+    return lambda i: (base + i,)
+
+
 def _wait_all(
     client: redis.Redis, keys: Sequence[str], timeout: float, worker: BenchWorker
 ) -> None:
@@ -170,7 +175,7 @@ def run(
                 _batch(
                     app,
                     bench_app.TASKS[name],
-                    lambda i, b=base: (b + i,),
+                    _args_from(base),
                     n=50,
                     client=client,
                     worker=worker,
@@ -183,7 +188,7 @@ def run(
                         _batch(
                             app,
                             bench_app.TASKS[name],
-                            lambda i, b=base: (b + i,),
+                            _args_from(base),
                             n=n,
                             client=client,
                             worker=worker,
