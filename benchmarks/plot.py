@@ -71,11 +71,11 @@ def _throughput(ax: Any, data: Any) -> None:
     width = 0.8 / len(names)
     palette = {
         "plain Task": "#bbbbbb",
-        "plain + 1 PING (floor, 1 round trip)": "#dddddd",
         "SingletonTask": OURS_COLOR,
         "celery-singleton": "#8c564b",
         "celery-once": "#9467bd",
     }
+    floors = iter(["#c6dbef", "#9ecae1", "#6baed6", "#3182bd", "#08519c"])
     for j, name in enumerate(names):
         xs, ys = [], []
         for i, pool in enumerate(pools):
@@ -83,16 +83,22 @@ def _throughput(ax: Any, data: Any) -> None:
             series = next(s for s in data if s.pool == pool and s.name == name)
             xs.append(i + (j - (len(names) - 1) / 2) * width)
             ys.append(series.vs(plain) * 100)
-        ax.bar(xs, ys, width, label=name, color=palette.get(name, FLOOR_COLOR))
+        color = palette.get(name) or next(floors, FLOOR_COLOR)
+        ax.bar(xs, ys, width, label=_short(name), color=color)
         for x, y in zip(xs, ys, strict=True):
-            ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+            ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
     ax.axhline(95, color=FLOOR_COLOR, linestyle="--", linewidth=1, label="target 95%")
     ax.set_xticks(range(len(pools)), pools)
     ax.set_ylabel("tasks/s, % of plain (median)")
-    ax.set_ylim(0, 150)
+    ax.set_ylim(0, 165)
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper center", ncol=3)
+    ax.legend(fontsize=6, loc="upper center", ncol=2)
     return None
+
+
+def _short(name: str) -> str:
+    """A legend label: a floor's name without its explanation in parentheses."""
+    return name.split(" (", maxsplit=1)[0] if name.startswith("plain +") else name
 
 
 def _renewal(ax: Any, data: Any) -> None:
