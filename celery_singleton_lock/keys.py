@@ -344,12 +344,6 @@ def _encode_dict_items(
     return pairs
 
 
-@functools.lru_cache(maxsize=4096)
-def _name_atom(name: str) -> bytes:
-    """An argument name, encoded (names repeat: a function has few)."""
-    return _encode(name, 1, set())
-
-
 def _encode_dict_pairs(pairs: list[tuple[bytes, bytes]]) -> bytes:
     pairs.sort()
     body = b"".join(key + item for key, item in pairs)
@@ -377,7 +371,7 @@ def _encode_arguments(arguments: Mapping[str, Any]) -> bytes:
     pairs: list[tuple[bytes, bytes]] = []
     for name, value in arguments.items():
         try:
-            pairs.append((_name_atom(name), _encode(value, 1, active)))
+            pairs.append((_encode(name, 1, active), _encode(value, 1, active)))
         except _EncodeError as exc:
             raise _key_error(name, exc) from exc.__cause__
         except RecursionError:
