@@ -437,7 +437,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         ttl_ms = round((max(delay, 0.0) + opts.ttl) * 1000)
         item = RenewItem(held.key, held.owner, held.generation, ttl_ms)
         try:
-            store_for(opts.redis_url).renew([item])
+            renewer.store.renew([item])
         except LockUnavailableError as exc:
             logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
         logger.debug(
@@ -468,9 +468,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         renewer.remove(held)
         status: ReleaseStatus | LockUnavailableError
         try:
-            status = store_for(self.singleton_options().redis_url).release(
-                held.key, held.owner, held.generation
-            )
+            status = renewer.store.release(held.key, held.owner, held.generation)
         except LockUnavailableError as exc:
             status = exc
         _on_released(held, status, state)
