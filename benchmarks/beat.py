@@ -27,10 +27,10 @@ from celery.schedules import schedule
 from celery_singleton_lock import SingletonScheduler
 
 from .report import Table, median, spread
-from .server import PrivateRedis, command_stats, reset_stats
+from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats
 
 INTERVAL_S = 10.0
-HARNESS_COMMANDS = frozenset({"info", "config|resetstat", "config"})
+HARNESS_COMMANDS = STATS_COMMANDS
 
 
 def _app(url: str) -> Celery:

@@ -30,12 +30,12 @@ from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import Acquired, LockStore
 
 from .report import Table, median, spread
-from .server import PrivateRedis, command_stats, reset_stats
+from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats
 
 KEYS = 10
 TTL_S = 30
 #: commands the benchmark itself sends while measuring
-HARNESS_COMMANDS = frozenset({"info", "config|resetstat", "config", "ping"})
+HARNESS_COMMANDS = STATS_COMMANDS | {"ping"}
 
 #: attempt(key index) -> (acquired, round trips)
 Attempt = Callable[[int], tuple[bool, int]]

@@ -15,7 +15,14 @@ import redis
 
 from celery_singleton_lock._devserver import DevServer, find_server_binary, free_port
 
-__all__ = ["CommandStats", "PrivateRedis", "command_stats", "find_server_binary", "free_port"]
+__all__ = [
+    "STATS_COMMANDS",
+    "CommandStats",
+    "PrivateRedis",
+    "command_stats",
+    "find_server_binary",
+    "free_port",
+]
 
 
 class PrivateRedis(DevServer):
@@ -39,6 +46,10 @@ class PrivateRedis(DevServer):
 
     def __enter__(self) -> PrivateRedis:
         return self.start()
+
+
+#: What reading and resetting the statistics sends (leave them out of a section's counts).
+STATS_COMMANDS = frozenset({"info", "config|resetstat", "config"})
 
 
 @dataclass(frozen=True)

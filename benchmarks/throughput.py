@@ -32,11 +32,11 @@ import redis
 from celery_singleton_lock.connection import store_for
 
 from .report import Table, median, paired_ratio, spread
-from .server import PrivateRedis, command_stats, reset_stats
+from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats
 from .workers import BenchWorker
 
 #: commands the benchmark itself sends while measuring
-HARNESS_COMMANDS = frozenset({"mget", "info", "config|resetstat", "config"})
+HARNESS_COMMANDS = STATS_COMMANDS | {"mget"}
 
 POOLS: tuple[tuple[str, int], ...] = (("solo", 1), ("prefork", 2))
 

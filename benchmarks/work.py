@@ -41,7 +41,7 @@ from types import FrameType
 from typing import Any
 
 from .report import Table
-from .server import PrivateRedis, command_stats
+from .server import STATS_COMMANDS, PrivateRedis, command_stats
 
 #: tasks counted per contender under settrace (the counts are per task, so few are enough)
 TRACED = 20
@@ -50,7 +50,7 @@ WARM_UP = 30
 #: tasks of the long callgrind child; the short one does a third of them
 CALLGRIND_TASKS = 150
 #: the commands this module sends itself while counting
-HARNESS_COMMANDS = frozenset({"info", "config|resetstat", "config"})
+HARNESS_COMMANDS = STATS_COMMANDS
 
 
 @dataclass
