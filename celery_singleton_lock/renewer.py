@@ -5,6 +5,10 @@ them is due (a third of its ttl after its last renewal) it renews *all* of them 
 round trip, so the number of round trips per interval does not grow with the number of
 locks. A record whose run has ended and been garbage-collected simply drops out.
 
+The renewer also keeps this process's releases in order with its acquires:
+:meth:`Renewer.acquire` is the one way a run takes a lock, and it never overtakes a release
+this process made before it (see "Deferred release" in docs/design.md).
+
 Time is injected: :meth:`Renewer.run_due` takes ``now`` and returns how long to wait, so
 tests drive it without a thread or a sleep. :meth:`Renewer.ensure_started` starts a
 daemon thread in the *current* process (it restarts after a fork) that calls it.
@@ -19,13 +23,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._pid import current_pid
 from .errors import LockUnavailableError
-from .lock import LockStore, ReleaseStatus, RenewItem, RenewStatus
+from .keys import LockKeys
+from .lock import Acquired, Contended, LockStore, ReleaseStatus, RenewItem, RenewStatus
 
 __all__ = ["HeldLock", "Renewer", "release_items"]
 
@@ -112,11 +117,15 @@ class Renewer:
         self.on_released = on_released
         self._held: weakref.WeakSet[HeldLock] = weakref.WeakSet()
         self._releases: list[tuple[HeldLock, str]] = []
+        #: releases taken out of the queue and still on their way to Redis (see acquire)
+        self._sending = 0
         self._adds = 0
         #: When the thread wakes up next (clock time); -inf while it is running, +inf when
         #: it waits for a lock to be added.
         self._deadline = float("-inf")
         self._mutex = threading.Lock()
+        #: notified whenever the releases in flight (``_sending``) have all been answered
+        self._sent = threading.Condition(self._mutex)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,6 +154,82 @@ class Renewer:
         with self._mutex:
             self._held.discard(held)
 
+    # -- taking a lock, handing it over -------------------------------------------------------
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None = None,
+    ) -> Acquired | Contended:
+        """Take ``keys.lock`` (``LockStore.acquire``), after every release this process made.
+
+        A release this process queued goes to Redis in the same round trip, ahead of the
+        acquire; one the thread is sending right now is waited for. So a run never finds a lock
+        its own process already let go (on a cluster, Redlock or ``wait_replicas``, where
+        releases are queued; on one server they are written ahead on the connection the acquire
+        then uses). Raises :class:`LockUnavailableError` as the store does; the releases sent
+        with it are reported either way.
+        """
+        if not self._releases and not self._sending:  # the common case: nothing in between
+            try:
+                return self.store.acquire(keys, owner, generation, ttl_ms, meta)
+            finally:
+                self.report_sent()  # replies of releases written ahead came with the acquire
+        with self._mutex:
+            while self._sending:
+                self._sent.wait()
+            pending, self._releases = self._releases, []
+            self._sending += bool(pending)
+        try:
+            return self._acquire_after(pending, keys, owner, generation, ttl_ms, meta)
+        finally:
+            if pending:
+                self._done_sending()
+            self.report_sent()
+
+    def _acquire_after(  # noqa: PLR0917 - acquire's arguments, after the releases
+        self,
+        pending: list[tuple[HeldLock, str]],
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None,
+    ) -> Acquired | Contended:
+        if not pending:
+            return self.store.acquire(keys, owner, generation, ttl_ms, meta)
+        try:
+            released, outcome = self.store.acquire_after(
+                release_items(pending), keys, owner, generation, ttl_ms, meta
+            )
+        except LockUnavailableError as exc:
+            self.report_releases(pending, [exc] * len(pending))
+            raise
+        except Exception:  # nothing was sent (a bad argument): the releases still must go
+            self.report_releases(pending, self.store.release_many(release_items(pending)))
+            raise
+        self.report_releases(pending, released)
+        return outcome
+
+    def _done_sending(self) -> None:
+        with self._mutex:
+            self._sending -= 1
+            if not self._sending:
+                self._sent.notify_all()
+
+    def hand_over(self, held: HeldLock, ttl_ms: int) -> None:
+        """Stop renewing ``held`` and stretch it to ``ttl_ms`` for whoever takes it over next.
+
+        The retry hand-over: the retried message (the same owner, a later generation) takes the
+        lock over when it arrives. The stretch is a renewal, so it never shortens the lock, and
+        a renewal of ``held`` still in flight cannot shorten it either (renew.lua).
+        """
+        self.remove(held)
+        self.store.renew([RenewItem(held.key, held.owner, held.generation, ttl_ms)])
+
     # -- deferred releases -------------------------------------------------------------------
 
     def release_later(self, held: HeldLock, reason: str) -> None:
@@ -155,7 +240,7 @@ class Renewer:
         this process, or by the thread within ``idle_s``. Otherwise (a cluster, Redlock, a
         failed write) it is queued and the thread woken: it sends the queue at once, all of it
         in one round trip, and the next acquire of this process sends whatever is still queued
-        in its own round trip, ahead of the acquire (:meth:`take_releases`).
+        in its own round trip, ahead of the acquire, or waits for the thread's (:meth:`acquire`).
         """
         with self._mutex:
             self._held.discard(held)
@@ -175,14 +260,6 @@ class Renewer:
             self.report_releases([tag for tag, _ in done], [outcome for _, outcome in done])
         return len(done)
 
-    def take_releases(self) -> list[tuple[HeldLock, str]]:
-        """Take every queued release out of the queue; the caller must send them."""
-        if not self._releases:
-            return []
-        with self._mutex:
-            taken, self._releases = self._releases, []
-        return taken
-
     def report_releases(
         self,
         taken: list[tuple[HeldLock, str]],
@@ -201,15 +278,20 @@ class Renewer:
         Returns how many releases were reported.
         """
         sent = self.report_sent()
-        taken = self.take_releases()
+        if not self._releases:
+            return sent
+        with self._mutex:
+            taken, self._releases = self._releases, []
+            self._sending += bool(taken)  # an acquire meanwhile waits for these (acquire)
         if not taken:
             return sent
-        items = release_items(taken)
         outcomes: list[ReleaseStatus | LockUnavailableError]
         try:
-            outcomes = list(self.store.release_many(items))
+            outcomes = list(self.store.release_many(release_items(taken)))
         except LockUnavailableError as exc:
             outcomes = [exc] * len(taken)
+        finally:
+            self._done_sending()
         self.report_releases(taken, outcomes)
         return sent + len(taken)
 

@@ -33,9 +33,9 @@ from .config import Options, read_options
 from .connection import renewer_for, store_for
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 from .keys import LockKeys, args_preview, derive_keys
-from .lock import Contended, ReleaseStatus, RenewItem, RenewStatus
+from .lock import Contended, ReleaseStatus, RenewStatus
 from .publish import forget_queued, publish_once
-from .renewer import HeldLock, Renewer, release_items
+from .renewer import HeldLock, Renewer
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
 
@@ -244,7 +244,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         except SingletonKeyError as exc:
             raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
         generation = int(request.retries or 0)
-        store = store_for(opts.redis_url)
         renewer = renewer_for(opts.redis_url, _configure_renewer)
         meta = {
             "task": self.name,
@@ -252,27 +251,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             "pid": str(current_pid()),
             "args": args_preview(args, kwargs),
         }
-        # Releases this process queued and the renewer thread has not sent yet go first, in
-        # the acquire's own round trip: a run never finds a lock this process already let go.
-        # (On a single server there are none: releases are written ahead, see release_later.)
-        pending = renewer.take_releases()
         try:
-            if pending:
-                released, outcome = store.acquire_after(
-                    release_items(pending), keys, task_id, generation, opts.ttl_ms, meta
-                )
-                renewer.report_releases(pending, released)
-            else:
-                outcome = store.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+            outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
         except LockUnavailableError as exc:
-            renewer.report_releases(pending, [exc] * len(pending))
-            renewer.report_sent()
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
-        except Exception:  # nothing was sent (a bad argument): the releases still must go
-            renewer.report_releases(pending, store.release_many(release_items(pending)))
-            raise
-        renewer.report_sent()  # the replies of releases written ahead came with the acquire
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
         held = HeldLock(
@@ -432,12 +415,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         held, renewer = handle._held, handle._renewer
         assert held is not None
         assert renewer is not None
-        opts = self.singleton_options()
-        renewer.remove(held)
-        ttl_ms = round((max(delay, 0.0) + opts.ttl) * 1000)
-        item = RenewItem(held.key, held.owner, held.generation, ttl_ms)
+        ttl_ms = round((max(delay, 0.0) + self.singleton_options().ttl) * 1000)
         try:
-            renewer.store.renew([item])
+            renewer.hand_over(held, ttl_ms)
         except LockUnavailableError as exc:
             logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
         logger.debug(
