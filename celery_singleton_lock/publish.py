@@ -20,6 +20,11 @@ The marker never outlives its message for long:
 Every delete is compare-and-delete on the task id. The lock on the worker still guards every
 run, so a lapsed or lost marker can at worst let a second message through, which the worker
 then handles by ``singleton_on_duplicate``.
+
+The key is derived from the arguments *as the worker will see them*: sent through the
+message's serializer and back (:func:`delivered_arguments`), as Celery does for an eager call.
+JSON turns a tuple into a list, an int dict key into a str and an ``IntEnum`` into an int; a
+key taken from the arguments as given would name a marker no run ever clears.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import states
 from celery.backends.base import DisabledBackend
+from kombu import serialization
+from kombu.exceptions import DecodeError
 from kombu.utils.uuid import uuid
 
 from . import signals
@@ -45,7 +52,7 @@ if TYPE_CHECKING:
 
     from .task import SingletonTask
 
-__all__ = ["forget_queued", "publish_once"]
+__all__ = ["delivered_arguments", "forget_queued", "publish_once"]
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -138,7 +145,7 @@ def publish_once(
     opts = task.singleton_options()
     task_id = task_id or uuid()
     try:
-        keys = task.singleton_keys(args, kwargs)
+        keys = task.singleton_keys(*delivered_arguments(task, args, kwargs, options))
     except SingletonKeyError as exc:
         raise SingletonKeyError(f"{task.name}[{task_id}]: {exc}", task_id=task_id) from exc
     marker = queued_key(keys.lock)
@@ -166,6 +173,36 @@ def publish_once(
             raise
     holder, state = as_text(reply[1]), as_text(reply[2])
     return _duplicate(task, opts.on_duplicate, keys.lock, task_id, holder=holder, state=state)
+
+
+def delivered_arguments(
+    task: SingletonTask,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    options: Mapping[str, Any],
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``args`` and ``kwargs`` as a worker will receive them: through the message's serializer.
+
+    The serializer is the one Celery picks for the message (the ``serializer`` option, else the
+    task's, else ``task_serializer``); pydantic arguments are dumped first as Celery dumps them.
+    Raises kombu's ``EncodeError`` for arguments the serializer refuses (Celery would refuse to
+    publish them too), and :class:`SingletonKeyError` for arguments it writes but cannot read
+    back (a worker could not decode the message either); either before anything is marked.
+    """
+    serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    dump_pydantic = getattr(task, "_dump_pydantic_arguments", None)
+    if dump_pydantic is not None and serializer != "pickle":
+        args, kwargs = dump_pydantic(args, kwargs)
+    dumps, loads = serialization.dumps, serialization.loads
+    content_type, encoding, data = dumps((args, kwargs), serializer)  # type: ignore[no-untyped-call]
+    try:
+        args, kwargs = loads(data, content_type, encoding, accept=[content_type])  # type: ignore[no-untyped-call]
+    except DecodeError as exc:  # e.g. msgpack refuses the int dict keys it wrote
+        raise SingletonKeyError(
+            f"the {serializer} serializer cannot bring these arguments to a worker: {exc}"
+        ) from exc
+    return args, kwargs
 
 
 def _duplicate(

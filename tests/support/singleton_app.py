@@ -268,3 +268,19 @@ def publish_hold(self: Any, key: str, seconds: float = 0.0, retries: int = 0) ->
     if self.request.retries < retries:
         raise self.retry(countdown=0.2)
     return {**result, "retries": self.request.retries}
+
+
+# -- added for test_publish_seams: publish-time dedup at its seams (serializers, canvas) ----------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.publish_quiet",
+    singleton_key_args=("key",),
+    singleton_lock_on="publish",
+    ignore_result=True,
+)
+def publish_quiet(self: Any, key: Any, seconds: float = 0.0) -> None:
+    """Deduplicated at publish, stores no result: a marker left behind blocks the key."""
+    _run(self, repr(key), seconds)
