@@ -25,6 +25,11 @@ The key is derived from the arguments *as the worker will see them*: sent throug
 message's serializer and back (:func:`delivered_arguments`), as Celery does for an eager call.
 JSON turns a tuple into a list, an int dict key into a str and an ``IntEnum`` into an int; a
 key taken from the arguments as given would name a marker no run ever clears.
+
+Messages Celery publishes as part of a canvas are always published, and mark nothing: group
+and chord members, and chain steps and link callbacks (the tracer publishes those with the
+``parent_id`` of the run that finished, before that run releases its lock). Their ids are
+frozen in the canvas the caller waits on, so none may be replaced by another message's result.
 """
 
 from __future__ import annotations
@@ -137,10 +142,12 @@ def publish_once(
         or (task_id is not None and task_id == request.id)
         or options.get("group_id")
         or options.get("chord")
+        or options.get("parent_id")
     ):
         # eager: the run is the call, the lock guards it; the current message published
-        # again (retry(), a requeued duplicate) is never its own duplicate; a group or chord
-        # waits for the ids it froze, so its members are always published
+        # again (retry(), a requeued duplicate) is never its own duplicate; a canvas waits for
+        # the ids it froze, so its members are always published: group and chord members,
+        # chain steps and link callbacks (published by the tracer with the parent's id)
         return send(args, kwargs, task_id, **options)
     opts = task.singleton_options()
     task_id = task_id or uuid()

@@ -33,7 +33,7 @@ from .config import Options, read_options
 from .connection import renewer_for, store_for
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 from .keys import LockKeys, args_preview, derive_keys
-from .lock import Contended, ReleaseStatus, RenewStatus
+from .lock import Acquired, Contended, ReleaseStatus, RenewStatus
 from .publish import forget_queued, publish_once
 from .renewer import HeldLock, Renewer
 
@@ -43,6 +43,10 @@ logger = logging.getLogger("celery_singleton_lock")
 
 #: Key of the result a skipped duplicate stores (its value is True).
 SKIP_MARKER = "__singleton_skipped__"
+
+#: Pauses (seconds) between the tries of a message whose lock is held by the run that published
+#: it (a chain step, a link callback); after them it is requeued like a redelivered message.
+PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
 
 class LockHandle:
@@ -142,6 +146,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_publish_ttl: ClassVar[float | None] = None
 
     _singleton_opts: Options | None = None
+
+    @staticmethod
+    def _singleton_sleep(seconds: float) -> None:
+        """How a run pauses while its parent releases (tests may replace it)."""
+        time.sleep(seconds)
 
     # -- what the task body sees ------------------------------------------------------------
 
@@ -253,6 +262,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         }
         try:
             outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+            if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
+                outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
         except LockUnavailableError as exc:
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
@@ -286,6 +297,29 @@ class SingletonTask(Task):  # type: ignore[misc]
             reentered=outcome.reentered,
         )
 
+    def _singleton_wait_for_parent(
+        self,
+        renewer: Renewer,
+        keys: LockKeys,
+        held: Contended,
+        generation: int,
+        meta: Mapping[str, str],
+    ) -> Acquired | Contended:
+        """Try again while the run that published this message still holds the lock.
+
+        A chain's next step and a link callback are published by the run before them after its
+        body returned, and reach another worker process before that run's release does: the
+        release follows within milliseconds. Up to :data:`PARENT_WAITS` (about 0.3 s) in all.
+        """
+        task_id, ttl_ms = self.request.id, self.singleton_options().ttl_ms
+        outcome: Acquired | Contended = held
+        for delay in PARENT_WAITS:
+            self._singleton_sleep(delay)
+            outcome = renewer.acquire(keys, task_id, generation, ttl_ms, meta)
+            if not (isinstance(outcome, Contended) and outcome.holder == held.holder):
+                break
+        return outcome
+
     def _singleton_duplicate(
         self, opts: Options, keys: LockKeys, held: Contended, task_id: str
     ) -> NoReturn:
@@ -296,18 +330,31 @@ class SingletonTask(Task):  # type: ignore[misc]
             task_id=task_id,
             holder=held.holder,
         )
-        if held.holder == task_id:
+        if held.holder in (task_id, request.parent_id):
             # The same message again while its earlier delivery holds the lock (an acks_late
-            # redelivery). Skipping would drop the run or overwrite its result: wait until
-            # the holder releases, or its lock expires because the holder is dead.
+            # redelivery), or a message published by the run that holds the lock (a chain's
+            # next step, a link callback, a call from the body). Neither is a duplicate:
+            # skipping would drop the run (or overwrite its result). Wait until the holder
+            # releases, or its lock expires because the holder is dead.
             countdown = min(opts.retry_countdown or 1.0, max(held.pttl_ms, 0) / 1000 + 0.1)
-            logger.warning(
-                "singleton: redelivered while held, retrying in %ss: %s[%s] key=%s",
-                round(countdown, 3),
-                self.name,
-                task_id,
-                keys.lock,
-            )
+            if held.holder == task_id:
+                logger.warning(
+                    "singleton: redelivered while held, retrying in %ss: %s[%s] key=%s",
+                    round(countdown, 3),
+                    self.name,
+                    task_id,
+                    keys.lock,
+                )
+            else:
+                logger.info(
+                    "singleton: waiting for the run that published it, retrying in %ss: "
+                    "%s[%s] key=%s holder=%s",
+                    round(countdown, 3),
+                    self.name,
+                    task_id,
+                    keys.lock,
+                    held.holder,
+                )
             signals.duplicate_retried.send(
                 sender=self, key=keys.lock, task_id=task_id, holder=held.holder, countdown=countdown
             )

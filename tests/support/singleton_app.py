@@ -284,3 +284,16 @@ def publish_hold(self: Any, key: str, seconds: float = 0.0, retries: int = 0) ->
 def publish_quiet(self: Any, key: Any, seconds: float = 0.0) -> None:
     """Deduplicated at publish, stores no result: a marker left behind blocks the key."""
     _run(self, repr(key), seconds)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.tenant_step",
+    singleton_key_args=("tenant",),
+    singleton_lock_on=os.environ.get("SINGLETON_TEST_LOCK_ON", "publish"),
+)
+def tenant_step(self: Any, tenant: str, step: int, seconds: float = 0.0) -> int:
+    """One step of a tenant's chain: recorded as ``<tenant>:<step>``; returns the step."""
+    _run(self, f"{tenant}:{step}", seconds)
+    return step
