@@ -11,6 +11,7 @@ Knows nothing of Celery's classes: it reads any mapping with ``get``.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,9 +116,36 @@ def _key_args(name: str, value: Any) -> tuple[str, ...] | None:
 
 
 def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
-    if value is not None and not callable(value):
+    """A callable that can be called as ``key(args, kwargs)`` (checked on its signature)."""
+    if value is None:
+        return None
+    if not callable(value):
         raise SingletonConfigError(f"{name} must be a callable(args, kwargs) -> str, got {value!r}")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return value  # type: ignore[no-any-return]
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise SingletonConfigError(
+            f"{name} must be a callable(args, kwargs) -> str; "
+            f"{getattr(value, '__qualname__', value)!s}{signature} cannot be called so: {exc}"
+        ) from None
     return value  # type: ignore[no-any-return]
+
+
+def _task_option(task: object, name: str) -> Any:
+    """The task's option ``name``; a function given as one comes back unbound.
+
+    Celery turns a task option into a class attribute (``@app.task(singleton_key=f)``), and a
+    plain function that is a class attribute is bound to the task when read: the option is
+    the function, not that method.
+    """
+    value = getattr(task, name, None)
+    if inspect.ismethod(value) and value.__self__ is task:
+        return value.__func__
+    return value
 
 
 def _non_negative_int(name: str, value: Any) -> int:
@@ -399,7 +427,7 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
         value = None
         where = setting.conf_key
         if setting.task_option and task is not None:
-            value = getattr(task, setting.conf_key, None)
+            value = _task_option(task, setting.conf_key)
             where = f"{setting.conf_key} (task {task_name})"
             if setting.name in legacy:
                 if value is not None:

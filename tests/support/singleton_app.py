@@ -297,3 +297,71 @@ def tenant_step(self: Any, tenant: str, step: int, seconds: float = 0.0) -> int:
     """One step of a tenant's chain: recorded as ``<tenant>:<step>``; returns the step."""
     _run(self, f"{tenant}:{step}", seconds)
     return step
+
+
+# -- added for test_key_callable: singleton_key given in each way the docs allow ----------------
+
+
+def _account_key(args: Any, kwargs: Any) -> str:
+    """Every call of one account is one key, whatever else it is given."""
+    return f"account-{args[0] if args else kwargs['account']}"
+
+
+class AccountKeyed(SingletonTask):  # type: ignore[misc]
+    """A base class that names the key callable as a plain class attribute."""
+
+    singleton_key = _account_key
+
+
+class AccountKeyedStatic(SingletonTask):  # type: ignore[misc]
+    """A base class that names the key callable as a staticmethod."""
+
+    singleton_key = staticmethod(_account_key)
+
+
+def _keyed_run(self: Any, account: int, seconds: float, note: str) -> dict[str, Any]:
+    return _run(self, f"account-{account}:{note}", seconds)
+
+
+@app.task(bind=True, base=SingletonTask, name="t.key_lambda", singleton_key=_account_key)
+def key_lambda(self: Any, account: int, seconds: float = 0.0, note: str = "") -> dict[str, Any]:
+    """singleton_key given to the decorator as a plain function."""
+    return _keyed_run(self, account, seconds, note)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.key_inline",
+    singleton_key=lambda args, kwargs: f"account-{args[0]}",
+)
+def key_inline(self: Any, account: int, seconds: float = 0.0, note: str = "") -> dict[str, Any]:
+    """singleton_key given to the decorator as a lambda."""
+    return _keyed_run(self, account, seconds, note)
+
+
+@app.task(bind=True, base=AccountKeyed, name="t.key_attribute")
+def key_attribute(self: Any, account: int, seconds: float = 0.0, note: str = "") -> dict[str, Any]:
+    """singleton_key from the base class, a plain function attribute."""
+    return _keyed_run(self, account, seconds, note)
+
+
+@app.task(bind=True, base=AccountKeyedStatic, name="t.key_static")
+def key_static(self: Any, account: int, seconds: float = 0.0, note: str = "") -> dict[str, Any]:
+    """singleton_key from the base class, a staticmethod."""
+    return _keyed_run(self, account, seconds, note)
+
+
+# SINGLETON_TEST_BAD_KEY_FN=1: a task whose singleton_key cannot take (args, kwargs): the worker
+# must refuse to start.
+if os.environ.get("SINGLETON_TEST_BAD_KEY_FN"):
+
+    def _three_arguments(task: Any, args: Any, kwargs: Any) -> str:
+        return "never"
+
+    class _BadKeyed(SingletonTask):  # type: ignore[misc]
+        singleton_key = staticmethod(_three_arguments)
+
+    @app.task(bind=True, base=_BadKeyed, name="t.key_bad")
+    def key_bad(self: Any) -> None:
+        """Never runs: the worker does not start."""
