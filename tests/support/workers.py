@@ -1,7 +1,8 @@
 """Real Celery worker processes for integration tests.
 
-Each worker runs ``python -m celery -A <module> worker ...`` from the repository root in its own
-session (so its process group is its pid), with stdout+stderr in a log file. ``kill()`` SIGKILLs
+Each worker runs ``python -m celery -A <module> worker ...`` (this interpreter, from the repository
+root, unless told otherwise) in its own session (so its process group is its pid), with
+stdout+stderr in a log file. ``kill()`` SIGKILLs
 the whole tree; :class:`WorkerFactory` and an atexit hook make sure nothing outlives the tests.
 """
 
@@ -114,6 +115,8 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None,
         extra_args: Iterable[str] = (),
         loglevel: str = "INFO",
+        python: str = sys.executable,
+        cwd: Path = REPO_ROOT,
     ) -> None:
         self.app_module = app_module
         self.pool = pool
@@ -125,7 +128,7 @@ class WorkerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.name}.log"
         self.args = [
-            sys.executable,
+            python,
             "-m",
             "celery",
             "-A",
@@ -148,7 +151,7 @@ class WorkerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.args,
-                cwd=REPO_ROOT,
+                cwd=cwd,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -267,8 +270,14 @@ class WorkerFactory:
         name: str | None = None,
         env: Mapping[str, str] | None = None,
         extra_args: Iterable[str] = (),
+        python: str = sys.executable,
+        cwd: Path = REPO_ROOT,
     ) -> WorkerProcess:
-        """Start a worker; ``env`` is merged over ``base_env``, itself over ``os.environ``."""
+        """Start a worker; ``env`` is merged over ``base_env``, itself over ``os.environ``.
+
+        ``python`` (this interpreter by default) runs ``-m celery`` from ``cwd`` (the
+        repository root by default).
+        """
         worker = WorkerProcess(
             app_module,
             self.log_dir,
@@ -277,6 +286,8 @@ class WorkerFactory:
             name=name or f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}",
             env={**self.base_env, **(env or {})},
             extra_args=extra_args,
+            python=python,
+            cwd=cwd,
         )
         self.workers.append(worker)
         return worker
