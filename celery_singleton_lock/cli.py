@@ -22,7 +22,16 @@ from typing import Any, NoReturn
 import click
 
 from . import signals
-from .admin import ForceStatus, LockInfo, force_release, iter_locks, read_lock, stale_reason, stats
+from .admin import (
+    ForceStatus,
+    LockInfo,
+    check_lock_key,
+    force_release,
+    iter_locks,
+    read_lock,
+    stale_reason,
+    stats,
+)
 from .config import read_options, redact_url
 from .connection import client_for
 from .errors import SingletonConfigError
@@ -166,12 +175,24 @@ def _read(target: _Target, key: str) -> LockInfo:
     return info
 
 
+def _lock_key(ctx: click.Context, param: click.Parameter, key: str) -> str:
+    """The KEY argument: a lock key under the prefix, else a usage error (exit code 2)."""
+    target = ctx.find_object(_Target)
+    assert target is not None  # the group's callback runs before a command's arguments
+    try:
+        check_lock_key(key, target.prefix)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return key
+
+
 @singleton.command(name="show")
-@click.argument("key")
+@click.argument("key", callback=_lock_key)
 @click.option("--json", "as_json", is_flag=True, help="The lock as a JSON object.")
 @click.pass_obj
 def show(target: _Target, key: str, as_json: bool) -> None:
-    """One lock, every field (exit code 1 when it is not held)."""
+    """One lock, every field (exit code 1 when it is not held, 2 when KEY is not a lock key
+    under the prefix)."""
     info = _read(target, key)
     click.echo(json.dumps(info.as_dict(), indent=2) if as_json else _describe(info))
 
@@ -218,14 +239,15 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
 
 
 @singleton.command(name="release")
-@click.argument("key")
+@click.argument("key", callback=_lock_key)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj
 def release(target: _Target, key: str, yes: bool) -> None:
     """Force-release one lock: the one shown, only if nobody took it over meanwhile.
 
     The running holder is not stopped: its next renewal finds the lock gone, its
-    ``self.singleton.lost`` turns true and ``lock_lost`` is sent.
+    ``self.singleton.lost`` turns true and ``lock_lost`` is sent. A KEY that is not a lock
+    key under the prefix is refused unread (exit code 2).
     """
     info = _read(target, key)
     click.echo(_describe(info))
