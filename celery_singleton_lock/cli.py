@@ -32,7 +32,7 @@ from .admin import (
     stale_reason,
     stats,
 )
-from .config import read_options, redact_url
+from .config import read_options, redact_url, repr_without_password
 from .connection import client_for
 from .errors import SingletonConfigError
 from .lock import REDIS_ERRORS, Client
@@ -46,7 +46,9 @@ logger = logging.getLogger("celery_singleton_lock.cli")
 class _Target:
     """Where the command looks: the client, the URL (shown redacted) and the prefix."""
 
-    url: str
+    __repr__ = repr_without_password
+
+    redis_url: str
     prefix: str
     app: Any
     _client: Client | None = None
@@ -54,7 +56,7 @@ class _Target:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = client_for(self.url)
+            self._client = client_for(self.redis_url)
         return self._client
 
     def close(self) -> None:
@@ -63,7 +65,7 @@ class _Target:
             self._client = None
 
     def fail(self, exc: Exception) -> NoReturn:
-        raise click.ClickException(f"Redis at {redact_url(self.url)}: {exc}") from None
+        raise click.ClickException(f"Redis at {redact_url(self.redis_url)}: {exc}") from None
 
 
 def _setup_logging() -> None:
@@ -90,7 +92,7 @@ def singleton(ctx: click.Context, url: str | None, prefix: str | None) -> None:
     if prefix is None:
         prefix = options.key_prefix if options is not None else "singleton:"
     _setup_logging()
-    ctx.obj = target = _Target(url=url, prefix=prefix, app=app)
+    ctx.obj = target = _Target(redis_url=url, prefix=prefix, app=app)
     ctx.call_on_close(target.close)
 
 
@@ -331,7 +333,7 @@ def purge(
 def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
     """How many locks, by task and by worker; the oldest, the longest since a renewal."""
     totals = stats(_locks(target, task))
-    data = {"redis": redact_url(target.url), "prefix": target.prefix, **totals.as_dict()}
+    data = {"redis": redact_url(target.redis_url), "prefix": target.prefix, **totals.as_dict()}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
