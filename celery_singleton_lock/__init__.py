@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from . import hidden_settings as _hidden_settings
 from . import signals
 from . import worker as _worker  # connects the worker-side hooks
 from .beat import SingletonScheduler, SingletonSchedulerMixin
@@ -42,4 +43,6 @@ __all__ = [
     "skip_info",
 ]
 
-del _worker
+_hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock URL's password
+
+del _hidden_settings, _worker

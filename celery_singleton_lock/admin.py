@@ -3,7 +3,10 @@
 Knows nothing of Celery: every function takes a redis-py client (``redis.Redis`` or
 ``RedisCluster``) and the key prefix. Locks are found with ``SCAN MATCH <prefix>{*}:lock``
 (never ``KEYS``), read in batches with one pipeline per batch, so it is safe on a big
-database: a batch costs one SCAN page and one round trip.
+database: a batch costs one SCAN page and one round trip. Only lock keys of this library under
+the prefix are ever read or released (:func:`celery_singleton_lock.keys.lock_key_problem`):
+the SCAN glob's ``*`` also matches ``}`` and ``:``, so what it finds is checked key by key,
+and a key given by hand that is not one is refused (:func:`check_lock_key`).
 
 Everything shown is read from the lock hash itself (written by ``lua/acquire.lua``) and its
 ``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it. How long
@@ -32,13 +35,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .keys import check_prefix, safe_name
+from .keys import check_prefix, lock_key_problem, safe_name
 from .lock import Client, as_text, load_script
 
 __all__ = [
     "ForceStatus",
     "LockInfo",
     "Stats",
+    "check_lock_key",
     "force_release",
     "iter_locks",
     "lock_pattern",
@@ -99,6 +103,13 @@ def lock_pattern(prefix: str, task: str | None = None) -> str:
     check_prefix(prefix)
     name = "*" if task is None else f"{safe_name(task)}:*"
     return f"{prefix}{{{name}}}:lock"
+
+
+def check_lock_key(key: str, prefix: str) -> None:
+    """Raise ValueError, naming ``key`` and why, unless it is a lock key under ``prefix``."""
+    problem = lock_key_problem(prefix, key)
+    if problem is not None:
+        raise ValueError(f"{key!r} is {problem}")
 
 
 def _int(value: str | None) -> int | None:
@@ -184,19 +195,25 @@ def iter_locks(
 ) -> Iterator[LockInfo]:
     """Every lock under ``prefix`` (only ``task``'s if given), read ``batch`` keys at a time.
 
+    Keys the SCAN glob matches that are not lock keys of this library are skipped unread.
+
     SCAN guarantees every key that exists for the whole scan is returned; locks taken or
     released meanwhile may or may not be. On a cluster every primary is scanned.
     """
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch!r}")
-    for keys in _batches(_scan(client, lock_pattern(prefix, task), batch), batch):
+    found = _scan(client, lock_pattern(prefix, task), batch)
+    locks = (key for key in found if lock_key_problem(prefix, key) is None)
+    for keys in _batches(locks, batch):
         for info in _read_batch(client, keys, prefix):
             if task is None or info.task == task:
                 yield info
 
 
 def read_lock(client: Client, key: str, prefix: str) -> LockInfo | None:
-    """The lock at ``key``, or None when it is not held."""
+    """The lock at ``key``, or None when it is not held; ValueError (before any read) when
+    ``key`` is not a lock key under ``prefix`` (:func:`check_lock_key`)."""
+    check_lock_key(key, prefix)
     found = _read_batch(client, [key], prefix)
     return found[0] if found else None
 

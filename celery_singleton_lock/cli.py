@@ -22,8 +22,17 @@ from typing import Any, NoReturn
 import click
 
 from . import signals
-from .admin import ForceStatus, LockInfo, force_release, iter_locks, read_lock, stale_reason, stats
-from .config import read_options, redact_url
+from .admin import (
+    ForceStatus,
+    LockInfo,
+    check_lock_key,
+    force_release,
+    iter_locks,
+    read_lock,
+    stale_reason,
+    stats,
+)
+from .config import read_options, redact_url, repr_without_password
 from .connection import client_for
 from .errors import SingletonConfigError
 from .lock import REDIS_ERRORS, Client
@@ -37,7 +46,9 @@ logger = logging.getLogger("celery_singleton_lock.cli")
 class _Target:
     """Where the command looks: the client, the URL (shown redacted) and the prefix."""
 
-    url: str
+    __repr__ = repr_without_password
+
+    redis_url: str
     prefix: str
     app: Any
     _client: Client | None = None
@@ -45,7 +56,7 @@ class _Target:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = client_for(self.url)
+            self._client = client_for(self.redis_url)
         return self._client
 
     def close(self) -> None:
@@ -54,7 +65,7 @@ class _Target:
             self._client = None
 
     def fail(self, exc: Exception) -> NoReturn:
-        raise click.ClickException(f"Redis at {redact_url(self.url)}: {exc}") from None
+        raise click.ClickException(f"Redis at {redact_url(self.redis_url)}: {exc}") from None
 
 
 def _setup_logging() -> None:
@@ -81,7 +92,7 @@ def singleton(ctx: click.Context, url: str | None, prefix: str | None) -> None:
     if prefix is None:
         prefix = options.key_prefix if options is not None else "singleton:"
     _setup_logging()
-    ctx.obj = target = _Target(url=url, prefix=prefix, app=app)
+    ctx.obj = target = _Target(redis_url=url, prefix=prefix, app=app)
     ctx.call_on_close(target.close)
 
 
@@ -166,12 +177,24 @@ def _read(target: _Target, key: str) -> LockInfo:
     return info
 
 
+def _lock_key(ctx: click.Context, param: click.Parameter, key: str) -> str:
+    """The KEY argument: a lock key under the prefix, else a usage error (exit code 2)."""
+    target = ctx.find_object(_Target)
+    assert target is not None  # the group's callback runs before a command's arguments
+    try:
+        check_lock_key(key, target.prefix)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return key
+
+
 @singleton.command(name="show")
-@click.argument("key")
+@click.argument("key", callback=_lock_key)
 @click.option("--json", "as_json", is_flag=True, help="The lock as a JSON object.")
 @click.pass_obj
 def show(target: _Target, key: str, as_json: bool) -> None:
-    """One lock, every field (exit code 1 when it is not held)."""
+    """One lock, every field (exit code 1 when it is not held, 2 when KEY is not a lock key
+    under the prefix)."""
     info = _read(target, key)
     click.echo(json.dumps(info.as_dict(), indent=2) if as_json else _describe(info))
 
@@ -218,14 +241,15 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
 
 
 @singleton.command(name="release")
-@click.argument("key")
+@click.argument("key", callback=_lock_key)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj
 def release(target: _Target, key: str, yes: bool) -> None:
     """Force-release one lock: the one shown, only if nobody took it over meanwhile.
 
     The running holder is not stopped: its next renewal finds the lock gone, its
-    ``self.singleton.lost`` turns true and ``lock_lost`` is sent.
+    ``self.singleton.lost`` turns true and ``lock_lost`` is sent. A KEY that is not a lock
+    key under the prefix is refused unread (exit code 2).
     """
     info = _read(target, key)
     click.echo(_describe(info))
@@ -309,7 +333,7 @@ def purge(
 def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
     """How many locks, by task and by worker; the oldest, the longest since a renewal."""
     totals = stats(_locks(target, task))
-    data = {"redis": redact_url(target.url), "prefix": target.prefix, **totals.as_dict()}
+    data = {"redis": redact_url(target.redis_url), "prefix": target.prefix, **totals.as_dict()}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return

@@ -10,6 +10,7 @@ Knows nothing of Celery's classes: it reads any mapping with ``get``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -36,6 +37,7 @@ __all__ = [
     "read_beat_options",
     "read_options",
     "redact_url",
+    "repr_without_password",
     "resolve_redis_url",
 ]
 
@@ -325,9 +327,27 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
+def repr_without_password(obj: Any) -> str:
+    """A dataclass's repr with its ``redis_url`` field through :func:`redact_url`.
+
+    Objects that keep the lock store URL use it as their ``__repr__``: reprs end up in logs and
+    in the frame locals error trackers capture.
+    """
+    shown = []
+    for item in dataclasses.fields(obj):
+        if item.repr:
+            value = getattr(obj, item.name)
+            if item.name == "redis_url" and isinstance(value, str):
+                value = redact_url(value)
+            shown.append(f"{item.name}={value!r}")
+    return f"{type(obj).__qualname__}({', '.join(shown)})"
+
+
 @dataclass(frozen=True)
 class BeatOptions:
     """The checked settings of SingletonScheduler."""
+
+    __repr__ = repr_without_password
 
     redis_url: str
     key_prefix: str
@@ -361,6 +381,8 @@ def _conf_value(conf: ConfLike, name: str) -> Any:
 @dataclass(frozen=True)
 class Options:
     """The checked settings that apply to one task."""
+
+    __repr__ = repr_without_password
 
     # the field names below are the settings read_options checks
 

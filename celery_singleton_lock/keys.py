@@ -11,6 +11,9 @@ of one lock share a Redis Cluster hash tag::
     {prefix}{<safe task name>:<32 hex digest>}:fence
     {prefix}{<safe task name>:<32 hex digest>}:queued   (lock_on "publish"/"both" only)
 
+:func:`lock_key_problem` is the inverse check: whether a key (one an operator typed, or one a
+SCAN found) is a lock key of this shape under a prefix.
+
 The canonical encoding is type-tagged and self-delimiting: every value is one tag byte followed
 by a length (atoms) or an element count (compounds) and ``:``. Sets and dicts are sorted by the
 encoded bytes of their elements / keys, so the result never depends on ``PYTHONHASHSEED`` or on
@@ -51,6 +54,7 @@ __all__ = [
     "check_prefix",
     "derive_keys",
     "leader_keys",
+    "lock_key_problem",
     "lock_keys",
     "queued_key",
     "run_claim_key",
@@ -91,7 +95,17 @@ _T_ENUM = b"e"
 MAX_PREVIEW_CHARS = 100
 """Longest arguments preview :func:`args_preview` gives."""
 
-_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+#: The characters :func:`safe_name` keeps (a regex character class body).
+_SAFE_NAME_CHARS = "A-Za-z0-9_.-"
+_UNSAFE_NAME_CHARS = re.compile(f"[^{_SAFE_NAME_CHARS}]")
+#: blake2b digest size of :func:`argument_digest`: twice as many lowercase hex digits
+_DIGEST_BYTES = 16
+_LOCK_SUFFIX = ":lock"
+#: What follows the prefix in every key :func:`lock_keys` gives: ``{<safe name>:<digest>}:lock``
+_LOCK_TAIL = re.compile(
+    rf"\{{[{_SAFE_NAME_CHARS}]{{0,{MAX_NAME_CHARS}}}:[0-9a-f]{{{2 * _DIGEST_BYTES}}}\}}"
+    + re.escape(_LOCK_SUFFIX)
+)
 _FORBIDDEN_PREFIX_CHARS = frozenset("{}*?[]\\")
 _MAX_PATH_IN_MESSAGE = 200
 
@@ -509,7 +523,8 @@ def bind_arguments(
 
 def argument_digest(task_name: str, identity: bytes) -> str:
     """32 hex chars: blake2b (16 bytes) over the UTF-8 task name, a NUL byte and ``identity``."""
-    return hashlib.blake2b(_name_parts(task_name)[1] + identity, digest_size=16).hexdigest()
+    name = _name_parts(task_name)[1]
+    return hashlib.blake2b(name + identity, digest_size=_DIGEST_BYTES).hexdigest()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -536,14 +551,33 @@ class LockKeys:
 def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
     """Keys for ``identity`` of ``task_name``: ``{prefix}{name:digest}:lock`` and ``:fence``."""
     tag = f"{{{safe_name(task_name)}:{argument_digest(task_name, identity)}}}"
-    return LockKeys(lock=f"{prefix}{tag}:lock", fence=f"{prefix}{tag}:fence")
+    return LockKeys(lock=f"{prefix}{tag}{_LOCK_SUFFIX}", fence=f"{prefix}{tag}:fence")
+
+
+def lock_key_problem(prefix: str, key: str) -> str | None:
+    """None when ``key`` has the shape of a lock key :func:`lock_keys` gives under ``prefix``
+    (``{prefix}{<safe name>:<32 lowercase hex>}:lock``, any task and arguments; a beat
+    leader's lease too); else why not, worded to follow "<key> is ...".
+
+    Fencing counters, queued markers, beat claims and every key outside ``prefix`` are not
+    lock keys: the ``celery singleton`` command refuses them, and skips them when a SCAN glob
+    (whose ``*`` also matches ``}`` and ``:``) finds them.
+    """
+    if not key.startswith(prefix):
+        return f"outside the prefix {prefix!r}"
+    if _LOCK_TAIL.fullmatch(key, len(prefix)) is None:
+        return (
+            f"not a lock key of this library (those read "
+            f"{prefix}{{<task name>:<{2 * _DIGEST_BYTES} hex digits>}}{_LOCK_SUFFIX})"
+        )
+    return None
 
 
 def queued_key(lock_key: str) -> str:
     """The queued marker beside ``{prefix}{tag}:lock``: ``{prefix}{tag}:queued`` (same slot)."""
-    if not lock_key.endswith(":lock"):
+    if not lock_key.endswith(_LOCK_SUFFIX):
         raise ValueError(f"not a lock key: {lock_key!r}")
-    return f"{lock_key[: -len(':lock')]}:queued"
+    return f"{lock_key[: -len(_LOCK_SUFFIX)]}:queued"
 
 
 def run_claim_key(prefix: str, entry_name: str, run_id: str) -> str:

@@ -244,3 +244,90 @@ def test_cli_release_asks_first(redis_client: redis.Redis, redis_url: str, key_p
     out = runner.invoke(singleton, [*base, "show", key])
     assert out.exit_code == 1
     assert f"no lock at {key}" in out.output
+
+
+#: An application's hash, as it might sit in the same database as the locks.
+_APP_FIELDS = {b"name": b"alice", b"email": b"alice@example.com", b"plan": b"pro"}
+
+
+def _plant_foreign(client: redis.Redis, key_prefix: str) -> list[str]:
+    """Plant an application's hash at every key the CLI (prefix ``{key_prefix}lock:``) must never
+    read or delete: outside the prefix, or under it without the shape of a lock key. Most match
+    SCAN's ``prefix{*}:lock`` glob. Return the keys."""
+    lock_prefix = f"{key_prefix}lock:"
+    real = lock_keys(lock_prefix, "t.a", b"real")  # a genuine lock's tag, to misuse
+    tag = real.lock[len(lock_prefix) : -len(":lock")]  # {t.a:<32 hex>}
+    keys = [
+        f"{key_prefix}app:user:1000",  # outside the prefix
+        lock_keys(f"{key_prefix}other:", "t.a", b"real").lock,  # a lock under another prefix
+        f"{lock_prefix}{{x}}:lock",  # no digest
+        f"{lock_prefix}{{t.a:nodigest}}:lock",  # not a digest; its task part reads "t.a"
+        f"{lock_prefix}{{app}}:user:{{1000}}:lock",  # glob's * spans } and :
+        f"{lock_prefix}{tag}:x:{{y}}:lock",  # a lock's tag, then more before :lock
+        f"{lock_prefix}{tag.upper()}:lock",  # upper-case digest (and name)
+        f"{lock_prefix}{{t a:{'0' * 32}}}:lock",  # a name character safe_name never keeps
+        f"{lock_prefix}{tag}:lockx",
+        f"{lock_prefix}{tag}:fence",
+        f"{lock_prefix}{tag}:queued",
+        f"{lock_prefix}{tag}:run:1",
+        f"x{lock_prefix}{tag}:lock",  # a lock key with something in front of the prefix
+    ]
+    for key in keys:
+        client.hset(key, mapping=_APP_FIELDS)
+    return keys
+
+
+def test_release_and_show_refuse_keys_that_are_not_locks_of_the_library(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """show and release name the key and why, exit 2, and never read or delete a foreign hash."""
+    lock_prefix = f"{key_prefix}lock:"
+    foreign = _plant_foreign(redis_client, key_prefix)
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", lock_prefix]
+    for key in foreign:
+        for args in (["show", key], ["show", key, "--json"], ["release", key, "--yes"]):
+            out = runner.invoke(singleton, [*base, *args])
+            assert out.exit_code == 2, (key, args, out.output)
+            assert out.exception is None or isinstance(out.exception, SystemExit), out.exception
+            outside = not key.startswith(lock_prefix)
+            why = f"outside the prefix {lock_prefix!r}" if outside else "not a lock key"
+            assert key in out.output, out.output
+            assert why in out.output, out.output
+            assert "alice" not in out.output  # the hash was never read
+        assert redis_client.hgetall(key) == _APP_FIELDS, key
+    # the real command, as an operator types it
+    released = _celery(redis_url, key_prefix, "release", f"{key_prefix}app:user:1000", "--yes")
+    assert released.returncode == 2, (released.stdout, released.stderr)
+    assert f"outside the prefix {lock_prefix!r}" in released.stderr, released.stderr
+    assert "Traceback" not in released.stderr
+    assert redis_client.hgetall(f"{key_prefix}app:user:1000") == _APP_FIELDS
+
+
+def test_purge_list_and_stats_pass_over_keys_that_are_not_locks(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """Keys that match SCAN's glob but are not lock keys are never listed, counted or purged."""
+    lock_prefix = f"{key_prefix}lock:"
+    foreign = _plant_foreign(redis_client, key_prefix)  # no owner: "stale" if taken for locks
+    stale = _plant(redis_client, lock_prefix, "t.a", b"stale", "w1@h")
+    redis_client.persist(stale)  # no ttl: stale
+    held = _plant(redis_client, lock_prefix, "t.a", b"held", "w1@h")
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", lock_prefix]
+    listed = runner.invoke(singleton, [*base, "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert {lock["key"] for lock in json.loads(listed.output)} == {stale, held}
+    totals = runner.invoke(singleton, [*base, "stats", "--json"])
+    assert totals.exit_code == 0, totals.output
+    assert json.loads(totals.output)["locks"] == 2
+    purged = runner.invoke(singleton, [*base, "purge", "--yes", "--timeout", "0.1"])
+    assert purged.exit_code == 0, purged.output
+    assert "released 1 of 1" in purged.output, purged.output
+    assert redis_client.exists(stale) == 0
+    purged = runner.invoke(singleton, [*base, "purge", "--all", "--task", "t.a", "--yes"])
+    assert purged.exit_code == 0, purged.output
+    assert "released 1 of 1" in purged.output, purged.output
+    assert redis_client.exists(held) == 0
+    for key in foreign:
+        assert redis_client.hgetall(key) == _APP_FIELDS, key

@@ -32,7 +32,11 @@ from celery_singleton_lock.keys import (
     check_key_args,
     check_prefix,
     derive_keys,
+    leader_keys,
+    lock_key_problem,
     lock_keys,
+    queued_key,
+    run_claim_key,
     safe_name,
 )
 
@@ -543,6 +547,27 @@ def test_check_prefix_rejects_non_str_and_accepts_good_prefixes() -> None:
         check_prefix(b"x:")  # type: ignore[arg-type]
     for prefix in ["singleton:", "x" * 64, "app.v1-lock:", "é:", "a/b|c"]:
         check_prefix(prefix)
+
+
+@given(st.text(max_size=300), st.binary(max_size=50), st.sampled_from(["singleton:", "é:", "a"]))
+@example("", b"", "singleton:")
+@example("x" * 1000, b"a", "singleton:")
+def test_every_lock_key_is_a_lock_key_and_its_neighbours_are_not(
+    task_name: str, identity: bytes, prefix: str
+) -> None:
+    """lock_key_problem accepts what lock_keys (and leader_keys) write, and nothing beside it:
+    not the fence, the queued marker, a beat claim, the key under another prefix."""
+    found = lock_keys(prefix, task_name, identity)
+    assert lock_key_problem(prefix, found.lock) is None
+    assert lock_key_problem(prefix, leader_keys(prefix, task_name).lock) is None
+    for other in (found.fence, queued_key(found.lock), run_claim_key(prefix, task_name, "1")):
+        assert lock_key_problem(prefix, other) == (
+            f"not a lock key of this library (those read {prefix}{{<task name>:<32 hex digits>}}"
+            ":lock)"
+        )
+    for outside in (f"x{found.lock}", found.lock[len(prefix) :]):
+        assert lock_key_problem(prefix, outside) == f"outside the prefix {prefix!r}"
+    assert lock_key_problem(prefix + "x", found.lock) is not None
 
 
 def test_keys_module_imports_neither_celery_nor_redis() -> None:
