@@ -35,7 +35,13 @@ class _AttributeKeyed(SingletonTask):  # type: ignore[misc]
 def _task(app: Celery, how: str) -> Any:
     if how == "decorator":
 
-        @app.task(bind=True, base=SingletonTask, name="k.decorator", singleton_key=_account_key)
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="k.decorator",
+            shared=False,
+            singleton_key=_account_key,
+        )
         def decorator(self: Any, account: int) -> None: ...
 
         return decorator
@@ -45,6 +51,7 @@ def _task(app: Celery, how: str) -> Any:
             bind=True,
             base=SingletonTask,
             name="k.lambda",
+            shared=False,
             singleton_key=lambda args, kwargs: f"account-{args[0]}",
         )
         def inline(self: Any, account: int) -> None: ...
@@ -52,7 +59,7 @@ def _task(app: Celery, how: str) -> Any:
         return inline
     base = _StaticKeyed if how == "staticmethod" else _AttributeKeyed
 
-    @app.task(bind=True, base=base, name=f"k.{how}")
+    @app.task(bind=True, base=base, name=f"k.{how}", shared=False)
     def keyed(self: Any, account: int) -> None: ...
 
     return keyed
@@ -74,7 +81,9 @@ def test_a_callable_that_cannot_take_args_and_kwargs_is_refused_when_read() -> N
     """A key callable with another signature is a setting error naming the option."""
     app = make_app("redis://127.0.0.1:6379/0", "cslt:unit:")
 
-    @app.task(bind=True, base=SingletonTask, name="k.bad", singleton_key=lambda args: "x")
+    @app.task(
+        bind=True, base=SingletonTask, name="k.bad", shared=False, singleton_key=lambda args: "x"
+    )
     def bad(self: Any, account: int) -> None: ...
 
     with pytest.raises(Exception, match=r"singleton_key \(task k\.bad\)") as caught:
