@@ -24,6 +24,7 @@ from .errors import (
 )
 from .fencing import FencedWrite, fenced_get, fenced_set
 from .task import LockHandle, SingletonTask, SkipInfo, skip_info
+from .worker import SingletonRequest
 
 __all__ = [
     "DuplicateTaskError",
@@ -33,6 +34,7 @@ __all__ = [
     "SingletonConfigError",
     "SingletonError",
     "SingletonKeyError",
+    "SingletonRequest",
     "SingletonScheduler",
     "SingletonSchedulerMixin",
     "SingletonTask",

@@ -124,6 +124,8 @@ class ReleaseStatus(enum.IntEnum):
     RELEASED = 1
     NOT_HELD = 0
     TAKEN = -1
+    #: :meth:`LockStore.release_lost` only: the lock was handed over to a retry, left alone
+    HANDED_OVER = 2
 
 
 def load_script(name: str) -> str:
@@ -211,6 +213,7 @@ class LockStore:
         self._acquire = client.register_script(load_script("acquire.lua"))
         self._renew = client.register_script(load_script("renew.lua"))
         self._release = client.register_script(load_script("release.lua"))
+        self._release_lost = client.register_script(load_script("release_lost.lua"))
         self._client = client
         if self._pipelines() and not self.wait_replicas:
             assert not isinstance(client, RedisCluster)
@@ -258,6 +261,22 @@ class LockStore:
         _check_owner(owner, 0 if generation is None else generation)
         try:
             return self._do_release(key, owner, generation)
+        except REDIS_ERRORS as exc:
+            raise LockUnavailableError(
+                f"could not release {key}: {exc}", key=key, task_id=owner
+            ) from exc
+
+    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+        """Delete ``key`` for a holder whose process is gone, unless it was handed over.
+
+        Only if ``owner`` holds it with ``generation``, and not while its expiry is stretched
+        past its ttl (a hand-over to a retry, which takes it over): ``HANDED_OVER`` then.
+        """
+        _check_owner(owner, generation)
+        try:
+            self._connected()
+            args = [1, key, owner, generation]
+            return _RELEASE_STATUSES[int(self._call(self._release_lost, args))]
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not release {key}: {exc}", key=key, task_id=owner

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -218,7 +218,7 @@ class RedlockStore(LockStore):
       other owner can hold a majority either) is tried again, after a random pause of up to
       ``split_delay_s`` (doubling with each retry), before it reports :class:`Contended`.
 
-    It overrides the four public methods and asks each master through the public methods of a
+    It overrides the five lock methods and asks each master through the public methods of a
     plain :class:`LockStore` of its own (``stores``), so the Lua scripts stay in one place.
     ``client`` (inherited) is the first master; ``clients`` and ``stores`` are all of them.
     """
@@ -505,8 +505,23 @@ class RedlockStore(LockStore):
         someone else, ``NOT_HELD`` if none holds it.
         """
         _check_owner(owner, 0 if generation is None else generation)
+        return self._release_on_each(LockStore.release, key, owner, generation)
+
+    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+        """:meth:`LockStore.release_lost` on every master, combined as :meth:`release` does;
+        ``HANDED_OVER`` (before ``TAKEN``) when a master kept it as handed over to a retry."""
+        _check_owner(owner, generation)
+        return self._release_on_each(LockStore.release_lost, key, owner, generation)
+
+    def _release_on_each(
+        self,
+        release: Callable[[LockStore, str, str, Any], ReleaseStatus],
+        key: str,
+        owner: str,
+        generation: int | None,
+    ) -> ReleaseStatus:
         replies = self._run(
-            {i: functools.partial(s.release, key, owner, generation) for i, s in self._each()},
+            {i: functools.partial(release, s, key, owner, generation) for i, s in self._each()},
             self.master_timeout_s,
         )
         with self._mutex:
@@ -523,7 +538,10 @@ class RedlockStore(LockStore):
                 key=key,
                 task_id=owner,
             )
-        return ReleaseStatus.TAKEN if ReleaseStatus.TAKEN in answers else ReleaseStatus.NOT_HELD
+        for status in (ReleaseStatus.HANDED_OVER, ReleaseStatus.TAKEN):
+            if status in answers:
+                return status
+        return ReleaseStatus.NOT_HELD
 
     # -- holder -------------------------------------------------------------------------------
 

@@ -145,6 +145,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_lock_on: ClassVar[str | None] = None
     singleton_publish_ttl: ClassVar[float | None] = None
 
+    #: Celery's worker-side request class for this task: tells the worker's main process which
+    #: generation a lost child held (worker.py). A custom one must subclass it.
+    Request = "celery_singleton_lock.worker:SingletonRequest"
+
     _singleton_opts: Options | None = None
 
     @staticmethod
@@ -505,13 +509,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         task_id: str,
         args: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None,
-        generation: int | None,
+        generation: int,
         reason: str,
     ) -> ReleaseStatus | None:
-        """Release the lock a run of this task held, from outside that run (main process)."""
+        """Release the lock a lost run of this task held, from outside it (main process).
+
+        Only that run's generation, and never a lock it handed over to a retry
+        (``release_lost.lua``).
+        """
         try:
             keys = self.singleton_keys(args, kwargs)
-            status = store_for(self.singleton_options().redis_url).release(
+            status = store_for(self.singleton_options().redis_url).release_lost(
                 keys.lock, task_id, generation
             )
         except (SingletonKeyError, LockUnavailableError) as exc:
@@ -532,6 +540,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys.lock,
             )
             signals.lock_released.send(sender=self, key=keys.lock, task_id=task_id, reason=reason)
+        elif status is not ReleaseStatus.NOT_HELD:
+            handed_over = status is ReleaseStatus.HANDED_OVER
+            logger.info(
+                "singleton: not released by main process after %s, %s: %s[%s] key=%s",
+                reason,
+                "handed over to its retry" if handed_over else "held by another run",
+                self.name,
+                task_id,
+                keys.lock,
+            )
         return status
 
 

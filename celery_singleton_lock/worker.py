@@ -14,6 +14,7 @@ run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing p
 pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
 hard time limit                               ``task_failure`` in the main process, after a
                                               grace for the child to die
+either of these after a ``retry()``           no release: the lock is the retried message's
 ``revoke(terminate=True)``                    SIGTERM (default): the child's ``task_postrun``
                                               once its ``finally`` blocks ran; SIGKILL or
                                               SIGQUIT: ``task_revoked`` in the main process,
@@ -31,9 +32,11 @@ dropped as revoked, for every task, not only SingletonTasks.
 Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
 of a message revoked or expired before it ran (publish.py).
 
-The main process releases with the task id as owner (compare-and-delete), so it never
-deletes a lock another run holds; the grace keeps it from freeing a lock while the
-terminated child might still be running.
+The main process releases with the task id as owner and the run's retries count as
+generation (``release_lost.lua``), so it never deletes a lock another run holds, nor one
+the run handed over to its retry; the grace keeps it from freeing a lock while the
+terminated child might still be running. ``task_failure`` does not carry the request: the
+generation comes from :class:`SingletonRequest`, the request class of every SingletonTask.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable
+from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker import state as worker_state
+from celery.worker.request import Request
+from kombu.utils.imports import symbol_by_name
 
 from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from .claims import RunClaims
@@ -62,7 +68,7 @@ from .publish import forget_queued
 from .redlock import RedlockClaims
 from .task import SingletonTask
 
-__all__: list[str] = []
+__all__ = ["SingletonRequest"]
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -93,6 +99,40 @@ def _release_after_run(task: Any = None, state: str | None = None, **_: Any) -> 
         task._singleton_after_run(state or "")
 
 
+#: The request whose failure the worker's main process reports right now (SingletonRequest
+#: sets it around Celery's own handler); ``_TIMED_OUT`` during a hard time limit's report.
+_reporting: ContextVar[Request | str | None] = ContextVar("singleton_reporting", default=None)
+_TIMED_OUT = "timed out"
+
+
+class SingletonRequest(Request):  # type: ignore[misc]
+    """The worker-side request of a SingletonTask (``SingletonTask.Request``).
+
+    Celery's own, except that while it reports a failure the request is known to the
+    ``task_failure`` handler below, which so learns the generation (retries count) of a
+    lost child's run. A task with its own Request class must subclass this one; otherwise the
+    main process cannot tell which generation a lost child held and leaves its lock to the ttl.
+    """
+
+    def on_failure(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's on_failure; its ``task_failure`` (sent when the message will not come back)
+        releases the lock a lost child held."""
+        reset = _reporting.set(self)
+        try:
+            return super().on_failure(*args, **kwargs)
+        finally:
+            _reporting.reset(reset)
+
+    def on_timeout(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's on_timeout; its ``task_failure`` (Celery 5.7, also when the message comes
+        back) is not acted on: on_failure reported the same hard time limit just before."""
+        reset = _reporting.set(_TIMED_OUT)
+        try:
+            return super().on_timeout(*args, **kwargs)
+        finally:
+            _reporting.reset(reset)
+
+
 def _release_after_child_loss(
     sender: Any = None,
     task_id: str | None = None,
@@ -104,11 +144,42 @@ def _release_after_child_loss(
     if not isinstance(sender, SingletonTask) or task_id is None:
         return
     if isinstance(exception, WorkerLostError):
-        sender.singleton_release_for(task_id, args, kwargs, None, "worker lost")
+        reason = "worker lost"
     elif isinstance(exception, TimeLimitExceeded):
-        _after_grace(
-            partial(sender.singleton_release_for, task_id, args, kwargs, None, "hard time limit")
-        )
+        reason = "hard time limit"
+    else:
+        return
+    request = _reporting.get()
+    if request == _TIMED_OUT:
+        return
+    if not isinstance(request, Request) or request.id != task_id:
+        if not _knows_generation(sender):
+            logger.warning(
+                "singleton: not released by main process after %s, generation unknown "
+                "(its Request class is not a SingletonRequest), lock expires in its ttl: "
+                "%s[%s]",
+                reason,
+                sender.name,
+                task_id,
+            )
+        # else: the executing process reports its own run (its task_postrun releases)
+        return
+    generation = int(request.request_dict.get("retries") or 0)
+    release = partial(sender.singleton_release_for, task_id, args, kwargs, generation, reason)
+    if reason == "worker lost":
+        release()
+    else:
+        _after_grace(release)
+
+
+def _knows_generation(task: Any) -> bool:
+    """Whether the worker's requests of ``task`` are SingletonRequests (they know its retries)."""
+    cls = task.Request
+    try:
+        cls = symbol_by_name(cls) if isinstance(cls, str) else cls  # type: ignore[no-untyped-call]
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, SingletonRequest)
 
 
 def _release_after_terminate(

@@ -102,6 +102,30 @@ def test_release_any_generation(redis_client: redis.Redis, key_prefix: str) -> N
     assert store.release(keys.lock, "task-1", None) is ReleaseStatus.RELEASED
 
 
+def test_release_lost_only_its_generation_never_a_hand_over(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """release_lost (a dead holder's main process): owner and generation must match, and a lock
+    whose expiry was stretched past its ttl (handed over to a retry) is left alone."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    assert store.release_lost(keys.lock, "task-1", 0) is ReleaseStatus.NOT_HELD
+    store.acquire(keys, "task-1", 1, 5000)
+    assert store.release_lost(keys.lock, "task-2", 1) is ReleaseStatus.TAKEN
+    assert store.release_lost(keys.lock, "task-1", 0) is ReleaseStatus.TAKEN  # the retry took it
+    assert store.release_lost(keys.lock, "task-1", 2) is ReleaseStatus.TAKEN
+
+    # SingletonTask.retry's hand-over: the expiry becomes countdown + ttl, the ttl field stays
+    assert store.renew([RenewItem(keys.lock, "task-1", 1, 65_000)]) == [RenewStatus.RENEWED]
+    assert store.release_lost(keys.lock, "task-1", 1) is ReleaseStatus.HANDED_OVER
+    assert store.holder(keys.lock)["owner"] == "task-1"
+    assert redis_client.pttl(keys.lock) > 60_000
+
+    redis_client.pexpire(keys.lock, 5000)  # the countdown is over: an ordinary lock again
+    assert store.release_lost(keys.lock, "task-1", 1) is ReleaseStatus.RELEASED
+    assert not redis_client.exists(keys.lock)
+
+
 def test_tokens_strictly_increase(redis_client: redis.Redis, key_prefix: str) -> None:
     """Tokens increase across acquire/release cycles, even after the counter is lost."""
     store = LockStore(redis_client)

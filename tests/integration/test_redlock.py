@@ -211,6 +211,22 @@ def test_hand_over_to_a_later_generation(masters: Masters) -> None:
     assert store.release(keys.lock, "a", None) is ReleaseStatus.RELEASED
 
 
+def test_release_lost_on_every_master(masters: Masters) -> None:
+    """release_lost: its generation only; a hand-over on any master keeps it (HANDED_OVER)."""
+    store = masters.store()
+    keys = job_keys()
+    acquired(store.acquire(keys, "a", 1, 5000))
+    assert store.release_lost(keys.lock, "a", 0) is ReleaseStatus.TAKEN
+    assert store.renew([RenewItem(keys.lock, "a", 1, 65_000)]) == [RenewStatus.RENEWED]
+    assert store.release_lost(keys.lock, "a", 1) is ReleaseStatus.HANDED_OVER
+    assert all(fields["owner"] == "a" for fields in masters.holders(keys.lock))
+    for client in masters.clients:
+        client.pexpire(keys.lock, 5000)
+    assert store.release_lost(keys.lock, "a", 1) is ReleaseStatus.RELEASED
+    assert masters.holders(keys.lock) == [{}] * masters.n
+    assert store.release_lost(keys.lock, "a", 1) is ReleaseStatus.NOT_HELD
+
+
 def test_contended_names_the_most_common_holder(masters: Masters) -> None:
     """A refused acquire names the holder most masters report, and undoes its partial grant."""
     store = masters.store()

@@ -29,7 +29,7 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
-from tests.support.singleton_app import signals_key
+from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key, signals_key
 from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
 
@@ -70,11 +70,18 @@ class Bed:
         self.factory = factory
 
     def start(
-        self, pool: str = "prefork", concurrency: int = 2, ttl: float | None = None
+        self,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        ttl: float | None = None,
+        queues: str | None = None,
     ) -> WorkerProcess:
-        """Start a worker of the singleton app and wait until it answers ping."""
+        """Start a worker of the singleton app (on ``queues``, if given); wait for its ping."""
         env = {} if ttl is None else {"SINGLETON_TEST_TTL": str(ttl)}
-        worker = self.factory.start(APP_MODULE, pool=pool, concurrency=concurrency, env=env)
+        extra = () if queues is None else ("-Q", queues)
+        worker = self.factory.start(
+            APP_MODULE, pool=pool, concurrency=concurrency, env=env, extra_args=extra
+        )
         worker.wait_ready(self.app)
         return worker
 
@@ -441,6 +448,131 @@ def test_child_sigkill_released_by_main_process(bed: Bed) -> None:
     assert value["pid"] != pid
     bed.wait_gone(lock, 1.0)
     assert_clean_log(worker)
+
+
+# -- 6b. a child that handed its lock over to a retry, then died --------------------------------
+
+#: Log line of the main process when it leaves a lost child's lock alone (worker.py).
+NOT_RELEASED = "singleton: not released by main process after"
+
+
+def start_retry_pair(bed: Bed) -> tuple[WorkerProcess, WorkerProcess]:
+    """A worker on the default queue, and one on t.retry_then_die's retry queue.
+
+    The first has a second child, free for the duplicates sent while the first child dies.
+    """
+    first = bed.start(ttl=30)
+    second = bed.start(ttl=30, queues=bed.app.conf.task_default_queue + RETRIED_QUEUE_SUFFIX)
+    return first, second
+
+
+def wait_task_failure(bed: Bed, task_id: str) -> None:
+    """Wait until a main process sent task_failure for ``task_id`` (the library's handler ran)."""
+    wait_until(lambda: bed.signals(f"task_failure {task_id}"), 15, f"task_failure of {task_id}")
+
+
+def wait_success(result: AsyncResult, timeout: float = 30.0) -> None:
+    """Wait until ``result`` is SUCCESS (a retried run overwrites the lost run's FAILURE).
+
+    A fresh AsyncResult per look: one caches the first ready state (FAILURE) it saw.
+    """
+    wait_until(
+        lambda: result.app.AsyncResult(result.id).state == "SUCCESS",
+        timeout,
+        f"{result.id} to succeed",
+    )
+
+
+def assert_the_retry_runs_alone(bed: Bed, key: str, result: AsyncResult, lock: str) -> None:
+    """A duplicate sent now is skipped (the lost run's retry holds the lock or is coming for it);
+    the retried run then succeeds, beside no other run, with a larger token."""
+    duplicate = bed.send("t.retry_then_die", key, seconds=0.2, die="")
+    # (a job the pool gave the dead child before it noticed the death waits for that)
+    info = skip_info(duplicate.get(timeout=20))
+    assert info is not None, "a duplicate got the lock of the lost run's retry"
+    assert info.holder == result.id
+
+    wait_success(result)
+    bed.wait_gone(lock, 1.0)
+    killed, retried = bed.history()
+    assert retried.token > killed.token  # type: ignore[operator]
+    assert_no_overlap(check_history(bed.history()), allow_unfinished=False)
+
+
+@pytest.mark.parametrize(("die", "reason"), [("kill", "worker lost"), ("limit", "hard time limit")])
+def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reason: str) -> None:
+    """retry(), the retried run takes the lock on another worker, then the first child dies
+    (SIGKILL or hard time limit): its main process leaves the retried run's lock alone, and a
+    duplicate is skipped instead of running beside the retried run."""
+    first_worker, second_worker = start_retry_pair(bed)
+    key = new_key()
+    # the retried run holds 10 s: longer than billiard may take to notice the dead child (5 s),
+    # and than a duplicate the pool gave the dead child may wait for that
+    result = bed.app.send_task(
+        "t.retry_then_die",
+        args=(key,),
+        kwargs={"seconds": 10, "wait_taken": True, "die": die},
+        time_limit=2 if die == "limit" else None,
+    )
+    lock = bed.wait_held(result.id)
+    wait_until(lambda: bed.lock(lock).get("gen") == "1", 15, "the retried run to take the lock")
+    bed.client.set(go_key(bed.prefix, result.id), 1)
+    wait_task_failure(bed, result.id)
+
+    # worker lost: the main process decided before task_failure's next receiver ran; hard time
+    # limit: it releases after a grace. Either way the retried run keeps its lock.
+    deadline = time.monotonic() + 5
+    while NOT_RELEASED + " " + reason not in first_worker.log_text():
+        fields = bed.lock(lock)
+        assert (fields.get("owner"), fields.get("gen")) == (result.id, "1"), (
+            f"the main process of the lost child deleted the retried run's lock: {fields}"
+        )
+        assert time.monotonic() < deadline, f"no '{NOT_RELEASED} {reason}' line"
+        time.sleep(0.02)
+    assert (bed.lock(lock).get("owner"), bed.lock(lock).get("gen")) == (result.id, "1")
+
+    assert_the_retry_runs_alone(bed, key, result, lock)
+    assert "singleton: released by main process" not in first_worker.log_text()
+    # a child SIGTERMed by the hard time limit unwinds and releases its (handed-over) generation
+    assert_clean_log(first_worker, allow=("singleton: lock was no longer ours",))
+    assert_clean_log(second_worker)
+
+
+def test_lost_child_leaves_a_handed_over_lock_to_its_retry(bed: Bed) -> None:
+    """retry(countdown=8), then SIGKILL before the retried message arrived: the main process
+    leaves the stretched lock alone, a duplicate is skipped, and the retried run takes over."""
+    first_worker, second_worker = start_retry_pair(bed)
+    key = new_key()
+    # the countdown outlasts billiard noticing the dead child (at most its 5 s maintenance)
+    result = bed.send("t.retry_then_die", key, seconds=0.5, countdown=8)
+    lock = bed.wait_held(result.id)
+    bed.client.set(go_key(bed.prefix, result.id), 1)
+    wait_task_failure(bed, result.id)
+
+    fields = bed.lock(lock)
+    assert (fields.get("owner"), fields.get("gen")) == (result.id, "0"), (
+        f"the handed-over lock was deleted before its retry came: {fields}"
+    )
+    assert bed.client.pttl(lock) > 30_000  # still stretched over the countdown (ttl 30 s)
+    wait_until(lambda: NOT_RELEASED + " worker lost" in first_worker.log_text(), 5, "the log line")
+
+    assert_the_retry_runs_alone(bed, key, result, lock)
+    assert_clean_log(first_worker)
+    assert_clean_log(second_worker)
+
+
+def test_lost_child_of_a_foreign_request_class_leaves_the_lock_to_its_ttl(bed: Bed) -> None:
+    """A task whose Request class is not the library's: the main process cannot tell which
+    generation the dead child held, so it does not release; it logs why."""
+    worker = bed.start(ttl=30)
+    result = bed.send("t.hold_own_request", new_key(), seconds=10)
+    lock = bed.wait_held(result.id)
+    fields = bed.lock(lock)
+
+    kill_child(bed.client, int(fields["pid"]))
+    wait_task_failure(bed, result.id)
+    assert bed.lock(lock).get("token") == fields["token"], "released without knowing the generation"
+    assert NOT_RELEASED + " worker lost, generation unknown" in worker.log_text()
 
 
 # -- 7. warm shutdown -----------------------------------------------------------------------------

@@ -365,3 +365,81 @@ if os.environ.get("SINGLETON_TEST_BAD_KEY_FN"):
     @app.task(bind=True, base=_BadKeyed, name="t.key_bad")
     def key_bad(self: Any) -> None:
         """Never runs: the worker does not start."""
+
+
+# -- added for test_release_paths: a run that hands its lock over to a retry and then dies -----
+
+import signal as _signal  # noqa: E402
+
+from celery import signals as _celery_signals  # noqa: E402
+
+#: Suffix of the queue ``t.retry_then_die`` sends its retry to (a second worker consumes it).
+RETRIED_QUEUE_SUFFIX = "-retried"
+RETRIED_QUEUE = app.conf.task_default_queue + RETRIED_QUEUE_SUFFIX
+
+
+def go_key(prefix: str, task_id: str) -> str:
+    """The key a test sets to let ``t.retry_then_die``'s first run ``task_id`` die."""
+    return f"{prefix}go:{task_id}"
+
+
+@app.task(bind=True, base=SingletonTask, name="t.retry_then_die", singleton_key_args=("key",))
+def retry_then_die(  # noqa: PLR0917 - one task for every variant
+    self: Any,
+    key: str,
+    seconds: float = 0.0,
+    countdown: float = 0.0,
+    wait_taken: bool = False,
+    die: str = "kill",
+) -> dict[str, Any]:
+    """First run: retry (to RETRIED_QUEUE) and die before reporting back; later runs hold.
+
+    The first run records its execution as ended at the hand-over (it does nothing guarded
+    after it), calls ``self.retry(countdown=countdown, throw=False)``, waits until the retried
+    run holds the lock if ``wait_taken``, and until the test set its ``go_key``, then dies:
+    ``die="kill"`` SIGKILLs its own process,
+    ``die="limit"`` sleeps into the hard time limit the message was sent with (the retry gets
+    a long one). ``die=""`` (a duplicate) and the retried run hold the lock ``seconds``.
+    """
+    if self.request.retries or not die:
+        return _run(self, key, seconds)
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    token = self.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(self.request.hostname), os.getpid())
+    record_end(client, hkey, exec_id)
+    self.retry(
+        countdown=countdown, queue=RETRIED_QUEUE, throw=False, time_limit=60, soft_time_limit=None
+    )
+    go = go_key(app.conf.singleton_test_prefix, self.request.id)
+    deadline = time.monotonic() + 20
+    while (wait_taken and client.hget(self.singleton.key, "gen") != b"1") or not client.exists(go):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the retried run never took the lock, or no go")
+        time.sleep(0.005)
+    if die == "kill":
+        os.kill(os.getpid(), _signal.SIGKILL)
+    time.sleep(60)  # into the hard time limit
+    return {}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_own_request",
+    singleton_key_args=("key",),
+    Request="celery.worker.request:Request",
+)
+def hold_own_request(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Like hold, with a Request class that is Celery's own, not the library's."""
+    return _run(self, key, seconds)
+
+
+def _log_task_failure(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """Log ``task_failure <task id>``; connected after the library's handler, so it runs after."""
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(signals_key(app.conf.singleton_test_prefix), f"task_failure {task_id}")
+
+
+if os.environ.get("SINGLETON_TEST_PREFIX"):
+    _celery_signals.task_failure.connect(_log_task_failure, weak=False)
