@@ -19,11 +19,15 @@ that differ only in their base class:
   library's acquire.lua with the same arguments, then release.lua written after the run and
   its reply read with the next acquire) from a few lines of its own: what the lock costs on
   the wire and in the server, without the library's Python.
+
+And ``bench.hold``, a SingletonTask keyed on ``key`` with a 30 s ttl that sleeps ``seconds``:
+the run whose pool child section 6 (``child_loss``) kills.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -44,6 +48,7 @@ TWO_PINGS = "bench.two_pings"
 ONE_PING = "bench.one_ping"
 BARE_PING = "bench.bare_ping"
 SAME_WIRE = "bench.same_wire"
+HOLD = "bench.hold"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -205,6 +210,13 @@ def bare_ping(i: int) -> None:
 @app.task(name=SAME_WIRE, base=SameWire)  # type: ignore[untyped-decorator]
 def same_wire(i: int) -> None:
     return None
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=HOLD, base=SingletonTask, singleton_key_args=("key",), singleton_ttl=30
+)
+def hold(key: str, seconds: float = 0.0) -> None:
+    time.sleep(seconds)
 
 
 TASKS: dict[str, Any] = {

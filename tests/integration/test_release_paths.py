@@ -75,9 +75,12 @@ class Bed:
         concurrency: int = 2,
         ttl: float | None = None,
         queues: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> WorkerProcess:
         """Start a worker of the singleton app (on ``queues``, if given); wait for its ping."""
-        env = {} if ttl is None else {"SINGLETON_TEST_TTL": str(ttl)}
+        env = dict(env or {})
+        if ttl is not None:
+            env["SINGLETON_TEST_TTL"] = str(ttl)
         extra = () if queues is None else ("-Q", queues)
         worker = self.factory.start(
             APP_MODULE, pool=pool, concurrency=concurrency, env=env, extra_args=extra
@@ -430,8 +433,9 @@ def test_child_sigkill_released_by_main_process(bed: Bed) -> None:
     assert pid in worker.child_pids()
 
     kill_child(bed.client, pid)
-    # billiard notices a dead child at once, or at its next maintain_pool (every 5 s): 7 s is
-    # still far below the 30 s ttl, so only the main process can have released it
+    # the main process notices a dead child at once, or at its ChildReaper's next look (0.25 s;
+    # else billiard's maintain_pool, every 5 s): 7 s is still far below the 30 s ttl, so only
+    # the main process can have released it
     assert bed.wait_gone(lock, 7.0) < 7.0
     wait_until(
         lambda: "singleton: released by main process after worker lost" in worker.log_text(),
@@ -447,6 +451,28 @@ def test_child_sigkill_released_by_main_process(bed: Bed) -> None:
     assert skip_info(value) is None
     assert value["pid"] != pid
     bed.wait_gone(lock, 1.0)
+    assert_clean_log(worker)
+
+
+def test_killed_children_released_without_the_pool_maintenance(bed: Bed) -> None:
+    """SIGKILL of a pool child, again and again: each lock (ttl 30 s) is released by the main
+    process and the next call of the job runs, with billiard's periodic pool maintenance (every
+    5 s) pushed out to an hour. billiard's own exit tracking alone misses some deaths (it looks
+    a moment before the dead child can be reaped); the library's ChildReaper catches them."""
+    kills = 8
+    worker = bed.start(ttl=30, env={"SINGLETON_TEST_POOL_MAINTENANCE": "3600"})
+    for _ in range(kills):
+        key = new_key()
+        result = bed.send("t.hold", key, seconds=60)
+        lock = bed.wait_held(result.id)
+        kill_child(bed.client, int(bed.lock(lock)["pid"]))
+        bed.wait_gone(lock, 20)  # far below the ttl; the pool's own look is an hour away
+
+        value = bed.send("t.hold", key, seconds=0.1).get(timeout=20)
+        assert skip_info(value) is None
+        bed.wait_gone(lock, 5)
+    log = worker.log_text()
+    assert log.count("singleton: released by main process after worker lost") == kills
     assert_clean_log(worker)
 
 

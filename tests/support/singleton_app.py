@@ -443,3 +443,15 @@ def _log_task_failure(sender: Any = None, task_id: str | None = None, **_: Any) 
 
 if os.environ.get("SINGLETON_TEST_PREFIX"):
     _celery_signals.task_failure.connect(_log_task_failure, weak=False)
+
+
+# -- added for test_release_paths: billiard's periodic pool maintenance out of the way --------
+
+# SINGLETON_TEST_POOL_MAINTENANCE=<s>: the prefork pool's periodic maintenance (AsynPool.timers,
+# every 5 s), which finds exited children its exit tracking missed, runs every <s> seconds, so
+# a test sees whether something else notices a killed child (celery_singleton_lock.reaper).
+if os.environ.get("SINGLETON_TEST_POOL_MAINTENANCE"):
+    from celery.concurrency import asynpool as _asynpool
+
+    _MAINTENANCE_S = float(os.environ["SINGLETON_TEST_POOL_MAINTENANCE"])
+    _asynpool.AsynPool.timers = property(lambda pool: {pool.maintain_pool: _MAINTENANCE_S})
