@@ -34,7 +34,7 @@ from .config import BeatOptions, read_beat_options, redact_url
 from .connection import claims_and_store
 from .errors import LockUnavailableError, SingletonConfigError
 from .keys import leader_keys, run_claim_key
-from .lock import REDIS_ERRORS, Acquired, LockStore, RenewItem, RenewStatus
+from .lock import REDIS_ERRORS, Acquired, Contended, LockStore, RenewItem, RenewStatus
 from .redlock import RedlockClaims
 from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 
@@ -47,6 +47,9 @@ logger = logging.getLogger("celery_singleton_lock.beat")
 PUBLISH_LEASE_S = 10.0
 #: How soon to try again a run that could not be claimed because Redis failed.
 ERROR_RETRY_S = 1.0
+#: Leader mode: after renewals Redis did not answer, the leader goes on leading until this
+#: part of the lease has passed since it last confirmed the lease (before the lease can end).
+LEASE_TRUSTED = 0.9
 #: Header carrying "<entry name>@<run id>" on every message a SingletonScheduler publishes.
 RUN_HEADER = "singleton_beat_run"
 #: Header carrying the run's claim key, so a worker can witness the run's first message.
@@ -360,31 +363,61 @@ class SingletonSchedulerMixin:
         return str(self.app.main or "celery")
 
     def _singleton_lead(self, state: _BeatState) -> bool:
-        """True if this instance holds the leader lease, confirmed within a third of its ttl."""
+        """True if this instance holds the leader lease; renews it a third of its ttl after
+        it was last confirmed.
+
+        A renewal Redis does not answer does not depose the leader while its lease surely lives
+        (:data:`LEASE_TRUSTED`): nobody else can take it before it ends, and its runs are still
+        claimed, so those Redis refuses are retried as usual; the renewal is tried again
+        :data:`ERROR_RETRY_S` later. After any Redis error the lease may be this instance's (a
+        renewal that got no answer, an acquire that ran but whose reply was lost): the next
+        attempt renews it first, and a lease the acquire finds held by this instance is renewed
+        too. Renewals are owner-checked: a lease another instance holds is never taken.
+        """
         now = self.singleton_monotonic()
-        lease_ms = round(state.opts.lease * 1000)
-        if state.leading and now - state.lead_confirmed < state.opts.lease / 3:
+        if state.leading and now < state.renew_at:
             return True
         keys = leader_keys(state.opts.key_prefix, self._group())
+        lease = RenewItem(keys.lock, state.claimer, 0, round(state.opts.lease * 1000))
         try:
-            if state.leading:
-                status = state.store.renew([RenewItem(keys.lock, state.claimer, 0, lease_ms)])[0]
-                if status is RenewStatus.RENEWED:
-                    state.lead_confirmed = now
-                    return True
-                state.leading = False
-                logger.error(
-                    "beat: leadership lost: instance=%s reason=%s", state.claimer, status.name
-                )
-            outcome = state.store.acquire(keys, state.claimer, 0, lease_ms, {"role": "beat-leader"})
+            if (state.leading or state.lease_unsure) and self._renew_lease(state, lease, now):
+                return True
+            outcome = state.store.acquire(
+                keys, state.claimer, 0, lease.ttl_ms, {"role": "beat-leader"}
+            )
+            if isinstance(outcome, Contended) and outcome.holder == state.claimer:
+                state.lease_unsure = True  # an earlier acquire took it; its reply was lost
+                return self._renew_lease(state, lease, now)
         except LockUnavailableError as exc:
+            state.lease_unsure = True
+            trusted_until = state.lead_confirmed + state.opts.lease * LEASE_TRUSTED
+            if state.leading and now < trusted_until:
+                state.renew_at = min(now + ERROR_RETRY_S, trusted_until)
+                logger.error("beat: redis error, lease not renewed, still leading: %s", exc)
+                return True
             state.leading = False
             logger.error("beat: redis error, standing by: %s", exc)
             return False
+        state.lease_unsure = False
         if isinstance(outcome, Acquired):
-            state.leading, state.lead_confirmed = True, now
+            state.confirmed(now)
             logger.info("beat: became leader: instance=%s token=%d", state.claimer, outcome.token)
             return True
+        return False
+
+    def _renew_lease(self, state: _BeatState, lease: RenewItem, now: float) -> bool:
+        """Renew the lease if this instance holds it; True if it does (it leads then)."""
+        status = state.store.renew([lease])[0]
+        if status is RenewStatus.RENEWED:
+            if state.lease_unsure:
+                logger.warning(
+                    "beat: leadership kept after a redis error: instance=%s", state.claimer
+                )
+            state.confirmed(now)
+            return True
+        if state.leading:
+            logger.error("beat: leadership lost: instance=%s reason=%s", state.claimer, status.name)
+        state.leading = state.lease_unsure = False
         return False
 
 
@@ -396,7 +429,16 @@ class _BeatState:
     claims: RunClaims | RedlockClaims
     store: LockStore
     leading: bool = False
+    #: monotonic time the lease was last taken or renewed, and of its next renewal
     lead_confirmed: float = 0.0
+    renew_at: float = 0.0
+    #: a Redis call about the lease failed: the lease may be this instance's (or still be)
+    lease_unsure: bool = False
+
+    def confirmed(self, now: float) -> None:
+        """The lease was taken or renewed at ``now``: lead, renew it a third of its ttl later."""
+        self.leading, self.lease_unsure = True, False
+        self.lead_confirmed, self.renew_at = now, now + self.opts.lease / 3
 
 
 def _slot_of(interval: float, when: datetime) -> int:

@@ -20,10 +20,11 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_singleton_lock.beat import PUBLISH_LEASE_S
 from celery_singleton_lock.keys import run_claim_key
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
-from tests.support.servers import free_port
+from tests.support.servers import RedisServer, free_port
 from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -376,6 +377,73 @@ def test_paused_leader_is_deposed_and_does_not_publish_after_resuming(
     assert hist.largest_gap_ms("every-second") <= (LEASE_S + 2) * 1000, (
         f"every-second gap {hist.largest_gap_ms('every-second')} ms\n{hist.summary()}\n{logs}"
     )
+
+
+#: The lease of the stalled-Redis test: long, so that it outlives the stall by far.
+LONG_LEASE_S = 30.0
+#: the leader's renewal failed (it goes on leading while its lease surely lives; stood by
+#: before issue 14's fix)
+RENEWAL_FAILED = r"beat: redis error, (lease not renewed|standing by)"
+KEPT = "beat: leadership kept after a redis error"
+
+
+def test_leader_keeps_leading_after_its_lock_redis_stalls_once(  # noqa: PLR0917 - fixtures
+    beat_factory: BeatFactory,
+    worker_factory: WorkerFactory,
+    control_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    private_redis: RedisServer,
+) -> None:
+    """Leader mode, 2 beats, the lease and the claims on a private Redis that is paused (past
+    the 0.2 s socket timeout) when the leader's lease is due for renewal, until the leader
+    logged that its renewal failed. The lease (30 s) outlives the stall: the leader renews it
+    once Redis answers and goes on publishing, the runs due during the stall late (up to the
+    publish lease late); the standby never leads; no run is lost or published twice."""
+    lock_env = {
+        "SINGLETON_TEST_LOCK_URL": f"{private_redis.url}?socket_timeout=0.2",
+        "SINGLETON_TEST_BEAT_MODE": "leader",
+        "SINGLETON_TEST_BEAT_LEASE": f"{LONG_LEASE_S:g}",
+    }
+    workers = [worker_factory.start(BEAT_APP, pool="prefork", concurrency=2, env=lock_env)]
+    for worker in workers:
+        worker.wait_ready(control_app)
+    beats = [beat_factory.start(env=lock_env) for _ in range(2)]
+    ready = min(b.wait_ready() for b in beats)
+    leader = wait_for_leader(beats, 10)
+    standby = next(b for b in beats if b is not leader)
+    became = leader_lines(leader)[0]
+    # the leader renews at its first tick a third of the lease after it took it: stall then
+    sleep_until(became + LONG_LEASE_S / 3 - 0.5)
+    offset = leader.log_size()
+    private_redis.pause()
+    stalled_at = time.time()
+    try:
+        leader.wait_for_log(RENEWAL_FAILED, timeout=10, start=offset)
+    finally:
+        private_redis.resume()
+    resumed_at = time.time()
+    # a claim the server ran after the stall, its reply lost, stays pending for its publish
+    # lease: its run is published when that ends, so the test waits that long
+    sleep_until(resumed_at + PUBLISH_LEASE_S + 3)
+    for beat in beats:
+        beat.kill()
+    end = max(b.killed_at or 0 for b in beats)
+    time.sleep(DRAIN_S)
+
+    hist = history(redis_client, key_prefix)
+    logs = (
+        f"lock redis paused at {stalled_at:.3f}, resumed at {resumed_at:.3f}\n"
+        f"{beat_factory.logs(200)}"
+    )
+    assert_exactly_once(hist, beats, "the lock Redis stalled once")
+    for entry, step_s in (("every-second", 1.0), ("remote-every-2s", 2.0)):
+        assert_no_gaps(hist, entry, step_s=step_s, ready=ready, end=end, logs=logs)
+    assert not leader_lines(standby), f"{standby.name} led beside {leader.name}\n{logs}"
+    assert not standby.published(), logs
+    after = leader.log_text(offset)
+    assert f"{KEPT}: instance=" in after, f"the leader did not take its lease back\n{logs}"
+    assert BECAME_LEADER not in after, logs
 
 
 # -- banner -------------------------------------------------------------------------------------

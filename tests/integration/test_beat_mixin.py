@@ -9,22 +9,36 @@ this library), so no broker is involved.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler, Service
 from celery.schedules import crontab
 from celery.utils.imports import symbol_by_name
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import celery_singleton_lock
-from celery_singleton_lock.beat import RUN_HEADER, SingletonScheduler, SingletonSchedulerMixin
+from celery_singleton_lock.beat import (
+    ERROR_RETRY_S,
+    RUN_HEADER,
+    SingletonScheduler,
+    SingletonSchedulerMixin,
+)
+from celery_singleton_lock.keys import leader_keys
+from celery_singleton_lock.lock import load_script
+from tests.support.servers import RedisServer
+from tests.support.workers import wait_for
 
 INTERVAL = "remote-every-10s"
 CRON = "remote-every-5min"
@@ -190,6 +204,247 @@ def check_leader_hand_over(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None
     fire(b, INTERVAL)
     assert labels(b) == [f"{INTERVAL}@{(slot + 10) * 1000}"]
     b.close()
+
+
+# -- leader mode after a Redis error ------------------------------------------------------------
+
+#: The lease of the Redis-error tests. Their injected monotonic clock moves up to 0.95 of it
+#: while real time moves a few seconds: the lease in Redis (real time) outlives the stall by
+#: far, so it is still the leader's when the server answers again.
+LONG_LEASE_S = 30.0
+#: What ``tick`` returns while the instance stands by: min(max_interval, lease / 10).
+STANDBY_DELAY_S = 1.0
+
+
+class Monotonic:
+    """A monotonic clock the test moves forward (``singleton_monotonic``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def long_lease_leader_app(url: str, key_prefix: str) -> Celery:
+    """The mixin test app in leader mode on ``url``, with a lease of LONG_LEASE_S."""
+    app = make_beat_app(url, key_prefix, mode="leader")
+    app.conf.singleton_beat_lease = LONG_LEASE_S
+    return app
+
+
+def lease_owner(scheduler: Guarded) -> str | None:
+    """Who holds the leader lease in Redis, as ``scheduler``'s lock store reads it."""
+    state = scheduler._singleton
+    assert state is not None
+    keys = leader_keys(state.opts.key_prefix, scheduler._group())
+    return state.store.holder(keys.lock).get("owner")
+
+
+def claimer(scheduler: Guarded) -> str:
+    """``scheduler``'s instance id (the owner of its lease and claims)."""
+    state = scheduler._singleton
+    assert state is not None
+    return state.claimer
+
+
+@contextlib.contextmanager
+def two_instances(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, now: float
+) -> Iterator[tuple[Guarded, Guarded]]:
+    """Two Guarded schedulers at wall clock ``now``; closed after, their Redis clients too."""
+    pair = (instance(app, monkeypatch, now), instance(app, monkeypatch, now))
+    try:
+        yield pair
+    finally:
+        for scheduler in pair:
+            scheduler.close()
+            state = scheduler._singleton
+            if state is not None:  # the claims share these clients
+                for client in getattr(state.store, "clients", None) or (state.store.client,):
+                    client.close()
+
+
+def interval_labels(scheduler: Guarded) -> list[str]:
+    """Run labels of the INTERVAL runs ``scheduler`` published (a cron run may come due too)."""
+    return [label for label in labels(scheduler) if label.startswith(f"{INTERVAL}@")]
+
+
+#: How long after the leader last confirmed its lease its renewal fails: early (it goes on
+#: leading, its lease surely lives) or late (past beat.LEASE_TRUSTED, 0.9 of the lease: it
+#: stands by meanwhile, the lease may be about to expire).
+RENEWAL_FAILS = {
+    "within-the-trusted-lease": LONG_LEASE_S / 3 + 0.5,
+    "past-the-trusted-lease": LONG_LEASE_S * 0.95,
+}
+
+
+def check_leadership_kept_after_a_failed_renewal(
+    app: Celery,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    stall: Callable[[], contextlib.AbstractContextManager[object]],
+    when: str,
+) -> None:
+    """The leader's renewal fails once (``stall``: Redis does not answer) while its lease still
+    lives in Redis, ``RENEWAL_FAILS[when]`` after it was last confirmed. Once Redis answers, the
+    leader renews its own lease at its next tick and publishes the run due then; the standby,
+    ticking as well, neither leads nor publishes.
+
+    Nothing is claimed during the stall: a claim that reaches a paused server runs when it
+    resumes, its reply lost, and stays pending for its publish lease (docs/beat.md), which
+    would delay that run here by 10 s whatever the lease does."""
+    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat")
+    slot = math.floor(time.time() / 10) * 10
+    with two_instances(app, monkeypatch, slot + 1.0) as (a, b):
+        check_lease_kept(a, b, monkeypatch, caplog, slot, stall, when)
+
+
+def check_lease_kept(  # noqa: PLR0917 - the steps of the check above
+    a: Guarded,
+    b: Guarded,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    slot: int,
+    stall: Callable[[], contextlib.AbstractContextManager[object]],
+    when: str,
+) -> None:
+    """:func:`check_leadership_kept_after_a_failed_renewal` with leader ``a``, standby ``b``."""
+    clock = Monotonic()
+    monkeypatch.setattr(a, "singleton_monotonic", clock)
+    fire(a, INTERVAL)
+    fire(b, INTERVAL)
+    assert interval_labels(a) == [f"{INTERVAL}@{slot * 1000}"]
+    assert b.sent == []
+    assert lease_owner(a) == claimer(a)
+
+    clock.now += RENEWAL_FAILS[when]  # the lease is due for renewal at a's next tick
+    with stall():
+        delay = a.tick()  # the renewal fails
+    if when == "past-the-trusted-lease":
+        assert delay == STANDBY_DELAY_S, "a stands by: its lease may be about to expire"
+        assert "beat: redis error, standing by" in caplog.text
+    assert lease_owner(a) == claimer(a), "the lease outlived the stall"
+
+    # a second later, at the next slot: the lease still has most of its 30 s, and it is a's
+    clock.now += ERROR_RETRY_S + 0.1
+    for scheduler in (a, b):
+        set_clock(scheduler, monkeypatch, slot + 11.0)
+    fire(b, INTERVAL)
+    fire(a, INTERVAL)
+    assert b.sent == [], "the standby published while the leader held its lease"
+    assert interval_labels(a) == [
+        f"{INTERVAL}@{slot * 1000}",
+        f"{INTERVAL}@{(slot + 10) * 1000}",
+    ], f"the leader did not take its own lease back after a failed renewal\n{caplog.text}"
+    if when == "within-the-trusted-lease":
+        assert "beat: redis error, lease not renewed, still leading" in caplog.text
+        assert "beat: redis error, standing by" not in caplog.text
+    kept = [r for r in caplog.records if "beat: leadership kept after a redis error" in r.message]
+    assert [r.getMessage() for r in kept] == [
+        f"beat: leadership kept after a redis error: instance={claimer(a)}"
+    ]
+    assert kept[0].levelno == logging.WARNING
+    assert caplog.text.count("beat: became leader") == 1, caplog.text
+    assert lease_owner(a) == claimer(a)
+
+
+@contextlib.contextmanager
+def paused(*servers: RedisServer) -> Iterator[None]:
+    """SIGSTOP ``servers`` for the block, SIGCONT after it."""
+    for server in servers:
+        server.pause()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.resume()
+
+
+@pytest.mark.parametrize("when", list(RENEWAL_FAILS))
+def test_leader_takes_its_lease_back_after_a_failed_renewal(
+    private_redis: RedisServer,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    when: str,
+) -> None:
+    """One server, paused past the client's socket timeout (0.2 s) while the leader renews."""
+    app = long_lease_leader_app(f"{private_redis.url}?socket_timeout=0.2", key_prefix)
+    try:
+        check_leadership_kept_after_a_failed_renewal(
+            app, monkeypatch, caplog, lambda: paused(private_redis), when
+        )
+    finally:
+        app.close()
+
+
+#: A script that keeps the server busy for ARGV[1] milliseconds (it answers nobody meanwhile).
+BUSY_SCRIPT = """
+local t = redis.call('TIME')
+local stop = t[1] * 1000000 + t[2] + ARGV[1] * 1000
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] >= stop
+return 1
+"""
+
+
+def server_busy(url: str) -> bool:
+    """True if the server at ``url`` does not answer a PING within 50 ms."""
+    probe = redis.Redis.from_url(url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+    try:
+        probe.ping()
+    except redis.TimeoutError:
+        return True
+    finally:
+        probe.close()
+    return False
+
+
+def test_leader_whose_acquire_reply_was_lost_takes_its_lease(
+    private_redis: RedisServer,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server runs a standby's acquire after the client gave up waiting for the reply
+    (a busy server, 0.2 s socket timeout): the lease is the standby's, which learns it at its
+    next tick and leads at once; the other instance never leads meanwhile."""
+    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat")
+    # the script is loaded beforehand: an EVALSHA that found it missing would not run at all
+    loader = private_redis.client()
+    loader.script_load(load_script("acquire.lua"))
+    loader.close()
+    app = long_lease_leader_app(f"{private_redis.url}?socket_timeout=0.2", key_prefix)
+    busy = redis.Connection(host="127.0.0.1", port=private_redis.port)
+    try:
+        slot = math.floor(time.time() / 10) * 10
+        with two_instances(app, monkeypatch, slot + 1.0) as (a, b):
+            fire(b, INTERVAL)
+            assert a.tick() == STANDBY_DELAY_S  # b leads; a stands by, its connection open
+            assert lease_owner(a) == claimer(b)
+            b.close()  # b gives the lease up: a takes it at its next tick
+
+            busy.send_command("EVAL", BUSY_SCRIPT, 0, 1500)
+            wait_for(lambda: server_busy(private_redis.url), 5, "the server to be busy")
+            assert a.tick() == STANDBY_DELAY_S, "a's acquire timed out: a stands by"
+            assert "beat: redis error, standing by" in caplog.text
+            assert busy.read_response() == 1  # the server is answering again
+            wait_for(lambda: lease_owner(a) == claimer(a), 5, "a's acquire to have run")
+
+            set_clock(a, monkeypatch, slot + 11.0)
+            set_clock(b, monkeypatch, slot + 11.0)
+            fire(b, INTERVAL)
+            fire(a, INTERVAL)
+            assert interval_labels(b) == [f"{INTERVAL}@{slot * 1000}"], "b published beside a"
+            assert interval_labels(a) == [f"{INTERVAL}@{(slot + 10) * 1000}"], (
+                f"a did not lead with the lease its lost acquire took\n{caplog.text}"
+            )
+            kept = [m for m in caplog.messages if "beat: leadership kept after a redis error" in m]
+            assert kept == [f"beat: leadership kept after a redis error: instance={claimer(a)}"]
+            assert lease_owner(a) == claimer(a)
+    finally:
+        busy.disconnect()
+        app.close()
 
 
 def test_scheduler_resolves_by_dotted_path_and_by_alias(beat_app: Celery, tmp_path: Path) -> None:

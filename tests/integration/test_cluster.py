@@ -39,10 +39,14 @@ from celery_singleton_lock.lock import (
 )
 from tests.integration.test_beat_mixin import (
     INTERVAL,
+    RENEWAL_FAILS,
+    check_leadership_kept_after_a_failed_renewal,
     fire,
     instance,
     labels,
+    long_lease_leader_app,
     make_beat_app,
+    paused,
     set_clock,
 )
 from tests.support.history import assert_no_overlap, check_history, load_history
@@ -319,6 +323,24 @@ def test_beat_publishes_each_run_once_on_a_cluster(
         assert labels(a, b) == [f"{INTERVAL}@{slot * 1000}", f"{INTERVAL}@{(slot + 10) * 1000}"]
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("when", list(RENEWAL_FAILS))
+def test_beat_leader_takes_its_lease_back_after_a_failed_cluster_renewal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """Leader mode on a cluster of its own, every node paused while the leader renews (past
+    the 0.2 s socket timeout, shorter than the node timeout): the leader keeps its lease."""
+    with Cluster() as topology:
+        app = long_lease_leader_app(
+            f"{topology.url}?socket_timeout=0.2", f"{PREFIX}{uuid.uuid4().hex[:6]}:"
+        )
+        try:
+            check_leadership_kept_after_a_failed_renewal(
+                app, monkeypatch, caplog, lambda: paused(*topology.nodes), when
+            )
+        finally:
+            app.close()
 
 
 def test_beat_stands_by_while_no_cluster_node_answers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,11 +21,15 @@ from celery_singleton_lock.lock import Acquired, Contended, LockStore
 from celery_singleton_lock.redlock import RedlockClaims, RedlockStore
 from tests.integration.test_beat_mixin import (
     INTERVAL,
+    RENEWAL_FAILS,
     check_leader_hand_over,
+    check_leadership_kept_after_a_failed_renewal,
     fire,
     instance,
     labels,
+    long_lease_leader_app,
     make_beat_app,
+    paused,
 )
 from tests.support.servers import RedisServer
 from tests.support.test_app import make_app
@@ -210,6 +214,27 @@ def test_beat_leader_lease_over_redlock(key_prefix: str, monkeypatch: pytest.Mon
     app = make_beat_app(redlock_url(servers, password=""), key_prefix, mode="leader")
     try:
         check_leader_hand_over(app, monkeypatch)
+    finally:
+        app.close()
+        for server in servers:
+            server.close()
+
+
+@pytest.mark.parametrize("when", list(RENEWAL_FAILS))
+def test_beat_leader_takes_its_lease_back_after_a_failed_redlock_renewal(
+    key_prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """Two of three masters paused while the leader renews: the renewal raises (no majority
+    answered within the lease's validity); once they answer, the leader renews its own lease
+    at its next tick and publishes, and the standby never leads."""
+    servers = [RedisServer() for _ in range(3)]
+    app = long_lease_leader_app(
+        f"{redlock_url(servers, password='')}&socket_timeout=0.2", key_prefix
+    )
+    try:
+        check_leadership_kept_after_a_failed_renewal(
+            app, monkeypatch, caplog, lambda: paused(*servers[1:]), when
+        )
     finally:
         app.close()
         for server in servers:

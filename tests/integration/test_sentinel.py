@@ -32,6 +32,12 @@ from celery_singleton_lock.lock import (
     RenewStatus,
     load_script,
 )
+from tests.integration.test_beat_mixin import (
+    RENEWAL_FAILS,
+    check_leadership_kept_after_a_failed_renewal,
+    long_lease_leader_app,
+    paused,
+)
 from tests.support.topologies import SentinelSet, wait_until
 
 PREFIX = "cslt:sentinel:"
@@ -205,3 +211,21 @@ def test_failover_keeps_the_store_working_and_never_lies_about_a_lock() -> None:
             new_master.close()
             close(store)
             close(waiting)
+
+
+@pytest.mark.parametrize("when", list(RENEWAL_FAILS))
+def test_beat_leader_takes_its_lease_back_after_a_failed_renewal_through_sentinel(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """Leader mode through Sentinel, the master paused while the leader renews (past the 0.2 s
+    socket timeout, well short of the sentinels' 10 s down-after): the leader keeps its lease."""
+    with SentinelSet(down_after_ms=10_000) as topology:
+        app = long_lease_leader_app(
+            topology.url(query="socket_timeout=0.2"), f"{PREFIX}{uuid.uuid4().hex[:6]}:"
+        )
+        try:
+            check_leadership_kept_after_a_failed_renewal(
+                app, monkeypatch, caplog, lambda: paused(topology.master()), when
+            )
+        finally:
+            app.close()
