@@ -178,7 +178,7 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
         """n cycles as SingletonTask runs them: each acquire carries the previous release."""
         store.acquire(keys, owner, 0, 30_000, meta)
         for _ in range(n):
-            store.acquire_after([(keys.lock, owner, 0)], keys, owner, 0, 30_000, meta)
+            store.acquire_after([(keys.lock, owner, 0, None)], keys, owner, 0, 30_000, meta)
         store.release(keys.lock, owner, 0)
 
     variants: dict[str, Variant] = {

@@ -67,7 +67,7 @@ def _ours_deferred(url: str) -> Cycle:
     def cycle() -> None:
         owner = uuid.uuid4().hex
         released, outcome = store.acquire_after(
-            [(keys.lock, previous[0], 0)], keys, owner, 0, ttl_ms, meta
+            [(keys.lock, previous[0], 0, None)], keys, owner, 0, ttl_ms, meta
         )
         if type(outcome) is not Acquired or released != [ReleaseStatus.RELEASED]:
             raise AssertionError(f"ours (deferred): {released} {outcome}")

@@ -42,6 +42,7 @@ __all__ = [
     "Client",
     "Contended",
     "LockStore",
+    "ReleaseItem",
     "ReleaseStatus",
     "RenewItem",
     "RenewStatus",
@@ -51,6 +52,8 @@ logger = logging.getLogger("celery_singleton_lock.lock")
 
 #: What the lock store accepts as a client: one server (or a Sentinel's master) or a cluster.
 Client: TypeAlias = "redis.Redis | RedisCluster"
+#: One lock to release: ``(key, owner, generation or None for any, fencing token or None)``.
+ReleaseItem: TypeAlias = "tuple[str, str, int | None, int | None]"
 #: Errors that mean "Redis could not be asked" (redis-py's cluster errors are not RedisErrors).
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
@@ -86,6 +89,10 @@ class Contended:
 class RenewItem:
     """One lock to renew: the key, who must hold it, and the ttl to set.
 
+    ``token`` is the fencing token of the run that holds it: with it, a lock that another run
+    of the same owner and generation took (a redelivered copy of the message, after this run's
+    lock expired) counts as taken. None: any token.
+
     Checked when made (``ValueError``), so the stores need not check it at every renewal (the
     renewer makes one per lock and renews it every interval).
     """
@@ -94,6 +101,7 @@ class RenewItem:
     owner: str
     generation: int
     ttl_ms: int
+    token: int | None = None
 
     def __post_init__(self) -> None:
         _check_owner(self.owner, self.generation)
@@ -102,12 +110,14 @@ class RenewItem:
 
     @functools.cached_property
     def _packed(self) -> tuple[bytes, bytes]:
-        """Its key, and its owner and generation, as renew.lua's arguments on the wire (RESP).
+        """Its key, and its owner, generation and token, as renew.lua's arguments on the wire
+        (RESP).
 
         Made once: packing a lock's arguments anew at every renewal costs about 0.3 µs (3 ms of
         the renewer's time per interval for 10,000 locks); joining these costs a tenth of that.
         """
-        return _bulk(self.key), _bulk(self.owner) + _bulk(self.generation)
+        token = "" if self.token is None else self.token
+        return _bulk(self.key), _bulk(self.owner) + _bulk(self.generation) + _bulk(token)
 
 
 class RenewStatus(enum.IntEnum):
@@ -256,11 +266,14 @@ class LockStore:
                 f"could not renew {len(items)} lock(s): {exc}", key=items[0].key
             ) from exc
 
-    def release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
-        """Delete ``key`` if ``owner`` holds it (any generation when ``generation`` is None)."""
+    def release(
+        self, key: str, owner: str, generation: int | None, token: int | None = None
+    ) -> ReleaseStatus:
+        """Delete ``key`` if ``owner`` holds it (any generation when ``generation`` is None), with
+        the fencing token ``token`` (any token when None: see :class:`RenewItem`)."""
         _check_owner(owner, 0 if generation is None else generation)
         try:
-            return self._do_release(key, owner, generation)
+            return self._do_release(key, owner, generation, token)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not release {key}: {exc}", key=key, task_id=owner
@@ -282,7 +295,9 @@ class LockStore:
                 f"could not release {key}: {exc}", key=key, task_id=owner
             ) from exc
 
-    def release_ahead(self, key: str, owner: str, generation: int | None, tag: Any) -> bool:
+    def release_ahead(
+        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    ) -> bool:
         """Write the release of ``key`` now; its reply is read later, ``tag`` with it.
 
         The lock is free as soon as Redis reads the release; :meth:`collect_released` (or the
@@ -296,7 +311,9 @@ class LockStore:
         if ahead is None:
             return False
         try:
-            ahead.send(self._release, _release_args(key, owner, generation), (key, owner, tag))
+            ahead.send(
+                self._release, _release_args(key, owner, generation, token), (key, owner, tag)
+            )
         except REDIS_ERRORS:
             return False
         return True
@@ -312,15 +329,15 @@ class LockStore:
         ]
 
     def release_many(
-        self, items: Sequence[tuple[str, str, int | None]]
+        self, items: Sequence[ReleaseItem]
     ) -> list[ReleaseStatus | LockUnavailableError]:
-        """Release several ``(key, owner, generation)`` locks, each owner-checked.
+        """Release several ``(key, owner, generation, token)`` locks, each owner-checked.
 
         One round trip on a single server (a pipeline); one call per lock on a cluster or in a
         store that overrides :meth:`release`. Each item gets its status, or the error that
         kept it from being released (the lock then expires after its ttl).
         """
-        for _key, owner, generation in items:
+        for _key, owner, generation, _token in items:
             _check_owner(owner, 0 if generation is None else generation)
         if not items:
             return []
@@ -336,16 +353,16 @@ class LockStore:
                 _release_outcome(item, reply) for item, reply in zip(items, replies, strict=True)
             ]
         outcomes: list[ReleaseStatus | LockUnavailableError] = []
-        for key, owner, generation in items:
+        for key, owner, generation, token in items:
             try:
-                outcomes.append(self.release(key, owner, generation))
+                outcomes.append(self.release(key, owner, generation, token))
             except LockUnavailableError as exc:
                 outcomes.append(exc)
         return outcomes
 
     def acquire_after(  # noqa: PLR0917 - acquire's positional arguments, after releases
         self,
-        releases: Sequence[tuple[str, str, int | None]],
+        releases: Sequence[ReleaseItem],
         keys: LockKeys,
         owner: str,
         generation: int,
@@ -366,7 +383,7 @@ class LockStore:
         _check_owner(owner, generation)
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
-        for _key, owner_, gen in releases:
+        for _key, owner_, gen, _token in releases:
             _check_owner(owner_, 0 if gen is None else gen)
         calls = [(self._release, _release_args(*item)) for item in releases]
         calls.append((self._acquire, self._acquire_args(keys, owner, generation, ttl_ms, meta)))
@@ -635,9 +652,12 @@ class LockStore:
             len(groups), send, lambda _todo: connection.script_load(self._renew.script)
         )
 
-    def _do_release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
+    def _do_release(
+        self, key: str, owner: str, generation: int | None, token: int | None
+    ) -> ReleaseStatus:
         self._connected()
-        return ReleaseStatus(int(self._call(self._release, _release_args(key, owner, generation))))
+        args = _release_args(key, owner, generation, token)
+        return ReleaseStatus(int(self._call(self._release, args)))
 
 
 #: Most locks one renew.lua call renews: the server runs one script at a time and answers
@@ -669,7 +689,7 @@ def _renew_call(items: Sequence[RenewItem], group: Sequence[int]) -> list[Any]:
     args.append(items[group[0]].ttl_ms)
     for index in group:
         item = items[index]
-        args += (item.owner, item.generation)
+        args += (item.owner, item.generation, "" if item.token is None else item.token)
     return args
 
 
@@ -712,7 +732,7 @@ class _RenewCall:
     def __call__(self) -> bytes:
         items, group = self.items, self.group
         packed = [items[index]._packed for index in group]
-        parts = [b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 * len(group) + 4), _bulk(self.sha)]
+        parts = [b"*%d\r\n$7\r\nEVALSHA\r\n" % (4 * len(group) + 4), _bulk(self.sha)]
         parts.append(_bulk(len(group)))
         parts += [key for key, _ in packed]
         parts.append(_bulk(items[group[0]].ttl_ms))
@@ -767,13 +787,21 @@ def _fill_failures(statuses: list[Any], indexes: Sequence[int], reply: Any) -> N
         statuses[indexes[int(reply[position]) - 1]] = RenewStatus(int(reply[position + 1]))
 
 
-def _release_args(key: str, owner: str, generation: int | None) -> list[Any]:
+def _release_args(
+    key: str, owner: str, generation: int | None, token: int | None = None
+) -> list[Any]:
     """numkeys, KEYS and ARGV of release.lua."""
-    return [1, key, owner, "" if generation is None else generation]
+    return [
+        1,
+        key,
+        owner,
+        "" if generation is None else generation,
+        "" if token is None else token,
+    ]
 
 
 def _release_outcome(
-    item: tuple[str, str] | tuple[str, str, int | None], reply: Any
+    item: tuple[str, str] | ReleaseItem, reply: Any
 ) -> ReleaseStatus | LockUnavailableError:
     if isinstance(reply, Exception):
         return LockUnavailableError(

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 
@@ -497,31 +497,39 @@ class RedlockStore(LockStore):
 
     # -- release ------------------------------------------------------------------------------
 
-    def release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
-        """Release on every master, owner-checked (any generation when ``generation`` is None).
+    def release(
+        self, key: str, owner: str, generation: int | None, token: int | None = None
+    ) -> ReleaseStatus:
+        """Release on every master, owner-checked (any generation when ``generation`` is None,
+        any token when ``token`` is None).
 
         ``RELEASED`` if any master released it. Otherwise, with fewer than a majority
         answering, :class:`LockUnavailableError`; else ``TAKEN`` if any master holds it for
         someone else, ``NOT_HELD`` if none holds it.
         """
         _check_owner(owner, 0 if generation is None else generation)
-        return self._release_on_each(LockStore.release, key, owner, generation)
+        return self._release_on_each(
+            lambda store: store.release(key, owner, generation, token), key, owner, generation
+        )
 
     def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
         """:meth:`LockStore.release_lost` on every master, combined as :meth:`release` does;
         ``HANDED_OVER`` (before ``TAKEN``) when a master kept it as handed over to a retry."""
         _check_owner(owner, generation)
-        return self._release_on_each(LockStore.release_lost, key, owner, generation)
+        return self._release_on_each(
+            lambda store: store.release_lost(key, owner, generation), key, owner, generation
+        )
 
     def _release_on_each(
         self,
-        release: Callable[[LockStore, str, str, Any], ReleaseStatus],
+        release: Callable[[LockStore], ReleaseStatus],
         key: str,
         owner: str,
         generation: int | None,
     ) -> ReleaseStatus:
+        """``release(store)`` on every master's store; the answers combined (see release)."""
         replies = self._run(
-            {i: functools.partial(release, s, key, owner, generation) for i, s in self._each()},
+            {i: functools.partial(release, s) for i, s in self._each()},
             self.master_timeout_s,
         )
         with self._mutex:

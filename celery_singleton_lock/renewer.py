@@ -30,7 +30,15 @@ from typing import Any
 from ._pid import current_pid
 from .errors import LockUnavailableError
 from .keys import LockKeys
-from .lock import Acquired, Contended, LockStore, ReleaseStatus, RenewItem, RenewStatus
+from .lock import (
+    Acquired,
+    Contended,
+    LockStore,
+    ReleaseItem,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+)
 
 __all__ = ["HeldLock", "Renewer", "release_items"]
 
@@ -68,7 +76,8 @@ class HeldLock:
         """What the store renews: made at the first renewal, then kept."""
         item = self._item
         if item is None:
-            item = self._item = RenewItem(self.key, self.owner, self.generation, self.ttl_ms)
+            item = RenewItem(self.key, self.owner, self.generation, self.ttl_ms, self.token)
+            self._item = item
         return item
 
 
@@ -228,7 +237,7 @@ class Renewer:
         a renewal of ``held`` still in flight cannot shorten it either (renew.lua).
         """
         self.remove(held)
-        self.store.renew([RenewItem(held.key, held.owner, held.generation, ttl_ms)])
+        self.store.renew([RenewItem(held.key, held.owner, held.generation, ttl_ms, held.token)])
 
     # -- deferred releases -------------------------------------------------------------------
 
@@ -244,7 +253,8 @@ class Renewer:
         """
         with self._mutex:
             self._held.discard(held)
-        if self.store.release_ahead(held.key, held.owner, held.generation, (held, reason)):
+        tag = (held, reason)
+        if self.store.release_ahead(held.key, held.owner, held.generation, tag, held.token):
             return
         now = self.clock()
         with self._mutex:
@@ -422,6 +432,7 @@ class Renewer:
             wake.clear()
 
 
-def release_items(taken: list[tuple[HeldLock, str]]) -> list[tuple[str, str, int | None]]:
-    """``(key, owner, generation)`` of each queued release, as ``LockStore.release_many`` takes."""
-    return [(held.key, held.owner, held.generation) for held, _ in taken]
+def release_items(taken: list[tuple[HeldLock, str]]) -> list[ReleaseItem]:
+    """Each queued release as ``LockStore.release_many`` takes it: its run's lock, owner,
+    generation and fencing token."""
+    return [(held.key, held.owner, held.generation, held.token) for held, _ in taken]

@@ -499,7 +499,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         renewer.remove(held)
         status: ReleaseStatus | LockUnavailableError
         try:
-            status = renewer.store.release(held.key, held.owner, held.generation)
+            status = renewer.store.release(held.key, held.owner, held.generation, held.token)
         except LockUnavailableError as exc:
             status = exc
         _on_released(held, status, state)

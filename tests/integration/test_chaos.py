@@ -241,6 +241,53 @@ def test_visibility_timeout_redelivery_waits_for_the_lock(
     assert "singleton: lock lost" not in logs
 
 
+def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """acks_late, visibility 2 s: the first delivery is paused (SIGSTOP) past the ttl, its lock
+    expires and the broker's copy (same task id, same retries count) takes it on the other
+    worker. Resumed, the first delivery must learn its lock is gone (its renewal finds the
+    copy's token) and, when it ends, leave the copy's lock alone."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2"}
+    workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
+    for worker in workers:
+        worker.wait_ready(client_app)
+    result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 1.5, 6.0))
+    runs_key = deliveries_key(key_prefix, result.id)
+    lock, fields = wait_until(
+        lambda: next(iter(lock_holders(redis_client, key_prefix).items()), None),
+        15,
+        "the first delivery to take the lock",
+    )
+    first = next(w for w in workers if w.nodename == fields["host"])
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy")
+        copy_token = wait_until(
+            lambda: (
+                (t := redis_client.hget(lock, "token")) and int(t) != int(fields["token"]) and t
+            ),
+            10,
+            "the copy to take the lock",
+        )
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    wait_until(
+        lambda: len([e for e in history(redis_client, key_prefix) if e.finished]) >= 1,
+        15,
+        "the first delivery to end",
+    )
+    # the copy runs 6 s: the first delivery ended (and released) while it still runs
+    assert redis_client.hget(lock, "token") == copy_token, (
+        "the first delivery freed the copy's lock"
+    )
+    wait_until(lambda: "singleton: lock lost" in first.log_text(), 10, "the first to learn")
+    assert "reason=taken" in first.log_text(), first.log_tail()
+
+
 # -- 3. a beat and a worker node killed ----------------------------------------------------------
 
 CHAOS_PERIODS = {"every-second": 1.0, "remote-every-2s": 2.0, "load-fanout": 1.0}

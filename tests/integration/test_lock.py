@@ -298,13 +298,39 @@ def test_acquire_after_releases_first(redis_client: redis.Redis, key_prefix: str
     store.acquire(keys, "run-1", 0, 5000)
     store.acquire(other, "someone-else", 0, 5000)
     released, outcome = store.acquire_after(
-        [(keys.lock, "run-1", 0), (other.lock, "run-1", 0)], keys, "run-2", 0, 5000
+        [(keys.lock, "run-1", 0, None), (other.lock, "run-1", 0, None)], keys, "run-2", 0, 5000
     )
     assert released == [ReleaseStatus.RELEASED, ReleaseStatus.TAKEN]
     assert isinstance(outcome, Acquired)
     assert store.holder(keys.lock)["owner"] == "run-2"
     assert store.holder(other.lock)["owner"] == "someone-else"
-    assert store.release_many([(keys.lock, "run-2", 0), (keys.lock, "run-2", 0)]) == [
+    assert store.release_many([(keys.lock, "run-2", 0, None), (keys.lock, "run-2", 0, None)]) == [
         ReleaseStatus.RELEASED,
         ReleaseStatus.NOT_HELD,
     ]
+
+
+def test_a_run_of_the_same_owner_and_generation_is_told_apart_by_its_token(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A redelivered copy of a message (same task id, same retries count) may take the lock
+    once the first delivery's lock expired (a pause past the ttl). The first delivery's
+    renewal must then find its lock taken, and its release leave the copy's lock alone: both
+    carry the run's fencing token."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    first = store.acquire(keys, "task-1", 0, 5000)
+    assert isinstance(first, Acquired)
+    redis_client.delete(keys.lock)  # expired while its holder was paused
+    copy = store.acquire(keys, "task-1", 0, 5000)
+    assert isinstance(copy, Acquired)
+    assert copy.token > first.token
+    assert store.renew([RenewItem(keys.lock, "task-1", 0, 5000, first.token)]) == [
+        RenewStatus.TAKEN
+    ]
+    assert store.release(keys.lock, "task-1", 0, first.token) is ReleaseStatus.TAKEN
+    assert store.holder(keys.lock)["token"] == str(copy.token)
+    assert store.renew([RenewItem(keys.lock, "task-1", 0, 5000, copy.token)]) == [
+        RenewStatus.RENEWED
+    ]
+    assert store.release(keys.lock, "task-1", 0, copy.token) is ReleaseStatus.RELEASED

@@ -20,6 +20,7 @@ from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import (
     Acquired,
     LockStore,
+    ReleaseItem,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
@@ -98,9 +99,7 @@ class _ReleaseGated(LockStore):
 
     gate: Gate
 
-    def release_many(
-        self, items: Sequence[tuple[str, str, int | None]]
-    ) -> list[ReleaseStatus | Any]:
+    def release_many(self, items: Sequence[ReleaseItem]) -> list[ReleaseStatus | Any]:
         self.gate.pass_through()
         return super().release_many(items)
 
@@ -108,9 +107,7 @@ class _ReleaseGated(LockStore):
 class _RedlockReleaseGated(RedlockStore):
     gate: Gate
 
-    def release_many(
-        self, items: Sequence[tuple[str, str, int | None]]
-    ) -> list[ReleaseStatus | Any]:
+    def release_many(self, items: Sequence[ReleaseItem]) -> list[ReleaseStatus | Any]:
         self.gate.pass_through()
         return super().release_many(items)
 

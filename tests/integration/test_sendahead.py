@@ -67,7 +67,8 @@ def test_the_next_acquire_runs_after_the_releases_and_brings_their_replies(
     outcome = store.acquire(keys, "run-2", 0, 30_000)
     assert isinstance(outcome, Acquired)
     assert store.holder(keys.lock)["owner"] == "run-2"
-    released, second = store.acquire_after([(keys.lock, "run-2", 0)], keys, "run-3", 0, 30_000)
+    previous = [(keys.lock, "run-2", 0, None)]
+    released, second = store.acquire_after(previous, keys, "run-3", 0, 30_000)
     assert released == [ReleaseStatus.RELEASED]
     assert isinstance(second, Acquired)
     assert store.collect_released() == [("first", ReleaseStatus.RELEASED)]
@@ -102,7 +103,8 @@ def test_a_release_ahead_runs_before_the_next_acquire_on_a_server_without_its_sc
     assert store.collect_released() == [("k", ReleaseStatus.RELEASED)]
     client.script_flush()
     client.script_load(load_script("acquire.lua"))
-    released, outcome = store.acquire_after([(keys.lock, "run-2", 0)], keys, "run-3", 0, 30_000)
+    previous = [(keys.lock, "run-2", 0, None)]
+    released, outcome = store.acquire_after(previous, keys, "run-3", 0, 30_000)
     assert released == [ReleaseStatus.RELEASED]
     assert isinstance(outcome, Acquired)
     assert store.holder(keys.lock)["owner"] == "run-3"
@@ -134,8 +136,10 @@ def test_a_forked_child_does_not_read_its_parents_replies(
 class _QueueOnly(LockStore):
     """A store that cannot write releases ahead (it overrides release, as Redlock does)."""
 
-    def release(self, key: str, owner: str, generation: int | None) -> ReleaseStatus:
-        return super().release(key, owner, generation)
+    def release(
+        self, key: str, owner: str, generation: int | None, token: int | None = None
+    ) -> ReleaseStatus:
+        return super().release(key, owner, generation, token)
 
 
 def test_renewer_thread_reports_a_release_written_ahead(
@@ -148,7 +152,8 @@ def test_renewer_thread_reports_a_release_written_ahead(
         store, idle_s=0.05, on_released=lambda h, s, r: outcomes.append((h.key, s, r))
     )
     keys = _take(store, key_prefix, "t", "run-1")
-    held = HeldLock(keys.lock, "run-1", 0, 30_000, 1, acquired_at=renewer.clock())
+    token = int(store.holder(keys.lock)["token"])
+    held = HeldLock(keys.lock, "run-1", 0, 30_000, token, acquired_at=renewer.clock())
     renewer.add(held)
     renewer.ensure_started()
     try:
@@ -170,7 +175,8 @@ def test_a_store_that_cannot_write_ahead_queues_for_the_thread(
     renewer = Renewer(store, on_released=lambda h, s, r: outcomes.append((h.key, s, r)))
     keys = _take(store, key_prefix, "q", "run-1")
     assert not store.release_ahead(keys.lock, "run-1", 0, "declined")
-    held = HeldLock(keys.lock, "run-1", 0, 30_000, 1, acquired_at=renewer.clock())
+    token = int(store.holder(keys.lock)["token"])
+    held = HeldLock(keys.lock, "run-1", 0, 30_000, token, acquired_at=renewer.clock())
     renewer.add(held)
     renewer.ensure_started()
     try:
