@@ -52,7 +52,7 @@ PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 class LockHandle:
     """What a run knows of its lock: ``self.singleton`` inside a bound task."""
 
-    __slots__ = ("_held", "_renewer", "key", "reentered", "task_id")
+    __slots__ = ("_handed_over", "_held", "_renewer", "key", "reentered", "task_id")
 
     def __init__(
         self,
@@ -67,11 +67,14 @@ class LockHandle:
         self.reentered = reentered
         self._held = held
         self._renewer = renewer  # the one renewing it: the release goes through it
+        #: retry() handed the lock over to the retried message: the run no longer holds it
+        self._handed_over = False
 
     @property
     def held(self) -> bool:
-        """True while this run holds the lock (False outside a worker run, or once lost)."""
-        return self._held is not None and not self._held.lost
+        """True while this run holds the lock (False outside a worker run, once lost, and once
+        ``retry()`` handed it over to the retried message)."""
+        return self._held is not None and not self._held.lost and not self._handed_over
 
     @property
     def fencing_token(self) -> int | None:
@@ -467,6 +470,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         assert held is not None
         assert renewer is not None
         ttl_ms = round((max(delay, 0.0) + self.singleton_options().ttl) * 1000)
+        handle._handed_over = True  # the run's end (retry(throw=False)) must not release it
         try:
             renewer.hand_over(held, ttl_ms)
         except LockUnavailableError as exc:
@@ -480,7 +484,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
 
     def _singleton_after_run(self, state: str) -> None:
-        """Stop renewing and release; on RETRY leave the lock for the retried message.
+        """Stop renewing and release; on RETRY, or after any hand-over (``retry(throw=False)``
+        and the body went on), leave the lock for the retried message.
 
         Outside eager runs the release leaves the run's critical path: written at once, its
         reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md).
@@ -489,10 +494,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         held, renewer = handle._held, handle._renewer
         if held is None or renewer is None:
             return
-        handle._held = None if state != states.RETRY else held
-        if state == states.RETRY:
+        if state == states.RETRY or handle._handed_over:
             renewer.remove(held)
             return
+        handle._held = None
         if not self.request.is_eager:
             renewer.release_later(held, state)
             return

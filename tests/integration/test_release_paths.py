@@ -284,6 +284,42 @@ def test_retry_hands_the_lock_over(bed: Bed) -> None:
     assert_clean_log(worker)
 
 
+def test_retry_without_throw_keeps_the_handed_over_lock(bed: Bed) -> None:
+    """retry(throw=False): the body goes on and returns after the hand-over. Its end must not
+    release the lock it handed over (a duplicate would take it during the countdown and the
+    retried run would then be skipped); self.singleton.held is False after the hand-over."""
+    worker = bed.start()
+    key = new_key()
+    result = bed.send("t.retry_no_throw", key, 2.0)
+    lock = bed.wait_held(result.id)
+    gens: list[str] = []  # the holder's generation, each time it changes; "" while free
+    duplicate: AsyncResult | None = None
+    deadline = time.monotonic() + 20
+    while not gens or gens[-1] != "1":
+        assert time.monotonic() < deadline, f"the retried run never took the lock: {gens}"
+        gen = bed.lock(lock).get("gen", "")
+        if not gens or gens[-1] != gen:
+            gens.append(gen)
+        if duplicate is None and [e for e in bed.history() if e.finished]:
+            duplicate = bed.send("t.retry_no_throw", key, 2.0)  # in the countdown
+        time.sleep(0.01)
+    assert gens == ["0", "1"], f"the handed-over lock was free before its retry came: {gens}"
+    assert duplicate is not None
+    info = skip_info(duplicate.get(timeout=10))
+    assert info is not None
+    assert info.holder == result.id
+    # (the first run's SUCCESS is stored too: Celery's retry(throw=False) semantics)
+    wait_until(
+        lambda: [e for e in bed.history() if e.key == f"{key}:retried" and e.finished],
+        15,
+        "the retried run",
+    )
+    labels = [e.key for e in bed.history()]
+    assert f"{key}:held=False" in labels, labels
+    bed.wait_gone(lock, 2.0)
+    assert_clean_log(worker)
+
+
 # -- 3./4. time limits ----------------------------------------------------------------------------
 
 

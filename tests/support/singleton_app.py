@@ -455,3 +455,25 @@ if os.environ.get("SINGLETON_TEST_POOL_MAINTENANCE"):
 
     _MAINTENANCE_S = float(os.environ["SINGLETON_TEST_POOL_MAINTENANCE"])
     _asynpool.AsynPool.timers = property(lambda pool: {pool.maintain_pool: _MAINTENANCE_S})
+
+
+# -- added for test_release_paths: retry(throw=False), the body going on after the hand-over ----
+
+
+@app.task(bind=True, base=SingletonTask, name="t.retry_no_throw", singleton_key_args=("key",))
+def retry_no_throw(self: Any, key: str, countdown: float = 2.0) -> dict[str, Any]:
+    """First run: ``self.retry(countdown=..., throw=False)``, then return; the retried run holds.
+
+    The first run records ``<key>:held=<self.singleton.held after the hand-over>``.
+    """
+    if self.request.retries:
+        return {**_run(self, f"{key}:retried", 0.2), "retries": self.request.retries}
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    self.retry(countdown=countdown, throw=False)
+    held = self.singleton.held
+    exec_id = record_start(
+        client, hkey, f"{key}:held={held}", self.singleton.fencing_token, "", os.getpid()
+    )
+    record_end(client, hkey, exec_id)
+    return {"retries": 0}
