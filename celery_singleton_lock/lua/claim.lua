@@ -9,7 +9,14 @@
 --           {0, value, pttl_ms}  already claimed: value is "pending <id>" or "done <id> <task id>"
 --                                (a run a worker received, whose claim expired unconfirmed,
 --                                is marked "done witness <task id>" here)
+--
+-- A claim pending under the claimer's own id is its own (an earlier claim ran here but its reply
+-- was lost): it is claimed again, with a fresh lease, instead of being waited out.
 local value = redis.call('GET', KEYS[1])
+if value == 'pending ' .. ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1}
+end
 if value then
   return {0, value, redis.call('PTTL', KEYS[1])}
 end

@@ -113,3 +113,20 @@ def test_peek_reads_claims_without_taking_them(redis_client: redis.Redis, key_pr
     assert done.published
     assert not redis_client.exists(keys[0])
     assert RunClaims(redis_client, "beat-b").peek([]) == []
+
+
+def test_a_claim_whose_reply_was_lost_is_still_its_claimers(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The claim ran on the server but its reply never came back (a timeout): the same instance
+    claims the run again and wins at once, with a fresh lease, instead of waiting out its own
+    pending claim as if another instance held it; any other instance still loses."""
+    key = run_claim_key(key_prefix, "every-second", "2")
+    a, b = RunClaims(redis_client, "beat-a"), RunClaims(redis_client, "beat-b")
+    assert a.claim(key, 5000).won  # the reply that "was lost"
+    redis_client.pexpire(key, 100)
+    assert a.claim(key, 5000) == Claim(won=True, holder="beat-a")
+    assert redis_client.pttl(key) > 4000
+    assert not b.claim(key, 5000).won
+    assert a.confirm(key, "task-1", 60_000)
+    assert not a.claim(key, 5000).won  # published once: never again, not even by its claimer
