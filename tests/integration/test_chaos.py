@@ -247,10 +247,10 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     redis_client: redis.Redis,
     key_prefix: str,
 ) -> None:
-    """acks_late, visibility 2 s: the first delivery is paused (SIGSTOP) past the ttl, its lock
-    expires and the broker's copy (same task id, same retries count) takes it on the other
-    worker. Resumed, the first delivery must learn its lock is gone (its renewal finds the
-    copy's token) and, when it ends, leave the copy's lock alone."""
+    """acks_late, visibility 2 s: the first delivery's process is paused (SIGSTOP) past the
+    ttl, its lock expires and the broker's copy (same task id, same retries count) takes it on
+    the other worker. Resumed, the first delivery must learn its lock is gone (its renewal, or
+    its release, finds the copy's token) and, when it ends, leave the copy's lock alone."""
     env = {"SINGLETON_TEST_VISIBILITY": "2"}
     workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
     for worker in workers:
@@ -263,7 +263,10 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
         "the first delivery to take the lock",
     )
     first = next(w for w in workers if w.nodename == fields["host"])
-    os.killpg(first.pid, signal.SIGSTOP)
+    # only the pool child (and its renewer): a stopped main process could be the one whose
+    # pending BRPOP the broker hands the restored copy to
+    child = int(fields["pid"])
+    os.kill(child, signal.SIGSTOP)
     try:
         wait_until(lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy")
         copy_token = wait_until(
@@ -274,7 +277,7 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
             "the copy to take the lock",
         )
     finally:
-        os.killpg(first.pid, signal.SIGCONT)
+        os.kill(child, signal.SIGCONT)
     wait_until(
         lambda: len([e for e in history(redis_client, key_prefix) if e.finished]) >= 1,
         15,
@@ -284,8 +287,10 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     assert redis_client.hget(lock, "token") == copy_token, (
         "the first delivery freed the copy's lock"
     )
-    wait_until(lambda: "singleton: lock lost" in first.log_text(), 10, "the first to learn")
-    assert "reason=taken" in first.log_text(), first.log_tail()
+    # it learns at its next renewal ("lock lost ... reason=taken") or, when its body ended
+    # before the renewer's next tick, at its release ("no longer ours")
+    learned = ("reason=taken", "singleton: lock was no longer ours at release")
+    wait_until(lambda: any(line in first.log_text() for line in learned), 10, "the first to learn")
 
 
 # -- 3. a beat and a worker node killed ----------------------------------------------------------
