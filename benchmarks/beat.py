@@ -76,7 +76,7 @@ def _batch(sched: Any, entry: ScheduleEntry, n: int) -> float:
 
 
 def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, dict[str, list[float]]]:
-    logging.getLogger("celery_singleton_lock.beat").setLevel(logging.WARNING)
+    logging.getLogger("celery_singleton_lock.beat.scheduler").setLevel(logging.WARNING)
     workdir = Path(tempfile.mkdtemp(prefix="cslt-bench-beat-"))
     app = _app(server.url)
     client = server.client()

@@ -36,7 +36,7 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
-from celery_singleton_lock.lock import load_script
+from celery_singleton_lock.core.store import load_script
 
 URL_ENV = "BENCH_REDIS_URL"
 

@@ -35,10 +35,10 @@ import redis
 from celery import Celery, Task
 
 from celery_singleton_lock import SingletonTask, signals
-from celery_singleton_lock.connection import client_for, store_for
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import LockStore, _renew_groups, _RenewCall
-from celery_singleton_lock.renewer import Renewer
+from celery_singleton_lock.core.connection import client_for, store_for
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.renewer import Renewer
+from celery_singleton_lock.core.store import LockStore, _renew_groups, _RenewCall
 
 from .report import Table, median, spread
 from .server import PrivateRedis, command_stats
@@ -358,7 +358,7 @@ def _best(fn: Callable[[], object], n: int, repeats: int) -> tuple[float, float]
 def glue(url: str, n: int, repeats: int) -> Table:
     import inspect
 
-    from celery_singleton_lock.renewer import HeldLock
+    from celery_singleton_lock.core.renewer import HeldLock
     from celery_singleton_lock.task import LockHandle
 
     app = _eager_app(url)

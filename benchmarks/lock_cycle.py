@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_singleton_lock.connection import client_for
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
+from celery_singleton_lock.core.connection import client_for
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus
 
 from .report import Table, median, paired_ratio, spread
 from .server import PrivateRedis

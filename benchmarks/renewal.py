@@ -27,10 +27,10 @@ from typing import cast
 
 import redis
 
-from celery_singleton_lock.connection import client_for
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, RenewItem, RenewStatus
-from celery_singleton_lock.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.connection import client_for
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import Acquired, LockStore, RenewItem, RenewStatus
 
 from .report import Table, median
 from .server import PrivateRedis, command_stats

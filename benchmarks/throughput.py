@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_lock.connection import store_for
+from celery_singleton_lock.core.connection import store_for
 
 from .report import Table, median, paired_ratio, spread
 from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats

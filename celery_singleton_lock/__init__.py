@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import hidden_settings as _hidden_settings
 from . import signals
 from . import worker as _worker  # connects the worker-side hooks
-from .beat import SingletonScheduler, SingletonSchedulerMixin
+from .core.fencing import FencedWrite, fenced_get, fenced_set
 from .errors import (
     DuplicateTaskError,
     LockUnavailableError,
@@ -22,9 +24,11 @@ from .errors import (
     SingletonError,
     SingletonKeyError,
 )
-from .fencing import FencedWrite, fenced_get, fenced_set
 from .task import LockHandle, SingletonTask, SkipInfo, skip_info
 from .worker import SingletonRequest
+
+if TYPE_CHECKING:
+    from .beat.scheduler import SingletonScheduler, SingletonSchedulerMixin
 
 __all__ = [
     "DuplicateTaskError",
@@ -48,3 +52,14 @@ __all__ = [
 _hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock URL's password
 
 del _hidden_settings, _worker
+
+_LAZY = frozenset({"SingletonScheduler", "SingletonSchedulerMixin"})
+
+
+def __getattr__(name: str) -> Any:
+    """The scheduler is loaded when asked for: a worker need not import ``celery.beat``."""
+    if name in _LAZY:
+        from .beat import scheduler
+
+        return getattr(scheduler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

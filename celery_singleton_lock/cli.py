@@ -3,7 +3,7 @@
 Registered through the ``celery.commands`` entry point. The Redis URL and the key prefix are
 the app's (``singleton_redis_url``, ``singleton_key_prefix``) unless ``--url``/``--prefix``
 say otherwise; the URL is only ever shown without its password. The Redis work is done by
-:mod:`celery_singleton_lock.admin`; this module is the click glue, the confirmations, the
+:mod:`celery_singleton_lock.core.admin`; this module is the click glue, the confirmations, the
 log lines and the ``lock_force_released`` signal.
 """
 
@@ -22,7 +22,8 @@ from typing import Any, NoReturn
 import click
 
 from . import signals
-from .admin import (
+from .config import read_options
+from .core.admin import (
     ForceStatus,
     LockInfo,
     check_lock_key,
@@ -32,10 +33,10 @@ from .admin import (
     stale_reason,
     stats,
 )
-from .config import read_options, redact_url, repr_without_password
-from .connection import client_for
+from .core.connection import client_for
+from .core.store import REDIS_ERRORS, Client
+from .core.urls import redact_url, repr_without_password
 from .errors import SingletonConfigError
-from .lock import REDIS_ERRORS, Client
 
 __all__ = ["singleton"]
 

@@ -10,7 +10,7 @@ password.
 
 :func:`install` wraps that function once: what the original returns, with every setting whose
 lower-cased name ends with ``singleton_redis_url`` passed through
-:func:`~celery_singleton_lock.config.redact_url` (password ``***``; scheme, host, port and db
+:func:`~celery_singleton_lock.core.urls.redact_url` (password ``***``; scheme, host, port and db
 kept). ``Settings.table`` and the original's own recursion into nested mappings look the
 function up by its module global at call time, so both go through the wrapper. Installing
 again is a no-op.
@@ -30,7 +30,7 @@ from typing import Any
 
 from celery.app import utils as celery_app_utils
 
-from .config import redact_url
+from .core.urls import redact_url
 
 __all__ = ["install"]
 

@@ -47,10 +47,10 @@ from kombu.exceptions import DecodeError
 from kombu.utils.uuid import uuid
 
 from . import signals
-from .connection import store_for
+from .core.connection import store_for
+from .core.keys import queued_key
+from .core.store import REDIS_ERRORS, Client, as_text, load_script
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
-from .keys import queued_key
-from .lock import REDIS_ERRORS, Client, as_text, load_script
 
 if TYPE_CHECKING:
     from redis.commands.core import Script

@@ -28,14 +28,14 @@ from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
 
 from . import signals
-from ._pid import current_pid
 from .config import Options, read_options
-from .connection import renewer_for, store_for
+from .core._pid import current_pid
+from .core.connection import renewer_for, store_for
+from .core.keys import LockKeys, args_preview, derive_keys
+from .core.renewer import HeldLock, Renewer
+from .core.store import Acquired, Contended, ReleaseStatus, RenewStatus
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
-from .keys import LockKeys, args_preview, derive_keys
-from .lock import Acquired, Contended, ReleaseStatus, RenewStatus
 from .publish import forget_queued, publish_once
-from .renewer import HeldLock, Renewer
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
 

@@ -22,7 +22,7 @@ import pytest
 from celery import Celery, current_app
 
 from .config import resolve_redis_url
-from .connection import store_for
+from .core.connection import store_for
 from .task import SingletonTask
 
 __all__ = ["held_locks", "isolated_locks", "singleton_celery_app", "singleton_locks"]

@@ -24,11 +24,8 @@ cold shutdown                                 the child's SIGTERM becomes System
 whole node killed                             nobody: the lock expires after its ttl
 ==========================================  ==============================================
 
-Scheduled runs: every message a SingletonScheduler publishes names its run's claim. When a
-worker receives one (``task_received``, in the main process), it records the message as
-the run's witness; a second message of the same run (another task id: its beat instance
-died between publishing and confirming, and another instance published the run again) is
-dropped as revoked, for every task, not only SingletonTasks.
+Scheduled runs: ``task_received`` hands every message to beat's witness (beat/witness.py),
+which drops a scheduled run's second message.
 Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
 of a message revoked or expired before it ran (publish.py).
 
@@ -42,9 +39,7 @@ generation comes from :class:`SingletonRequest`, the request class of every Sing
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import threading
 import warnings
 from collections.abc import Callable
@@ -54,29 +49,21 @@ from typing import Any
 
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
-from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
-from .beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
-from .claims import RunClaims
+from .beat.witness import witness_scheduled_run
 from .config import describe, read_options
-from .connection import claims_and_store, flush_releases
-from .errors import LockUnavailableError, SingletonConfigError
-from .keys import check_key_args
+from .core.connection import flush_releases
+from .core.keys import check_key_args
+from .errors import SingletonConfigError
 from .publish import forget_queued
 from .reaper import ChildReaper
-from .redlock import RedlockClaims
 from .task import SingletonTask
 
 __all__ = ["SingletonRequest"]
 
 logger = logging.getLogger("celery_singleton_lock")
-
-#: How long a witness is kept when the message does not say (ms): a day.
-WITNESS_KEEP_MS = 86_400_000
-
-_witnesses: dict[tuple[int, str], RunClaims | RedlockClaims] = {}
 
 #: Terminate signals that end a prefork child at once, so its main process may release for
 #: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``
@@ -209,45 +196,6 @@ def _release_after_terminate(
         )
 
 
-def _witness_scheduled_run(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """Drop a second message of one scheduled run; let the first (and its redeliveries) run."""
-    headers = getattr(request, "request_dict", None) or {}
-    key = headers.get(CLAIM_HEADER)
-    if not key or request is None:
-        return
-    try:
-        keep_ms = int(headers.get(KEEP_HEADER) or WITNESS_KEEP_MS)
-        app = getattr(sender, "app", None) or request.task.app
-        first = _witness_claims(read_options(app.conf).redis_url).witness(
-            str(key), str(request.id), max(keep_ms, 1)
-        )
-    except (LockUnavailableError, SingletonConfigError, ValueError) as exc:
-        logger.warning(
-            "singleton: scheduled run not witnessed, running it: run=%s task_id=%s: %s",
-            headers.get(RUN_HEADER),
-            request.id,
-            exc,
-        )
-        return
-    if first is not None:
-        logger.warning(
-            "singleton: duplicate scheduled run dropped: run=%s task_id=%s first=%s",
-            headers.get(RUN_HEADER),
-            request.id,
-            first,
-        )
-        worker_state.revoked.add(request.id)  # Celery discards it as revoked, and acks it
-
-
-def _witness_claims(url: str) -> RunClaims | RedlockClaims:
-    key = (os.getpid(), url)
-    claims = _witnesses.get(key)
-    if claims is None:
-        claimer = f"worker:{socket.gethostname()}:{os.getpid()}"
-        claims = _witnesses[key] = claims_and_store(url, claimer)[0]
-    return claims
-
-
 def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     """A revoked or expired message will not run: drop its queued marker (publish.py)."""
     if not (isinstance(sender, SingletonTask) and request is not None and request.id):
@@ -313,6 +261,6 @@ celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
 celery_signals.task_revoked.connect(_forget_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
-celery_signals.task_received.connect(_witness_scheduled_run, weak=False)
+celery_signals.task_received.connect(witness_scheduled_run, weak=False)
 celery_signals.worker_process_shutdown.connect(_flush_releases, weak=False)  # prefork child
 celery_signals.worker_shutdown.connect(_flush_releases, weak=False)  # solo, threads: same process

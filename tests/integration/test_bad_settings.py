@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from celery_singleton_lock import SingletonConfigError
-from celery_singleton_lock.config import read_beat_options, read_options, redact_url
-from celery_singleton_lock.connection import client_for
+from celery_singleton_lock.config import read_beat_options, read_options
+from celery_singleton_lock.core.connection import client_for
+from celery_singleton_lock.core.urls import redact_url
 from tests.support.beats import BeatFactory
 from tests.support.workers import WorkerFactory
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock.keys import run_claim_key
+from celery_singleton_lock.core.keys import run_claim_key
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port

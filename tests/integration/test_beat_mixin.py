@@ -29,14 +29,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import celery_singleton_lock
-from celery_singleton_lock.beat import (
+from celery_singleton_lock.beat.claims import RUN_HEADER
+from celery_singleton_lock.beat.scheduler import (
     ERROR_RETRY_S,
-    RUN_HEADER,
     SingletonScheduler,
     SingletonSchedulerMixin,
 )
-from celery_singleton_lock.keys import leader_keys
-from celery_singleton_lock.lock import load_script
+from celery_singleton_lock.core.keys import leader_keys
+from celery_singleton_lock.core.store import load_script
 from tests.support.servers import RedisServer
 from tests.support.workers import wait_for
 
@@ -294,7 +294,7 @@ def check_leadership_kept_after_a_failed_renewal(
     Nothing is claimed during the stall: a claim that reaches a paused server runs when it
     resumes, its reply lost, and stays pending for its publish lease (docs/beat.md), which
     would delay that run here by 10 s whatever the lease does."""
-    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat")
+    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat.scheduler")
     slot = math.floor(time.time() / 10) * 10
     with two_instances(app, monkeypatch, slot + 1.0) as (a, b):
         check_lease_kept(a, b, monkeypatch, caplog, slot, stall, when)
@@ -409,7 +409,7 @@ def test_leader_whose_acquire_reply_was_lost_takes_its_lease(
     """The server runs a standby's acquire after the client gave up waiting for the reply
     (a busy server, 0.2 s socket timeout): the lease is the standby's, which learns it at its
     next tick and leads at once; the other instance never leads meanwhile."""
-    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat")
+    caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat.scheduler")
     # the script is loaded beforehand: an EVALSHA that found it missing would not run at all
     loader = private_redis.client()
     loader.script_load(load_script("acquire.lua"))

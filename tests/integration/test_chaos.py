@@ -25,8 +25,8 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import fenced_get
-from celery_singleton_lock.beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
-from celery_singleton_lock.keys import run_claim_key
+from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
+from celery_singleton_lock.core.keys import run_claim_key
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.chaos import (
     LoadRig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_singleton_lock.claims import Claim, RunClaims, witness_key
-from celery_singleton_lock.keys import run_claim_key
+from celery_singleton_lock.beat.claims import Claim, RunClaims, witness_key
+from celery_singleton_lock.core.keys import run_claim_key
 
 
 def test_first_claim_wins(redis_client: redis.Redis, key_prefix: str) -> None:

@@ -16,7 +16,8 @@ import redis
 from celery import Celery
 from click.testing import CliRunner
 
-from celery_singleton_lock.admin import (
+from celery_singleton_lock.cli import singleton
+from celery_singleton_lock.core.admin import (
     ForceStatus,
     force_release,
     iter_locks,
@@ -24,9 +25,8 @@ from celery_singleton_lock.admin import (
     stale_reason,
     stats,
 )
-from celery_singleton_lock.cli import singleton
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import LockStore
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.store import LockStore
 from tests.support.test_app import make_app
 from tests.support.workers import REPO_ROOT, WorkerFactory
 

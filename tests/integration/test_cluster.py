@@ -23,13 +23,13 @@ from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection
 
 from celery_singleton_lock import LockUnavailableError
-from celery_singleton_lock import connection as singleton_connection
-from celery_singleton_lock.beat import ERROR_RETRY_S
-from celery_singleton_lock.claims import RunClaims
-from celery_singleton_lock.compare_delete import native_command
-from celery_singleton_lock.connection import client_for, store_for
-from celery_singleton_lock.keys import LockKeys, lock_keys, run_claim_key
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core import connection as singleton_connection
+from celery_singleton_lock.beat.claims import RunClaims
+from celery_singleton_lock.beat.scheduler import ERROR_RETRY_S
+from celery_singleton_lock.core.compare_delete import native_command
+from celery_singleton_lock.core.connection import client_for, store_for
+from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
+from celery_singleton_lock.core.store import (
     Acquired,
     Contended,
     LockStore,
@@ -448,7 +448,7 @@ def test_admin_lists_and_force_releases_locks_on_every_node(
     cluster: Cluster, store: LockStore
 ) -> None:
     """The CLI's core scans every master (SCAN, never KEYS) and force-releases in the slot."""
-    from celery_singleton_lock.admin import ForceStatus, force_release, iter_locks, read_lock
+    from celery_singleton_lock.core.admin import ForceStatus, force_release, iter_locks, read_lock
 
     prefix = f"cslt:admin-{uuid.uuid4().hex[:8]}:"
     client = cluster_client(store)

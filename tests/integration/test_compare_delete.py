@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_lock.claims import RunClaims
-from celery_singleton_lock.compare_delete import delete_if_equal, native_command
+from celery_singleton_lock.beat.claims import RunClaims
+from celery_singleton_lock.core.compare_delete import delete_if_equal, native_command
 from tests.integration.test_connections import documented_acl_commands
 from tests.support.servers import RedisServer
 

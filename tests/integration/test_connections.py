@@ -20,19 +20,12 @@ import redis
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 
 from celery_singleton_lock import LockUnavailableError, SingletonConfigError
-from celery_singleton_lock import connection as singleton_connection
-from celery_singleton_lock.claims import RunClaims
-from celery_singleton_lock.config import (
-    LockUrl,
-    parse_lock_url,
-    read_beat_options,
-    read_options,
-    redact_url,
-    resolve_redis_url,
-)
-from celery_singleton_lock.connection import client_for, store_for
-from celery_singleton_lock.keys import lock_keys, run_claim_key
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core import connection as singleton_connection
+from celery_singleton_lock.beat.claims import RunClaims
+from celery_singleton_lock.config import read_beat_options, read_options, resolve_redis_url
+from celery_singleton_lock.core.connection import client_for, store_for
+from celery_singleton_lock.core.keys import lock_keys, run_claim_key
+from celery_singleton_lock.core.store import (
     Acquired,
     Contended,
     LockStore,
@@ -40,6 +33,7 @@ from celery_singleton_lock.lock import (
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.urls import LockUrl, parse_lock_url, redact_url
 from tests.support.servers import (
     SERVER_ENV,
     RedisServer,
@@ -253,7 +247,7 @@ def test_wait_replicas_without_replicas_keeps_the_lock(
     """Fewer replicas than asked (here: none) is logged; the acquire still holds the lock."""
     store = store_for(f"{private_redis.url}?wait_replicas=1&wait_timeout=0.05")
     keys = lock_keys("cslt:conn:", "t.wait", b"1")
-    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.lock"):
+    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.core.store"):
         taken = store.acquire(keys, "owner", 0, 5000)
     assert isinstance(taken, Acquired)
     assert taken.replicas == 0

@@ -11,7 +11,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
-from celery_singleton_lock.connection import store_for
+from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.testing import held_locks, isolated_locks
 
 

@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
-from celery_singleton_lock.keys import derive_keys
+from celery_singleton_lock.core.keys import derive_keys
 from tests.support.test_app import make_app
 from tests.support.workers import WorkerFactory
 

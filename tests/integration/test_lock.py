@@ -10,10 +10,9 @@ import redis
 from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from celery_singleton_lock import lock as lock_module
-from celery_singleton_lock.errors import LockUnavailableError
-from celery_singleton_lock.keys import LockKeys, lock_keys
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core import store as lock_module
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.store import (
     Acquired,
     Contended,
     LockStore,
@@ -21,6 +20,7 @@ from celery_singleton_lock.lock import (
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.servers import RedisServer
 
 

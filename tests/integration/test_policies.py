@@ -13,7 +13,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import DuplicateTaskError, SkipInfo, signals, skip_info
-from celery_singleton_lock.keys import derive_keys
+from celery_singleton_lock.core.keys import derive_keys
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess

@@ -47,9 +47,10 @@ from hypothesis.stateful import (
 )
 
 from celery_singleton_lock import SingletonTask
-from celery_singleton_lock.admin import force_release, read_lock
-from celery_singleton_lock.keys import queued_key
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core.admin import force_release, read_lock
+from celery_singleton_lock.core.keys import queued_key
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import (
     Acquired,
     Contended,
     LockStore,
@@ -58,7 +59,6 @@ from celery_singleton_lock.lock import (
     RenewStatus,
 )
 from celery_singleton_lock.publish import forget_queued, publish_once
-from celery_singleton_lock.renewer import HeldLock, Renewer
 from tests.conftest import delete_prefix
 
 TTL_MS = 30_000

@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.redlock import RedlockStore
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import (
     Acquired,
     LockStore,
     ReleaseItem,
@@ -25,8 +27,6 @@ from celery_singleton_lock.lock import (
     RenewItem,
     RenewStatus,
 )
-from celery_singleton_lock.redlock import RedlockStore
-from celery_singleton_lock.renewer import HeldLock, Renewer
 from tests.support.servers import RedisServer
 
 

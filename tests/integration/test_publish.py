@@ -15,7 +15,7 @@ from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
-from celery_singleton_lock.keys import derive_keys, queued_key
+from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
 from tests.support.history import load_history
 from tests.support.test_app import history_key, make_app

@@ -20,10 +20,11 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock.beat import _BeatState
+from celery_singleton_lock.beat.claims import claims_and_store
+from celery_singleton_lock.beat.scheduler import _BeatState
 from celery_singleton_lock.cli import _Target
-from celery_singleton_lock.config import read_beat_options, read_options, redact_url
-from celery_singleton_lock.connection import claims_and_store
+from celery_singleton_lock.config import read_beat_options, read_options
+from celery_singleton_lock.core.urls import redact_url
 from tests.support.servers import RedisServer
 from tests.support.test_app import make_app
 from tests.support.workers import REPO_ROOT, WorkerFactory

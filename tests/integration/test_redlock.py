@@ -23,9 +23,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_lock.errors import LockUnavailableError
-from celery_singleton_lock.keys import LockKeys, lock_keys
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.redlock import RedlockStore
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import (
     Acquired,
     Contended,
     LockStore,
@@ -33,8 +34,7 @@ from celery_singleton_lock.lock import (
     RenewItem,
     RenewStatus,
 )
-from celery_singleton_lock.redlock import RedlockStore
-from celery_singleton_lock.renewer import HeldLock, Renewer
+from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.history import (
     assert_no_overlap,
     check_history,

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonConfigError, skip_info
-from celery_singleton_lock import connection as singleton_connection
-from celery_singleton_lock.claims import RunClaims
-from celery_singleton_lock.config import parse_lock_url, read_options, redact_url
-from celery_singleton_lock.connection import client_for, redlock_clients, store_for
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import Acquired, Contended, LockStore
-from celery_singleton_lock.redlock import RedlockClaims, RedlockStore
+from celery_singleton_lock.core import connection as singleton_connection
+from celery_singleton_lock.beat.claims import RedlockClaims, RunClaims
+from celery_singleton_lock.config import read_options
+from celery_singleton_lock.core.connection import client_for, redlock_clients, store_for
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.redlock import RedlockStore
+from celery_singleton_lock.core.store import Acquired, Contended, LockStore
+from celery_singleton_lock.core.urls import parse_lock_url, redact_url
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,
@@ -247,7 +248,7 @@ def test_even_master_count_is_logged(
     """Four masters work but survive no more than three: a WARNING says so, password hidden."""
     url = f"redis+redlock://:{PASSWORD}@a:1,b:2,c:3,d:4/0"
     request.addfinalizer(singleton_connection.reset)
-    with caplog.at_level("WARNING", logger="celery_singleton_lock.connection"):
+    with caplog.at_level("WARNING", logger="celery_singleton_lock.core.connection"):
         store = store_for(url)
     assert isinstance(store, RedlockStore)
     assert store.quorum == 3

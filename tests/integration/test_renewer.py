@@ -8,9 +8,9 @@ import time
 import pytest
 import redis
 
-from celery_singleton_lock.keys import lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus, RenewStatus
-from celery_singleton_lock.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus, RenewStatus
 
 
 def _hold(store: LockStore, prefix: str, name: str, ttl_ms: int, now: float) -> HeldLock:
@@ -203,8 +203,8 @@ def test_forked_child_gets_a_renewer_and_thread_of_its_own(redis_url: str) -> No
     """After a fork, renewer_for hands the child its own renewer, thread and pid."""
     import os
 
-    from celery_singleton_lock import connection
-    from celery_singleton_lock._pid import current_pid
+    from celery_singleton_lock.core import connection
+    from celery_singleton_lock.core._pid import current_pid
 
     renewer = connection.renewer_for(redis_url, lambda r: None)
     parent = renewer._thread

@@ -7,10 +7,10 @@ import time
 
 import redis
 
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus, load_script
 from celery_singleton_lock.errors import LockUnavailableError
-from celery_singleton_lock.keys import LockKeys, lock_keys
-from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus, load_script
-from celery_singleton_lock.renewer import HeldLock, Renewer
 from tests.support.servers import RedisServer
 
 

@@ -19,10 +19,10 @@ import pytest
 import redis
 
 from celery_singleton_lock import LockUnavailableError
-from celery_singleton_lock import connection as singleton_connection
-from celery_singleton_lock.connection import store_for
-from celery_singleton_lock.keys import LockKeys, lock_keys
-from celery_singleton_lock.lock import (
+from celery_singleton_lock.core import connection as singleton_connection
+from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.store import (
     FENCE_TTL_MS,
     Acquired,
     Contended,
@@ -119,7 +119,7 @@ def test_wait_replicas_through_sentinel(
         try:
             keys = new_keys("wait-paused")
             started = time.monotonic()
-            with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.lock"):
+            with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.core.store"):
                 taken = store.acquire(keys, "owner-a", 0, TTL_MS)
             waited = time.monotonic() - started
         finally:

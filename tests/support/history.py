@@ -221,7 +221,7 @@ def assert_no_overlap(
 
 BEAT_RUNS_SUFFIX = "beat-runs"
 #: a beat killed between claiming a run and publishing it leaves a pending claim that the other
-#: beats retry when it expires: the 10 s publish lease (celery_singleton_lock.beat), plus slack
+#: beats retry when it expires: the 10 s publish lease (beat/scheduler.py), plus slack
 CLAIM_GRACE_S = 12.0
 
 

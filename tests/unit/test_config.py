@@ -15,9 +15,9 @@ from celery_singleton_lock.config import (
     Options,
     describe,
     read_options,
-    redact_url,
     resolve_redis_url,
 )
+from celery_singleton_lock.core.urls import redact_url
 
 
 def _app(**conf: Any) -> Celery:

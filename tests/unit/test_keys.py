@@ -1,4 +1,4 @@
-"""Unit tests for celery_singleton_lock.keys: canonical encoding, argument binding, key names."""
+"""Unit tests for core/keys.py: canonical encoding, argument binding, key names."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from celery_singleton_lock import keys
-from celery_singleton_lock.errors import SingletonConfigError, SingletonKeyError
-from celery_singleton_lock.keys import (
+from celery_singleton_lock.core import keys
+from celery_singleton_lock.core.keys import (
     MAX_NAME_CHARS,
     LockKeys,
     argument_digest,
@@ -39,6 +38,7 @@ from celery_singleton_lock.keys import (
     run_claim_key,
     safe_name,
 )
+from celery_singleton_lock.errors import SingletonConfigError, SingletonKeyError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "test:"
@@ -660,7 +660,7 @@ def test_decimal_with_extra_trailing_zeros_encodes_equal(
 
 SEED_SCRIPT = """
 import datetime, decimal, uuid
-from celery_singleton_lock.keys import derive_keys
+from celery_singleton_lock.core.keys import derive_keys
 
 def task(payload, tags, *rest, **extra):
     pass
@@ -698,7 +698,7 @@ def test_key_does_not_depend_on_hash_seed() -> None:
 
 def test_args_preview_is_short_and_never_raises() -> None:
     """The preview is a cut repr of the call; a broken __repr__ does not break it."""
-    from celery_singleton_lock.keys import MAX_PREVIEW_CHARS, args_preview
+    from celery_singleton_lock.core.keys import MAX_PREVIEW_CHARS, args_preview
 
     class Broken:
         def __repr__(self) -> str:
@@ -806,7 +806,7 @@ _plain = (
 @example([], {"k": "v" * 23})
 def test_args_preview_matches_reprlib(args: list[Any], kwargs: dict[str, Any]) -> None:
     """The preview of scalars built without reprlib is exactly reprlib's, cut alike."""
-    from celery_singleton_lock.keys import MAX_PREVIEW_CHARS, args_preview
+    from celery_singleton_lock.core.keys import MAX_PREVIEW_CHARS, args_preview
 
     expected = f"{keys._preview.repr(tuple(args))} {keys._preview.repr(dict(kwargs))}"
     if len(expected) > MAX_PREVIEW_CHARS:

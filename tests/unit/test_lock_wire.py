@@ -6,7 +6,7 @@ import hiredis
 import pytest
 from redis.connection import Encoder, PythonRespSerializer
 
-from celery_singleton_lock.lock import RenewItem, _renew_call, _RenewCall
+from celery_singleton_lock.core.store import RenewItem, _renew_call, _RenewCall
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

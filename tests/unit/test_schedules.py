@@ -15,7 +15,7 @@ from freezegun import freeze_time
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from celery_singleton_lock.schedules import (
+from celery_singleton_lock.beat.schedules import (
     EPOCH,
     crontab_matches,
     interval_slot,

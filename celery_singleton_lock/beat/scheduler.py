@@ -29,18 +29,17 @@ from typing import Any
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
 
-from .claims import RunClaims
-from .config import BeatOptions, read_beat_options, redact_url
-from .connection import claims_and_store
-from .errors import LockUnavailableError, SingletonConfigError
-from .keys import leader_keys, run_claim_key
-from .lock import REDIS_ERRORS, Acquired, Contended, LockStore, RenewItem, RenewStatus
-from .redlock import RedlockClaims
+from ..config import BeatOptions, read_beat_options
+from ..core.keys import leader_keys, run_claim_key
+from ..core.store import REDIS_ERRORS, Acquired, Contended, LockStore, RenewItem, RenewStatus
+from ..core.urls import redact_url
+from ..errors import LockUnavailableError, SingletonConfigError
+from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
 from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
-logger = logging.getLogger("celery_singleton_lock.beat")
+logger = logging.getLogger("celery_singleton_lock.beat.scheduler")
 
 #: How long a claim may stay unconfirmed while its instance publishes the run. An
 #: instance that dies in that window delays the run by at most this much.
@@ -50,12 +49,6 @@ ERROR_RETRY_S = 1.0
 #: Leader mode: after renewals Redis did not answer, the leader goes on leading until this
 #: part of the lease has passed since it last confirmed the lease (before the lease can end).
 LEASE_TRUSTED = 0.9
-#: Header carrying "<entry name>@<run id>" on every message a SingletonScheduler publishes.
-RUN_HEADER = "singleton_beat_run"
-#: Header carrying the run's claim key, so a worker can witness the run's first message.
-CLAIM_HEADER = "singleton_beat_claim"
-#: Header carrying how long (ms) the run's claim, and so its witness, is kept.
-KEEP_HEADER = "singleton_beat_keep_ms"
 #: At start-up, how many recent runs of each entry are checked for a claim left pending.
 RECENT_RUNS_MAX = 32
 
@@ -426,7 +419,7 @@ class _BeatState:
     opts: BeatOptions
     pid: int
     claimer: str
-    claims: RunClaims | RedlockClaims
+    claims: Claims
     store: LockStore
     leading: bool = False
     #: monotonic time the lease was last taken or renewed, and of its next renewal

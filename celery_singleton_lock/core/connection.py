@@ -1,7 +1,7 @@
 """Redis clients, lock stores and renewers, one of each per URL and process.
 
 :func:`client_for` is the one place a client is built from a lock store URL (see
-:func:`celery_singleton_lock.config.parse_lock_url` for the syntax):
+:func:`celery_singleton_lock.core.urls.parse_lock_url` for the syntax):
 
 - ``redis://``, ``rediss://``, ``unix://``: ``redis.Redis.from_url``, so every redis-py URL
   option (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ...) works;
@@ -11,7 +11,7 @@
 - ``redis+cluster://`` and ``rediss+cluster://``: a ``redis.cluster.RedisCluster``;
 - ``redis+redlock://`` and ``rediss+redlock://``: no single client; :func:`redlock_clients`
   builds one ``redis.Redis`` per master (retries off) and :func:`store_for` a
-  :class:`~celery_singleton_lock.redlock.RedlockStore` over them.
+  :class:`~celery_singleton_lock.core.redlock.RedlockStore` over them.
 
 redis-py's connection pools reset themselves after a fork; the renewer's thread does not
 survive one, so :func:`renewer_for` hands out a renewer whose thread is (re)started in
@@ -32,25 +32,25 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from ._fanout import DEFAULT_MASTER_TIMEOUT_S
 from ._pid import current_pid
-from .claims import RunClaims
-from .config import LockUrl, parse_lock_url, redact_url
-from .lock import Client, LockStore
-from .redlock import DEFAULT_MASTER_TIMEOUT_S, RedlockClaims, RedlockStore
+from .redlock import RedlockStore
 from .renewer import Renewer
+from .store import Client, LockStore
+from .urls import LockUrl, parse_lock_url, redact_url
 
 __all__ = [
-    "claims_and_store",
     "client_for",
     "flush_releases",
     "lock_url",
+    "master_timeout",
     "redlock_clients",
     "renewer_for",
     "reset",
     "store_for",
 ]
 
-logger = logging.getLogger("celery_singleton_lock.connection")
+logger = logging.getLogger("celery_singleton_lock.core.connection")
 
 #: Seconds a Redis call may take before it counts as an error. Small enough that a
 #: renewal stalled on a dead server is retried well inside a ttl.
@@ -149,29 +149,12 @@ def redlock_clients(url: str) -> list[redis.Redis]:
     return [redis.Redis(host=host, port=port, **options) for host, port in parsed.nodes]
 
 
-def claims_and_store(url: str, claimer: str) -> tuple[RunClaims | RedlockClaims, LockStore]:
-    """New run claims for ``url`` as ``claimer``, and a lock store on the same connections.
-
-    Beat's claims and leader lease, the workers' witness of scheduled runs. Over a
-    ``redis+redlock://`` URL both go to a majority of the masters, as the workers' locks do.
-    """
-    parsed = lock_url(url)
-    if parsed.kind == "redlock":
-        clients, timeout = redlock_clients(url), _master_timeout(parsed)
-        return (
-            RedlockClaims(clients, claimer, master_timeout_s=timeout),
-            RedlockStore(clients, master_timeout_s=timeout),
-        )
-    client = client_for(url)
-    return RunClaims(client, claimer), LockStore(client)
-
-
-def _master_timeout(parsed: LockUrl) -> float:
+def master_timeout(parsed: LockUrl) -> float:
     return parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
 
 
 def _redlock_store(url: str) -> RedlockStore:
-    store = RedlockStore(redlock_clients(url), master_timeout_s=_master_timeout(lock_url(url)))
+    store = RedlockStore(redlock_clients(url), master_timeout_s=master_timeout(lock_url(url)))
     if len(store.clients) % 2 == 0:
         logger.warning(
             "singleton: redlock over an even number of masters (%d) tolerates no more "

@@ -27,10 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import LockUnavailableError
 from ._pid import current_pid
-from .errors import LockUnavailableError
 from .keys import LockKeys
-from .lock import (
+from .store import (
     Acquired,
     Contended,
     LockStore,
@@ -42,7 +42,7 @@ from .lock import (
 
 __all__ = ["HeldLock", "Renewer", "release_items"]
 
-logger = logging.getLogger("celery_singleton_lock.renewer")
+logger = logging.getLogger("celery_singleton_lock.core.renewer")
 
 
 @dataclass(eq=False)

@@ -31,7 +31,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError, RedisClusterException
 
-from .errors import LockUnavailableError
+from ..errors import LockUnavailableError
 from .keys import LockKeys
 from .sendahead import SendAhead
 
@@ -48,7 +48,7 @@ __all__ = [
     "RenewStatus",
 ]
 
-logger = logging.getLogger("celery_singleton_lock.lock")
+logger = logging.getLogger("celery_singleton_lock.core.store")
 
 #: What the lock store accepts as a client: one server (or a Sentinel's master) or a cluster.
 Client: TypeAlias = "redis.Redis | RedisCluster"

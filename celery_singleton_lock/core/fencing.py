@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from .errors import LockUnavailableError
-from .lock import load_script
+from ..errors import LockUnavailableError
+from .store import load_script
 
 __all__ = ["FencedWrite", "fenced_get", "fenced_set"]
 

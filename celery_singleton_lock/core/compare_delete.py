@@ -23,11 +23,11 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from .lock import Client
+from .store import Client
 
 __all__ = ["delete_if_equal", "native_command"]
 
-logger = logging.getLogger("celery_singleton_lock.compare_delete")
+logger = logging.getLogger("celery_singleton_lock.core.compare_delete")
 
 #: The commands, in the order they are looked for, and the arguments each takes after the key.
 _COMMANDS: dict[str, tuple[str, ...]] = {"DELIFEQ": (), "DELEX": ("IFEQ",)}

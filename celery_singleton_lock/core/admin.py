@@ -4,7 +4,7 @@ Knows nothing of Celery: every function takes a redis-py client (``redis.Redis``
 ``RedisCluster``) and the key prefix. Locks are found with ``SCAN MATCH <prefix>{*}:lock``
 (never ``KEYS``), read in batches with one pipeline per batch, so it is safe on a big
 database: a batch costs one SCAN page and one round trip. Only lock keys of this library under
-the prefix are ever read or released (:func:`celery_singleton_lock.keys.lock_key_problem`):
+the prefix are ever read or released (:func:`celery_singleton_lock.core.keys.lock_key_problem`):
 the SCAN glob's ``*`` also matches ``}`` and ``:``, so what it finds is checked key by key,
 and a key given by hand that is not one is refused (:func:`check_lock_key`).
 
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .keys import check_prefix, lock_key_problem, safe_name
-from .lock import Client, as_text, load_script
+from .store import Client, as_text, load_script
 
 __all__ = [
     "ForceStatus",

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SingletonConfigError, SingletonError, SingletonKeyError
+from ..errors import SingletonConfigError, SingletonError, SingletonKeyError
 
 __all__ = [
     "MAX_DEPTH",
