@@ -36,7 +36,7 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
-from celery_singleton_lock.core.store import load_script
+from celery_singleton_lock.core._wire import script
 
 URL_ENV = "BENCH_REDIS_URL"
 
@@ -129,8 +129,8 @@ class SameWire(Task):  # type: ignore[misc]
         if self._connection is None:
             client = redis.Redis.from_url(app.conf.broker_url)
             type(self)._shas = (
-                client.script_load(load_script("acquire.lua")),
-                client.script_load(load_script("release.lua")),
+                client.script_load(script("acquire.lua").text),
+                client.script_load(script("release.lua").text),
             )
             type(self)._connection = client.connection_pool.get_connection()
         key = f"bench-wire:{{{args[0]}}}"

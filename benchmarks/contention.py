@@ -26,8 +26,9 @@ from typing import Any
 
 import redis
 
+from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.keys import lock_keys
-from celery_singleton_lock.core.store import Acquired, LockStore
+from celery_singleton_lock.core.store import LockStore
 
 from .report import Table, median, spread
 from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats

@@ -35,10 +35,11 @@ import redis
 from celery import Celery, Task
 
 from celery_singleton_lock import SingletonTask, signals
+from celery_singleton_lock.core.backend import renew_groups
 from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import Renewer
-from celery_singleton_lock.core.store import LockStore, _renew_groups, _RenewCall
+from celery_singleton_lock.core.store import ACQUIRE, RELEASE, RENEW, LockStore, _RenewCall
 
 from .report import Table, median, spread
 from .server import PrivateRedis, command_stats
@@ -154,7 +155,7 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
     meta = {"task": "hot.cycle", "host": "bench@localhost", "pid": "12345"}
     store.acquire(keys, owner, 0, 30_000, meta)
     store.release(keys.lock, owner, 0)  # loads both scripts
-    acq, rel = store._acquire.sha, store._release.sha
+    acq, rel = ACQUIRE.sha, RELEASE.sha
     args: list[str | int] = [
         owner,
         0,
@@ -367,7 +368,7 @@ def glue(url: str, n: int, repeats: int) -> Table:
     def single(i: int) -> None:
         return None
 
-    store = LockStore(client_for(url))
+    store = LockStore(cast(redis.Redis, client_for(url)))  # a single private server
     idle, running = Renewer(store), Renewer(store)
     running.ensure_started()
 
@@ -451,6 +452,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
     for it in items:
         args += [it.owner, it.generation]
     lean = client.register_script(RENEW_LEAN)
+    renew_lua = client.register_script(RENEW.text)  # as redis-py would call it
     compact_args: list[int | str] = [
         items[0].ttl_ms,
         *[f"{it.owner}:{it.generation}" for it in items],
@@ -467,14 +469,14 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
 
     def pack(n: int) -> None:
         for _ in range(n):
-            conn.pack_command("EVALSHA", store._renew.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            conn.pack_command("EVALSHA", RENEW.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
 
-    groups = _renew_groups(items, range(len(items)))
+    groups = renew_groups(items, range(len(items)))
 
     def prepacked(n: int) -> None:
         for _ in range(n):
             for group in groups:
-                _RenewCall(store._renew.sha, items, group)()
+                _RenewCall(RENEW.sha, items, group)()
 
     def pack_compact(n: int) -> None:
         for _ in range(n):
@@ -486,7 +488,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
 
     def raw(n: int) -> None:
         for _ in range(n):
-            store._renew(keys=keys, args=args)
+            renew_lua(keys=keys, args=args)
 
     def chunked(n: int) -> None:
         for _ in range(n):
@@ -511,7 +513,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
         ms = [v / 1000 for v in values]
         table.add(name, median(ms), spread(ms), median(cpu) / 1000)
     for label, script, argv in (
-        ("renew.lua", store._renew, args),
+        ("renew.lua", renew_lua, args),
         ("prototype", lean, compact_args),
     ):
         before = command_stats(client)

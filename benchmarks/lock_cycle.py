@@ -13,12 +13,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.keys import lock_keys
-from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus
+from celery_singleton_lock.core.store import LockStore
 
 from .report import Table, median, paired_ratio, spread
 from .server import PrivateRedis
@@ -38,7 +40,7 @@ TTL_S = 30
 
 
 def _ours(url: str) -> Cycle:
-    store = LockStore(client_for(url))
+    store = LockStore(cast(redis.Redis, client_for(url)))
     keys = lock_keys("bench:", "bench.cycle", b"a")
     owner = uuid.uuid4().hex
     # the metadata SingletonTask writes with every acquire
@@ -57,7 +59,7 @@ def _ours(url: str) -> Cycle:
 
 def _ours_deferred(url: str) -> Cycle:
     """As SingletonTask runs it: each acquire carries the previous run's release."""
-    store = LockStore(client_for(url))
+    store = LockStore(cast(redis.Redis, client_for(url)))
     keys = lock_keys("bench:", "bench.cycle-deferred", b"a")
     meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
     ttl_ms = TTL_S * 1000

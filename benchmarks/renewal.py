@@ -27,10 +27,11 @@ from typing import cast
 
 import redis
 
+from celery_singleton_lock.core.backend import Acquired, RenewItem, RenewStatus
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import Acquired, LockStore, RenewItem, RenewStatus
+from celery_singleton_lock.core.store import LockStore
 
 from .report import Table, median
 from .server import PrivateRedis, command_stats
@@ -70,7 +71,7 @@ def _lost(held: HeldLock, status: object) -> None:
 
 
 def _batches(store: LockStore, held: list[HeldLock], intervals: int, out: SizeResult) -> None:
-    client = cast(redis.Redis, store.client)  # a single private server
+    client = store.client
     renewer = Renewer(store, clock=time.monotonic, on_lost=_lost)
     for h in held:
         renewer.add(h)
@@ -110,7 +111,7 @@ class _TimedStore:
 
 
 def _thread(store: LockStore, held: list[HeldLock], renewals: int, out: SizeResult) -> None:
-    client = cast(redis.Redis, store.client)  # a single private server
+    client = store.client
     timed = _TimedStore(store)
     renewer = Renewer(timed, on_lost=_lost)  # type: ignore[arg-type]
     start = time.monotonic()
@@ -151,7 +152,7 @@ def _thread(store: LockStore, held: list[HeldLock], renewals: int, out: SizeResu
 def run(
     server: PrivateRedis, sizes: tuple[int, ...], intervals: int, thread_intervals: int
 ) -> tuple[Table, list[SizeResult]]:
-    store = LockStore(client_for(server.url))
+    store = LockStore(cast(redis.Redis, client_for(server.url)))
     results = []
     for n in sizes:
         store.client.flushdb()  # private server: start every size from an empty keyspace

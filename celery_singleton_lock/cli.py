@@ -33,8 +33,8 @@ from .core.admin import (
     stale_reason,
     stats,
 )
+from .core.backend import REDIS_ERRORS, Client
 from .core.connection import client_for
-from .core.store import REDIS_ERRORS, Client
 from .core.urls import redact_url, repr_without_password
 from .errors import SingletonConfigError
 

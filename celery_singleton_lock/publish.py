@@ -35,7 +35,6 @@ frozen in the canvas the caller waits on, so none may be replaced by another mes
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -47,14 +46,14 @@ from kombu.exceptions import DecodeError
 from kombu.utils.uuid import uuid
 
 from . import signals
+from .core import _wire
+from .core._wire import as_text
+from .core.backend import REDIS_ERRORS
 from .core.connection import store_for
 from .core.keys import queued_key
-from .core.store import REDIS_ERRORS, Client, as_text, load_script
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 
 if TYPE_CHECKING:
-    from redis.commands.core import Script
-
     from .task import SingletonTask
 
 __all__ = ["delivered_arguments", "forget_queued", "publish_once"]
@@ -68,22 +67,8 @@ _FORGET_ERRORS: tuple[type[Exception], ...] = (
     *REDIS_ERRORS,
 )
 
-_scripts_mutex = threading.Lock()
-_scripts: dict[int, tuple[Client, Script, Script]] = {}
-
-
-def _scripts_for(client: Client) -> tuple[Script, Script]:
-    """publish.lua and unqueue.lua registered on ``client`` (once per client)."""
-    found = _scripts.get(id(client))
-    if found is None or found[0] is not client:
-        with _scripts_mutex:
-            found = (
-                client,
-                client.register_script(load_script("publish.lua")),
-                client.register_script(load_script("unqueue.lua")),
-            )
-            _scripts[id(client)] = found
-    return found[1], found[2]
+PUBLISH = _wire.script("publish.lua")
+UNQUEUE = _wire.script("unqueue.lua")
 
 
 def _seconds_until(when: Any) -> float | None:
@@ -159,10 +144,10 @@ def publish_once(
     ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
     try:
         client = store_for(opts.redis_url).client
-        mark, _unqueue = _scripts_for(client)
-        reply = mark(keys=[keys.lock, marker], args=[task_id, ttl_ms, ""])
+        reply = _wire.evalsha(client, PUBLISH, [2, keys.lock, marker, task_id, ttl_ms, ""])
         if reply[0] == 0 and as_text(reply[2]) == "queued" and _finished(task, as_text(reply[1])):
-            reply = mark(keys=[keys.lock, marker], args=[task_id, ttl_ms, as_text(reply[1])])
+            args = [2, keys.lock, marker, task_id, ttl_ms, as_text(reply[1])]
+            reply = _wire.evalsha(client, PUBLISH, args)
     except REDIS_ERRORS as exc:
         logger.warning(
             "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
@@ -247,8 +232,7 @@ def forget_queued(
     try:
         opts = task.singleton_options()
         marker = queued_key(task.singleton_keys(args, kwargs).lock)
-        _mark, unqueue = _scripts_for(store_for(opts.redis_url).client)
-        unqueue(keys=[marker], args=[task_id])
+        _wire.evalsha(store_for(opts.redis_url).client, UNQUEUE, [1, marker, task_id])
     except _FORGET_ERRORS as exc:
         logger.warning(
             "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",

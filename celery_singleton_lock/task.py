@@ -30,10 +30,10 @@ from celery.result import EagerResult
 from . import signals
 from .config import Options, read_options
 from .core._pid import current_pid
+from .core.backend import Acquired, Contended, ReleaseStatus, RenewStatus
 from .core.connection import renewer_for, store_for
 from .core.keys import LockKeys, args_preview, derive_keys
 from .core.renewer import HeldLock, Renewer
-from .core.store import Acquired, Contended, ReleaseStatus, RenewStatus
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
 from .publish import forget_queued, publish_once
 

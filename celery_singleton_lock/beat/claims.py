@@ -38,10 +38,11 @@ from ..core._fanout import (
     describe,
     why,
 )
+from ..core._wire import as_text, evalsha, script
+from ..core.backend import REDIS_ERRORS, Client, LockBackend
 from ..core.compare_delete import delete_if_equal
-from ..core.connection import client_for, lock_url, master_timeout, redlock_clients
+from ..core.connection import client_for, lock_url, master_timeout, new_store, redlock_clients
 from ..core.redlock import RedlockStore
-from ..core.store import REDIS_ERRORS, Client, LockStore, as_text, load_script
 from ..errors import LockUnavailableError
 
 __all__ = [
@@ -64,6 +65,11 @@ CLAIM_HEADER = "singleton_beat_claim"
 KEEP_HEADER = "singleton_beat_keep_ms"
 
 T = TypeVar("T")
+
+CLAIM = script("claim.lua")
+CONFIRM = script("confirm.lua")
+UNCLAIM = script("unclaim.lua")
+WITNESS = script("witness.lua")
 
 
 def witness_key(claim_key: str) -> str:
@@ -106,10 +112,6 @@ class RunClaims:
             raise ValueError(f"claimer must be a non-empty id without spaces, got {claimer!r}")
         self.client = client
         self.claimer = claimer
-        self._claim = client.register_script(load_script("claim.lua"))
-        self._confirm = client.register_script(load_script("confirm.lua"))
-        self._unclaim = client.register_script(load_script("unclaim.lua"))
-        self._witness = client.register_script(load_script("witness.lua"))
 
     def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
         """Claim the run at ``key`` for ``lease_ms`` while it is being published.
@@ -123,8 +125,8 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            reply: list[Any] = self._claim(
-                keys=[key, witness_key(key)], args=[self.claimer, lease_ms, keep_ms]
+            reply: list[Any] = evalsha(
+                self.client, CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep_ms]
             )
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not claim {key}: {exc}", key=key) from exc
@@ -137,7 +139,9 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            return bool(self._confirm(keys=[key], args=[self.claimer, task_id or "-", keep_ms]))
+            return bool(
+                evalsha(self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms])
+            )
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
 
@@ -151,7 +155,7 @@ class RunClaims:
             deleted = delete_if_equal(self.client, key, f"pending {self.claimer}")
             if deleted is not None:
                 return deleted
-            return bool(self._unclaim(keys=[key], args=[self.claimer]))
+            return bool(evalsha(self.client, UNCLAIM, [1, key, self.claimer]))
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not unclaim {key}: {exc}", key=key) from exc
 
@@ -186,7 +190,7 @@ class RunClaims:
         if not task_id or keep_ms <= 0:
             raise ValueError(f"need a task id and a positive keep_ms, got {task_id!r}, {keep_ms!r}")
         try:
-            first = as_text(self._witness(keys=[witness_key(key)], args=[task_id, keep_ms]))
+            first = as_text(evalsha(self.client, WITNESS, [1, witness_key(key), task_id, keep_ms]))
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not witness {key}: {exc}", key=key, task_id=task_id
@@ -350,11 +354,12 @@ class RedlockClaims:
         return why(self._names, replies)
 
 
-def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockStore]:
-    """New run claims for ``url`` as ``claimer``, and a lock store on the same connections.
+def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockBackend]:
+    """New run claims for ``url`` as ``claimer``, and a lock store for the same deployment.
 
     Beat's claims and leader lease, the workers' witness of scheduled runs. Over a
-    ``redis+redlock://`` URL both go to a majority of the masters, as the workers' locks do.
+    ``redis+redlock://`` URL both go to a majority of the masters (on the same clients), as
+    the workers' locks do.
     """
     parsed = lock_url(url)
     if parsed.kind == "redlock":
@@ -363,5 +368,4 @@ def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockStore]:
             RedlockClaims(clients, claimer, master_timeout_s=timeout),
             RedlockStore(clients, master_timeout_s=timeout),
         )
-    client = client_for(url)
-    return RunClaims(client, claimer), LockStore(client)
+    return RunClaims(client_for(url), claimer), new_store(url)

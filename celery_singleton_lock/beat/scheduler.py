@@ -30,8 +30,8 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from ..config import BeatOptions, read_beat_options
+from ..core.backend import REDIS_ERRORS, Acquired, Contended, LockBackend, RenewItem, RenewStatus
 from ..core.keys import leader_keys, run_claim_key
-from ..core.store import REDIS_ERRORS, Acquired, Contended, LockStore, RenewItem, RenewStatus
 from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
@@ -420,7 +420,7 @@ class _BeatState:
     pid: int
     claimer: str
     claims: Claims
-    store: LockStore
+    store: LockBackend
     leading: bool = False
     #: monotonic time the lease was last taken or renewed, and of its next renewal
     lead_confirmed: float = 0.0

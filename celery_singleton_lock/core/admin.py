@@ -35,8 +35,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import _wire
+from ._wire import as_text
+from .backend import Client
 from .keys import check_prefix, lock_key_problem, safe_name
-from .store import Client, as_text, load_script
 
 __all__ = [
     "ForceStatus",
@@ -53,6 +55,7 @@ __all__ = [
 
 #: Keys asked for per SCAN page, and read per pipeline.
 BATCH = 500
+FORCE_RELEASE = _wire.script("force_release.lua")
 
 
 class ForceStatus(enum.IntEnum):
@@ -224,10 +227,9 @@ def force_release(client: Client, info: LockInfo) -> ForceStatus:
     The fencing counter is kept, so the next holder still gets a larger token; the holder's
     renewer finds the lock gone at its next renewal and marks its run as lost.
     """
-    script = client.register_script(load_script("force_release.lua"))
     owner = info.owner or ""
     token = "" if info.token is None else str(info.token)
-    return ForceStatus(int(script(keys=[info.key], args=[owner, token])))
+    return ForceStatus(int(_wire.evalsha(client, FORCE_RELEASE, [1, info.key, owner, token])))
 
 
 def stale_reason(info: LockInfo, live_hosts: Callable[[], set[str] | None]) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from .store import Client
+from .backend import Client
 
 __all__ = ["delete_if_equal", "native_command"]
 

@@ -34,9 +34,11 @@ from redis.sentinel import Sentinel
 
 from ._fanout import DEFAULT_MASTER_TIMEOUT_S
 from ._pid import current_pid
+from .backend import Client, LockBackend
+from .cluster import ClusterStore
 from .redlock import RedlockStore
 from .renewer import Renewer
-from .store import Client, LockStore
+from .store import LockStore
 from .urls import LockUrl, parse_lock_url, redact_url
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "flush_releases",
     "lock_url",
     "master_timeout",
+    "new_store",
     "redlock_clients",
     "renewer_for",
     "reset",
@@ -63,7 +66,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 _mutex = threading.Lock()
-_stores: dict[tuple[int, str], LockStore] = {}
+_stores: dict[tuple[int, str], LockBackend] = {}
 _renewers: dict[tuple[int, str], Renewer] = {}
 
 
@@ -91,6 +94,10 @@ def client_for(url: str) -> Client:
         return _sentinel_client(parsed)
     if parsed.kind == "cluster":
         return _cluster_client(parsed, url)
+    return _single_client(parsed, url)
+
+
+def _single_client(parsed: LockUrl, url: str) -> redis.Redis:
     try:
         return redis.Redis.from_url(parsed.redis_url, **DEFAULTS)
     except ValueError as exc:  # never echo the URL: it may carry a password
@@ -166,23 +173,25 @@ def _redlock_store(url: str) -> RedlockStore:
     return store
 
 
-def _new_store(url: str) -> LockStore:
+def new_store(url: str) -> LockBackend:
+    """A new lock store for ``url``: the one place that picks the store for a deployment kind."""
     parsed = lock_url(url)
     if parsed.kind == "redlock":
         return _redlock_store(url)
     replicas, timeout_ms = parsed.wait_replicas, _ms(parsed.wait_timeout_s)
     if parsed.kind == "cluster":  # it connects when built: an unreachable cluster must be an
-        return LockStore.connect_later(  # error of the call, not of building the store
-            lambda: client_for(url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
+        return ClusterStore(  # error of the call, not of building the store
+            lambda: _cluster_client(parsed, url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
         )
-    return LockStore(client_for(url), wait_replicas=replicas, wait_timeout_ms=timeout_ms)
+    client = _sentinel_client(parsed) if parsed.kind == "sentinel" else _single_client(parsed, url)
+    return LockStore(client, wait_replicas=replicas, wait_timeout_ms=timeout_ms)
 
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def store_for(url: str) -> LockStore:
+def store_for(url: str) -> LockBackend:
     """The lock store for ``url`` in this process."""
     key = (current_pid(), url)
     store = _stores.get(key)
@@ -190,7 +199,7 @@ def store_for(url: str) -> LockStore:
         with _mutex:
             store = _stores.get(key)
             if store is None:
-                store = _stores[key] = _new_store(url)
+                store = _stores[key] = new_store(url)
     return store
 
 

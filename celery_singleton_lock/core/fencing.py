@@ -15,18 +15,16 @@ and treat "0 rows updated" as "a newer run already wrote". Knows nothing of Cele
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from ..errors import LockUnavailableError
-from .store import load_script
+from . import _wire
 
 __all__ = ["FencedWrite", "fenced_get", "fenced_set"]
 
-_scripts: weakref.WeakKeyDictionary[redis.Redis, Any] = weakref.WeakKeyDictionary()
+FENCED_SET = _wire.script("fenced_set.lua")
 
 
 @dataclass(frozen=True)
@@ -45,11 +43,8 @@ def fenced_set(
         raise ValueError(
             f"token must be a positive int (self.singleton.fencing_token), got {token!r}"
         )
-    script = _scripts.get(client)
-    if script is None:
-        script = _scripts[client] = client.register_script(load_script("fenced_set.lua"))
     try:
-        reply = script(keys=[key], args=[value, token, max(0, ttl_ms)])
+        reply = _wire.evalsha(client, FENCED_SET, [1, key, value, token, max(0, ttl_ms)])
     except redis.RedisError as exc:
         raise LockUnavailableError(f"fenced write to {key} failed: {exc}", key=key) from exc
     return FencedWrite(bool(reply[0]), int(reply[1]))

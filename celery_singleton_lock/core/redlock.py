@@ -1,4 +1,5 @@
-"""Redlock: one lock over several independent Redis masters, a drop-in for :class:`LockStore`.
+"""Redlock: one lock over several independent Redis masters, behind the same Protocol as
+:class:`LockStore` (:class:`~.backend.LockBackend`).
 
 Each master holds its own copy of the lock, written by the same Lua scripts as on one Redis
 (:class:`LockStore`, one per master). A lock is held when a majority (``N // 2 + 1``) of the
@@ -45,18 +46,21 @@ from typing import TypeVar
 import redis
 
 from ..errors import LockUnavailableError
+from . import _wire
 from ._fanout import DEFAULT_MASTER_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, Failed, Fanout, describe, why
-from .keys import LockKeys
-from .store import (
+from .backend import (
     FENCE_TTL_MS,
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
-    load_script,
+    SequentialReleases,
+    check_owner,
+    check_ttl,
 )
+from .keys import LockKeys
+from .store import LockStore
 
 __all__ = [
     "DEFAULT_MASTER_TIMEOUT_S",
@@ -87,11 +91,14 @@ class _Split:
         self.refusal = refusal
 
 
-class RedlockStore(LockStore):
+RAISE_FENCE = _wire.script("raise_fence.lua")
+
+
+class RedlockStore(SequentialReleases):
     """Acquire, renew and release locks on a majority of ``clients``, independent masters.
 
-    A drop-in for :class:`LockStore`: the same public methods, arguments and results, and an
-    instance of it, so it goes wherever a ``LockStore`` does (the renewer, ``store_for``).
+    Implements :class:`~.backend.LockBackend`, so it goes wherever a store does (the renewer,
+    ``store_for``); it subclasses no store.
 
     - ``clients``: one redis-py client per master, each its own independent server (no
       replication between them). Use an odd number: 3 tolerates one failed master, 5 two.
@@ -109,9 +116,9 @@ class RedlockStore(LockStore):
       other owner can hold a majority either) is tried again, after a random pause of up to
       ``split_delay_s`` (doubling with each retry), before it reports :class:`Contended`.
 
-    It overrides the five lock methods and asks each master through the public methods of a
-    plain :class:`LockStore` of its own (``stores``), so the Lua scripts stay in one place.
-    ``client`` (inherited) is the first master; ``clients`` and ``stores`` are all of them.
+    It asks each master through the public methods of a plain :class:`LockStore` of its own
+    (``stores``), so the Lua scripts stay in one place. ``clients`` and ``stores`` are all the
+    masters.
     """
 
     def __init__(
@@ -145,7 +152,9 @@ class RedlockStore(LockStore):
                 f"split_retries and split_delay_s must be >= 0, got {split_retries!r}, "
                 f"{split_delay_s!r}"
             )
-        super().__init__(clients[0], fence_ttl_ms=fence_ttl_ms)
+        if fence_ttl_ms <= 0:
+            raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
+        self.fence_ttl_ms = fence_ttl_ms
         self.clients: tuple[redis.Redis, ...] = tuple(clients)
         self.stores: tuple[LockStore, ...] = tuple(
             LockStore(c, fence_ttl_ms=fence_ttl_ms) for c in clients
@@ -157,7 +166,6 @@ class RedlockStore(LockStore):
         self.master_timeout_s = master_timeout_s
         self.split_retries = split_retries
         self.split_delay_s = split_delay_s
-        self._raise_fence = [c.register_script(load_script("raise_fence.lua")) for c in clients]
         self._fanout = Fanout(len(clients), max_in_flight)
         self._names = [describe(client) for client in clients]
         self._failing = [False] * len(clients)
@@ -167,6 +175,12 @@ class RedlockStore(LockStore):
 
     def __repr__(self) -> str:
         return f"<RedlockStore {len(self.clients)} masters, quorum {self.quorum}>"
+
+    @property
+    def client(self) -> redis.Redis:
+        """The first master: where single-key records beside the locks live (publish-time
+        markers; see docs/design.md, "Known limits")."""
+        return self.clients[0]
 
     def drift_ms(self, ttl_ms: int) -> float:
         """The clock-drift allowance for a lock of ``ttl_ms``."""
@@ -190,8 +204,8 @@ class RedlockStore(LockStore):
         answered, or when a majority granted it but could not confirm the token, or only after
         the lock's validity.
         """
-        _check_owner(owner, generation)
-        _check_ttl(ttl_ms)
+        check_owner(owner, generation)
+        check_ttl(ttl_ms)
         drift_ms = self.drift_ms(ttl_ms)
         if ttl_ms <= drift_ms:
             raise ValueError(f"ttl_ms {ttl_ms} leaves no validity after the drift {drift_ms} ms")
@@ -312,11 +326,8 @@ class RedlockStore(LockStore):
 
     def _confirm(self, index: int, keys: LockKeys, owner: str, generation: int, token: int) -> int:
         """One master: raise_fence.lua; 1 if the lock there is still ours."""
-        reply = self._raise_fence[index](
-            keys=[keys.lock, keys.fence],
-            args=[token, self.fence_ttl_ms, owner, generation],
-        )
-        return int(reply)
+        args = [2, keys.lock, keys.fence, token, self.fence_ttl_ms, owner, generation]
+        return int(_wire.evalsha(self.clients[index], RAISE_FENCE, args))
 
     def _release_everywhere(self, key: str, owner: str, generation: int) -> None:
         """Undo a failed acquire: owner-checked release on every master, errors ignored."""
@@ -398,7 +409,7 @@ class RedlockStore(LockStore):
         answering, :class:`LockUnavailableError`; else ``TAKEN`` if any master holds it for
         someone else, ``NOT_HELD`` if none holds it.
         """
-        _check_owner(owner, 0 if generation is None else generation)
+        check_owner(owner, 0 if generation is None else generation)
         return self._release_on_each(
             lambda store: store.release(key, owner, generation, token), key, owner, generation
         )
@@ -406,7 +417,7 @@ class RedlockStore(LockStore):
     def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
         """:meth:`LockStore.release_lost` on every master, combined as :meth:`release` does;
         ``HANDED_OVER`` (before ``TAKEN``) when a master kept it as handed over to a retry."""
-        _check_owner(owner, generation)
+        check_owner(owner, generation)
         return self._release_on_each(
             lambda store: store.release_lost(key, owner, generation), key, owner, generation
         )
@@ -502,18 +513,6 @@ class RedlockStore(LockStore):
         """Drop validity records that have run out (call with ``_mutex`` held)."""
         for ident in [i for i, until in self._valid_until.items() if until <= now]:
             del self._valid_until[ident]
-
-
-def _check_owner(owner: str, generation: int) -> None:
-    if not owner:
-        raise ValueError("owner must be a non-empty string")
-    if generation < 0:
-        raise ValueError(f"generation must be >= 0, got {generation!r}")
-
-
-def _check_ttl(ttl_ms: int) -> None:
-    if ttl_ms <= 0:
-        raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
 
 
 def _most_common_holder(refusals: Sequence[Contended]) -> Contended:

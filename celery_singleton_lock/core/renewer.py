@@ -29,16 +29,16 @@ from typing import Any
 
 from ..errors import LockUnavailableError
 from ._pid import current_pid
-from .keys import LockKeys
-from .store import (
+from .backend import (
     Acquired,
     Contended,
-    LockStore,
+    LockBackend,
     ReleaseItem,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from .keys import LockKeys
 
 __all__ = ["HeldLock", "Renewer", "release_items"]
 
@@ -103,7 +103,7 @@ class Renewer:
 
     def __init__(
         self,
-        store: LockStore,
+        store: LockBackend,
         *,
         clock: Callable[[], float] = time.monotonic,
         on_lost: LostCallback = _ignore,
@@ -173,7 +173,7 @@ class Renewer:
         ttl_ms: int,
         meta: Mapping[str, str] | None = None,
     ) -> Acquired | Contended:
-        """Take ``keys.lock`` (``LockStore.acquire``), after every release this process made.
+        """Take ``keys.lock`` (the store's ``acquire``), after every release this process made.
 
         A release this process queued goes to Redis in the same round trip, ahead of the
         acquire; one the thread is sending right now is waited for. So a run never finds a lock
@@ -433,6 +433,6 @@ class Renewer:
 
 
 def release_items(taken: list[tuple[HeldLock, str]]) -> list[ReleaseItem]:
-    """Each queued release as ``LockStore.release_many`` takes it: its run's lock, owner,
+    """Each queued release as ``LockBackend.release_many`` takes it: its run's lock, owner,
     generation and fencing token."""
     return [(held.key, held.owner, held.generation, held.token) for held, _ in taken]

@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis.commands.core import Script
 from redis.connection import Connection
 from redis.exceptions import NoScriptError, ResponseError
 
+from . import _wire
 from ._pid import current_pid
+from ._wire import Script
 
 __all__ = ["SendAhead"]
 
@@ -161,8 +162,7 @@ class SendAhead:
     def _again(self, script: Script, args: Sequence[Any]) -> Any:
         """A call that did not run (no such script on the server): load it, run it now."""
         try:
-            self._client.script_load(script.script)
-            return self._client.execute_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
+            return _wire.evalsha(self._client, script, args)
         except redis.RedisError as exc:
             return exc
 
@@ -185,7 +185,7 @@ def _eval(script: Script, args: Sequence[Any]) -> tuple[Any, ...]:
     server caches the script by its digest). Only the last call of a batch, which nothing
     follows, may use ``EVALSHA`` and be sent again.
     """
-    return ("EVAL", script.script, *args)
+    return ("EVAL", script.text, *args)
 
 
 def _readable(connection: Connection) -> bool:

@@ -35,8 +35,8 @@ from celery_singleton_lock.beat.scheduler import (
     SingletonScheduler,
     SingletonSchedulerMixin,
 )
+from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.keys import leader_keys
-from celery_singleton_lock.core.store import load_script
 from tests.support.servers import RedisServer
 from tests.support.workers import wait_for
 
@@ -412,7 +412,7 @@ def test_leader_whose_acquire_reply_was_lost_takes_its_lease(
     caplog.set_level(logging.INFO, logger="celery_singleton_lock.beat.scheduler")
     # the script is loaded beforehand: an EVALSHA that found it missing would not run at all
     loader = private_redis.client()
-    loader.script_load(load_script("acquire.lua"))
+    loader.script_load(script("acquire.lua").text)
     loader.close()
     app = long_lease_leader_app(f"{private_redis.url}?socket_timeout=0.2", key_prefix)
     busy = redis.Connection(host="127.0.0.1", port=private_redis.port)

@@ -23,20 +23,20 @@ from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection
 
 from celery_singleton_lock import LockUnavailableError
-from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.beat.claims import RunClaims
 from celery_singleton_lock.beat.scheduler import ERROR_RETRY_S
-from celery_singleton_lock.core.compare_delete import native_command
-from celery_singleton_lock.core.connection import client_for, store_for
-from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core import connection as singleton_connection
+from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.cluster import ClusterStore
+from celery_singleton_lock.core.compare_delete import native_command
+from celery_singleton_lock.core.connection import client_for, store_for
+from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,
@@ -76,13 +76,13 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def store(cluster: Cluster) -> Iterator[LockStore]:
+def store(cluster: Cluster) -> Iterator[ClusterStore]:
     store = store_for(cluster.url)
     yield store
     store.client.close()
 
 
-def cluster_client(store: LockStore) -> RedisCluster:
+def cluster_client(store: ClusterStore) -> RedisCluster:
     client = store.client
     assert isinstance(client, RedisCluster)
     return client
@@ -145,7 +145,7 @@ def reset_stats(cluster: Cluster) -> None:
 # -- the lock cycle on three masters ----------------------------------------------------------
 
 
-def test_many_locks_over_three_masters(store: LockStore, cluster: Cluster) -> None:
+def test_many_locks_over_three_masters(store: ClusterStore, cluster: Cluster) -> None:
     """200 locks: acquired on the master of their slot, renewed in one batch, released."""
     client = cluster_client(store)
     keys = many_keys(LOCKS)
@@ -182,7 +182,7 @@ def test_many_locks_over_three_masters(store: LockStore, cluster: Cluster) -> No
 
 
 def test_renew_costs_one_round_trip_per_node(
-    store: LockStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    store: ClusterStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Renewing 20 or 200 locks sends exactly one pipeline to each of the three nodes, with one
     renew.lua call per slot (counted on the wire and in the servers' commandstats)."""
@@ -208,7 +208,7 @@ def test_renew_costs_one_round_trip_per_node(
 
 
 def test_renew_survives_a_node_that_lost_its_scripts(
-    store: LockStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    store: ClusterStore, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A node without renew.lua (restarted, or a promoted replica) answers NOSCRIPT: the
     script is loaded on that node and its calls sent again; nothing is misreported."""
@@ -239,7 +239,7 @@ def test_renew_survives_a_node_that_lost_its_scripts(
 # -- fencing counter, claims, wait --------------------------------------------------------------
 
 
-def test_fence_counter_and_contention(store: LockStore) -> None:
+def test_fence_counter_and_contention(store: ClusterStore) -> None:
     """Tokens of one key keep increasing; the counter sits in the lock's slot."""
     client = cluster_client(store)
     k = many_keys(1)[0]
@@ -445,7 +445,7 @@ def test_worker_locks_on_the_cluster(
 
 
 def test_admin_lists_and_force_releases_locks_on_every_node(
-    cluster: Cluster, store: LockStore
+    cluster: Cluster, store: ClusterStore
 ) -> None:
     """The CLI's core scans every master (SCAN, never KEYS) and force-releases in the slot."""
     from celery_singleton_lock.core.admin import ForceStatus, force_release, iter_locks, read_lock

@@ -15,8 +15,9 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.keys import lock_keys
-from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus
+from celery_singleton_lock.core.store import LockStore
 from tests.support.history import (
     assert_no_overlap,
     check_history,

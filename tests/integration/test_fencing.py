@@ -12,8 +12,9 @@ import pytest
 import redis
 
 from celery_singleton_lock import FencedWrite, fenced_get, fenced_set
+from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
-from celery_singleton_lock.core.store import Acquired, LockStore
+from celery_singleton_lock.core.store import LockStore
 from examples.fenced_sql import create_schema, fenced_update, fenced_upsert, read_account
 from tests.support.servers import RedisServer
 

@@ -10,16 +10,16 @@ import redis
 from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from celery_singleton_lock.core import store as lock_module
-from celery_singleton_lock.core.keys import LockKeys, lock_keys
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core import backend as lock_module
+from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.servers import RedisServer
 

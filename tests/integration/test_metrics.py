@@ -11,9 +11,10 @@ from celery import Celery
 from prometheus_client import CollectorRegistry
 
 from celery_singleton_lock import SingletonTask, metrics, signals
+from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import Acquired, LockStore
+from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.task import _configure_renewer
 
 

@@ -48,16 +48,16 @@ from hypothesis.stateful import (
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.admin import force_release, read_lock
-from celery_singleton_lock.core.keys import queued_key
-from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.keys import queued_key
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.publish import forget_queued, publish_once
 from tests.conftest import delete_prefix
 

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_lock.core.keys import lock_keys
-from celery_singleton_lock.core.redlock import RedlockStore
-from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core.backend import (
     Acquired,
-    LockStore,
     ReleaseItem,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.redlock import RedlockStore
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import LockStore
 from tests.support.servers import RedisServer
 
 

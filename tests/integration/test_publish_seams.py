@@ -20,8 +20,9 @@ from celery import Celery, chain
 from kombu.exceptions import EncodeError
 
 from celery_singleton_lock import SingletonKeyError, SingletonTask, skip_info
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.keys import queued_key
-from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus
+from celery_singleton_lock.core.store import LockStore
 from tests.support.history import Execution, load_history
 from tests.support.test_app import DEFAULT_QUEUE, history_key, make_app
 from tests.support.workers import WorkerFactory, wait_for

@@ -23,17 +23,17 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_lock.core.keys import LockKeys, lock_keys
-from celery_singleton_lock.core.redlock import RedlockStore
-from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.redlock import RedlockStore
+from celery_singleton_lock.core.renewer import HeldLock, Renewer
+from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.history import (
     assert_no_overlap,

@@ -8,9 +8,10 @@ import time
 import pytest
 import redis
 
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus, RenewStatus
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus, RenewStatus
+from celery_singleton_lock.core.store import LockStore
 
 
 def _hold(store: LockStore, prefix: str, name: str, ttl_ms: int, now: float) -> HeldLock:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from typing import Any
 
 import redis
 
+from celery_singleton_lock.core._wire import script
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus, SequentialReleases
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
-from celery_singleton_lock.core.store import Acquired, LockStore, ReleaseStatus, load_script
+from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.servers import RedisServer
 
@@ -102,7 +105,7 @@ def test_a_release_ahead_runs_before_the_next_acquire_on_a_server_without_its_sc
     assert isinstance(store.acquire(keys, "run-2", 0, 30_000), Acquired)
     assert store.collect_released() == [("k", ReleaseStatus.RELEASED)]
     client.script_flush()
-    client.script_load(load_script("acquire.lua"))
+    client.script_load(script("acquire.lua").text)
     previous = [(keys.lock, "run-2", 0, None)]
     released, outcome = store.acquire_after(previous, keys, "run-3", 0, 30_000)
     assert released == [ReleaseStatus.RELEASED]
@@ -133,13 +136,30 @@ def test_a_forked_child_does_not_read_its_parents_replies(
     assert store.collect_released() == [("parent's", ReleaseStatus.RELEASED)]
 
 
-class _QueueOnly(LockStore):
-    """A store that cannot write releases ahead (it overrides release, as Redlock does)."""
+class _QueueOnly(SequentialReleases):
+    """A store that cannot write releases ahead (as a cluster or Redlock): each call of a
+    plain store on its own."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.inner = LockStore(client)
+        self.client = client
+
+    def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.acquire(*args, **kwargs)
+
+    def renew(self, items: Any) -> Any:
+        return self.inner.renew(items)
 
     def release(
         self, key: str, owner: str, generation: int | None, token: int | None = None
     ) -> ReleaseStatus:
-        return super().release(key, owner, generation, token)
+        return self.inner.release(key, owner, generation, token)
+
+    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+        return self.inner.release_lost(key, owner, generation)
+
+    def holder(self, key: str) -> dict[str, str]:
+        return self.inner.holder(key)
 
 
 def test_renewer_thread_reports_a_release_written_ahead(

@@ -20,18 +20,18 @@ import redis
 
 from celery_singleton_lock import LockUnavailableError
 from celery_singleton_lock.core import connection as singleton_connection
-from celery_singleton_lock.core.connection import store_for
-from celery_singleton_lock.core.keys import LockKeys, lock_keys
-from celery_singleton_lock.core.store import (
+from celery_singleton_lock.core._wire import script
+from celery_singleton_lock.core.backend import (
     FENCE_TTL_MS,
     Acquired,
     Contended,
-    LockStore,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
-    load_script,
 )
+from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.store import LockStore
 from tests.integration.test_beat_mixin import (
     RENEWAL_FAILS,
     check_leadership_kept_after_a_failed_renewal,
@@ -140,8 +140,8 @@ def acquire_unreplicated(client: redis.Redis, keys: LockKeys, owner: str, ttl_ms
     Runs acquire.lua behind ``redis.set_repl(redis.REPL_NONE)``: the master writes the lock and
     its fencing counter but sends neither to the replica. Returns the token.
     """
-    script = "redis.set_repl(redis.REPL_NONE)\n" + load_script("acquire.lua")
-    reply = client.eval(script, 2, keys.lock, keys.fence, owner, 0, ttl_ms, FENCE_TTL_MS)
+    text = "redis.set_repl(redis.REPL_NONE)\n" + script("acquire.lua").text
+    reply = client.eval(text, 2, keys.lock, keys.fence, owner, 0, ttl_ms, FENCE_TTL_MS)
     assert reply[0] == 1, reply
     return int(reply[1])
 

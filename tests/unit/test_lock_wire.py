@@ -6,7 +6,8 @@ import hiredis
 import pytest
 from redis.connection import Encoder, PythonRespSerializer
 
-from celery_singleton_lock.core.store import RenewItem, _renew_call, _RenewCall
+from celery_singleton_lock.core.backend import RenewItem, renew_args
+from celery_singleton_lock.core.store import _RenewCall
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -23,7 +24,7 @@ def _items() -> list[RenewItem]:
 def test_packed_renew_call_is_what_redis_py_would_send(group: list[int]) -> None:
     """The pre-packed EVALSHA equals redis-py's packing (hiredis and pure Python) of the args."""
     items = _items()
-    args = ("EVALSHA", SHA, *_renew_call(items, group))
+    args = ("EVALSHA", SHA, *renew_args(items, group))
     packed = _RenewCall(SHA, items, group)()
     assert packed == hiredis.pack_command(args)
     python = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)

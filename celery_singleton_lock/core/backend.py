@@ -1,0 +1,341 @@
+"""What every lock store is: the :class:`LockBackend` Protocol, its outcome types, and the
+arguments and replies of the lock scripts.
+
+Three stores implement it, one per deployment kind, chosen once from the URL
+(:func:`~celery_singleton_lock.core.connection.new_store`): :class:`~.store.LockStore` (one
+server, or the master a Sentinel names), :class:`~.cluster.ClusterStore` (Redis Cluster) and
+:class:`~.redlock.RedlockStore` (a majority of independent masters). None subclasses another.
+
+An *owner* is an opaque string (the Celery glue passes the task id) and a *generation* an
+integer (the glue passes the retries count): the same owner may take its lock over from an
+earlier generation, which is how a retried task re-enters the lock its previous run still
+holds. Knows nothing of Celery.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
+
+from ..errors import LockUnavailableError
+from ._wire import as_text, bulk
+from .keys import LockKeys
+
+__all__ = [
+    "FENCE_TTL_MS",
+    "REDIS_ERRORS",
+    "Acquired",
+    "Client",
+    "Contended",
+    "LockBackend",
+    "ReleaseItem",
+    "ReleaseStatus",
+    "RenewItem",
+    "RenewStatus",
+    "SequentialReleases",
+]
+
+#: What a store accepts as a client: one server (or a Sentinel's master) or a cluster.
+Client: TypeAlias = "redis.Redis | RedisCluster"
+#: One lock to release: ``(key, owner, generation or None for any, fencing token or None)``.
+ReleaseItem: TypeAlias = "tuple[str, str, int | None, int | None]"
+#: Errors that mean "Redis could not be asked" (redis-py's cluster errors are not RedisErrors).
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+#: How long a fencing counter outlives the last acquire of its lock. Tokens stay
+#: increasing after it expires because they never fall below the server's clock.
+FENCE_TTL_MS = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The lock is ours; ``token`` is its fencing token for this run.
+
+    ``replicas`` is how many replicas acknowledged the lock (the reply of ``WAIT``) when the
+    store waits for replicas, else None.
+    """
+
+    token: int
+    reentered: bool
+    replicas: int | None = None
+
+
+@dataclass(frozen=True)
+class Contended:
+    """Another owner (or another run of the same generation) holds the lock."""
+
+    holder: str
+    holder_generation: int
+    holder_token: int | None
+    pttl_ms: int
+
+
+@dataclass(frozen=True)
+class RenewItem:
+    """One lock to renew: the key, who must hold it, and the ttl to set.
+
+    ``token`` is the fencing token of the run that holds it: with it, a lock that another run
+    of the same owner and generation took (a redelivered copy of the message, after this run's
+    lock expired) counts as taken. None: any token.
+
+    Checked when made (``ValueError``), so the stores need not check it at every renewal (the
+    renewer makes one per lock and renews it every interval).
+    """
+
+    key: str
+    owner: str
+    generation: int
+    ttl_ms: int
+    token: int | None = None
+
+    def __post_init__(self) -> None:
+        check_owner(self.owner, self.generation)
+        check_ttl(self.ttl_ms)
+
+    @functools.cached_property
+    def packed(self) -> tuple[bytes, bytes]:
+        """Its key, and its owner, generation and token, as renew.lua's arguments on the wire
+        (RESP): made once, not at every renewal (docs/performance.md, "Renewal")."""
+        token = "" if self.token is None else self.token
+        return bulk(self.key), bulk(self.owner) + bulk(self.generation) + bulk(token)
+
+
+class RenewStatus(enum.IntEnum):
+    """What a renewal found."""
+
+    RENEWED = 1
+    GONE = 0
+    TAKEN = -1
+
+
+class ReleaseStatus(enum.IntEnum):
+    """What a release found."""
+
+    RELEASED = 1
+    NOT_HELD = 0
+    TAKEN = -1
+    #: :meth:`LockBackend.release_lost` only: the lock was handed over to a retry, left alone
+    HANDED_OVER = 2
+
+
+class LockBackend(Protocol):
+    """Owner-checked acquire, renew and release of locks; what the renewer, the task and the
+    beat scheduler ask of a store. Every method raises :class:`LockUnavailableError` when
+    Redis could not be asked, ``ValueError`` on a bad argument."""
+
+    @property
+    def client(self) -> Client:
+        """The client of records kept beside the locks (publish-time markers, tests' cleanup):
+        the server, the cluster, or Redlock's first master."""
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None = None,
+    ) -> Acquired | Contended:
+        """Take ``keys.lock`` for ``owner``; re-enter if an earlier generation of it holds it."""
+
+    def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
+        """Renew every item still held by its owner, generation and token; never shortens."""
+
+    def release(
+        self, key: str, owner: str, generation: int | None, token: int | None = None
+    ) -> ReleaseStatus:
+        """Delete ``key`` if ``owner`` holds it (any generation / token when None)."""
+
+    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+        """Delete ``key`` for a holder whose process is gone, unless it was handed over."""
+
+    def release_many(
+        self, items: Sequence[ReleaseItem]
+    ) -> list[ReleaseStatus | LockUnavailableError]:
+        """Release each item, owner-checked; its status or the error that kept it."""
+
+    def release_ahead(
+        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    ) -> bool:
+        """Write a release now and read its reply later; False (nothing sent) if it cannot."""
+
+    def collect_released(self) -> list[tuple[Any, ReleaseStatus | LockUnavailableError]]:
+        """``(tag, status)`` of every :meth:`release_ahead` not yet collected, in order."""
+
+    def acquire_after(  # noqa: PLR0917 - acquire's positional arguments, after releases
+        self,
+        releases: Sequence[ReleaseItem],
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None = None,
+    ) -> tuple[list[ReleaseStatus | LockUnavailableError], Acquired | Contended]:
+        """:meth:`release_many`, then :meth:`acquire`: the releases land first."""
+
+    def holder(self, key: str) -> dict[str, str]:
+        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
+
+
+class SequentialReleases:
+    """The release batching of a store that cannot write ahead: one release after another.
+
+    For stores whose every call is its own round trip (a cluster, Redlock): nothing is written
+    ahead, a batch is released lock by lock, and an acquire after releases makes the releases
+    first. Needs ``acquire`` and ``release``.
+    """
+
+    def release_ahead(
+        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    ) -> bool:
+        check_owner(owner, 0 if generation is None else generation)
+        return False
+
+    def collect_released(self) -> list[tuple[Any, ReleaseStatus | LockUnavailableError]]:
+        return []
+
+    def release_many(
+        self: LockBackend, items: Sequence[ReleaseItem]
+    ) -> list[ReleaseStatus | LockUnavailableError]:
+        for _key, owner, generation, _token in items:
+            check_owner(owner, 0 if generation is None else generation)
+        outcomes: list[ReleaseStatus | LockUnavailableError] = []
+        for key, owner, generation, token in items:
+            try:
+                outcomes.append(self.release(key, owner, generation, token))
+            except LockUnavailableError as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def acquire_after(  # noqa: PLR0917 - acquire's positional arguments, after releases
+        self: LockBackend,
+        releases: Sequence[ReleaseItem],
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None = None,
+    ) -> tuple[list[ReleaseStatus | LockUnavailableError], Acquired | Contended]:
+        released = self.release_many(releases) if releases else []
+        return released, self.acquire(keys, owner, generation, ttl_ms, meta)
+
+
+# -- the lock scripts' arguments and replies ------------------------------------------------------
+
+
+def check_owner(owner: str, generation: int) -> None:
+    if not owner:
+        raise ValueError("owner must be a non-empty string")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation!r}")
+
+
+def check_ttl(ttl_ms: int) -> None:
+    if ttl_ms <= 0:
+        raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
+
+
+def acquire_args(  # noqa: PLR0917 - acquire.lua's KEYS and ARGV, in order
+    keys: LockKeys,
+    owner: str,
+    generation: int,
+    ttl_ms: int,
+    fence_ttl_ms: int,
+    meta: Mapping[str, str] | None,
+) -> list[Any]:
+    """numkeys, KEYS and ARGV of acquire.lua."""
+    args: list[Any] = [2, keys.lock, keys.fence, owner, generation, ttl_ms, fence_ttl_ms]
+    if meta:
+        for item in meta.items():
+            args += item
+    return args
+
+
+def acquire_outcome(reply: Any, replicas: int | None) -> Acquired | Contended:
+    if reply[0] == 1:
+        return Acquired(token=int(reply[1]), reentered=bool(reply[2]), replicas=replicas)
+    holder_token = None if reply[3] is None else int(reply[3])
+    return Contended(as_text(reply[1]), int(reply[2]), holder_token, int(reply[4]))
+
+
+def release_args(
+    key: str, owner: str, generation: int | None, token: int | None = None
+) -> list[Any]:
+    """numkeys, KEYS and ARGV of release.lua."""
+    return [
+        1,
+        key,
+        owner,
+        "" if generation is None else generation,
+        "" if token is None else token,
+    ]
+
+
+def release_lost_args(key: str, owner: str, generation: int) -> list[Any]:
+    """numkeys, KEYS and ARGV of release_lost.lua."""
+    return [1, key, owner, generation]
+
+
+def release_outcome(
+    item: tuple[str, str] | ReleaseItem, reply: Any
+) -> ReleaseStatus | LockUnavailableError:
+    if isinstance(reply, Exception):
+        return LockUnavailableError(
+            f"could not release {item[0]}: {reply}", key=item[0], task_id=item[1]
+        )
+    return RELEASE_STATUSES[int(reply)]
+
+
+#: release.lua's replies (a dict lookup: ReleaseStatus(n) goes through the enum machinery)
+RELEASE_STATUSES = {status.value: status for status in ReleaseStatus}
+
+#: Most locks one renew.lua call renews: the server runs one script at a time and answers
+#: nobody else meanwhile; bigger batches are split into several calls, still one round trip.
+RENEW_CHUNK = 1000
+
+
+def renew_groups(items: Sequence[RenewItem], indexes: Sequence[int]) -> list[list[int]]:
+    """``indexes`` in groups of one ttl and at most :data:`RENEW_CHUNK` locks each."""
+    by_ttl: dict[int, list[int]] = {}
+    for index in indexes:
+        ttl = items[index].ttl_ms
+        group = by_ttl.get(ttl)
+        if group is None:
+            group = by_ttl[ttl] = []
+        group.append(index)
+    return [
+        group[start : start + RENEW_CHUNK]
+        for group in by_ttl.values()
+        for start in range(0, len(group), RENEW_CHUNK)
+    ]
+
+
+def renew_args(items: Sequence[RenewItem], group: Sequence[int]) -> list[Any]:
+    """numkeys, KEYS and ARGV of renew.lua for ``items[i]``, ``i`` in ``group`` (one ttl)."""
+    args: list[Any] = [len(group)]
+    args += [items[index].key for index in group]
+    args.append(items[group[0]].ttl_ms)
+    for index in group:
+        item = items[index]
+        args += (item.owner, item.generation, "" if item.token is None else item.token)
+    return args
+
+
+def fill_renewed(statuses: list[Any], indexes: Sequence[int], reply: Any) -> None:
+    """Statuses from renew.lua's reply, which lists only the locks it did not renew."""
+    for index in indexes:
+        statuses[index] = RenewStatus.RENEWED
+    fill_failures(statuses, indexes, reply)
+
+
+def fill_failures(statuses: list[Any], indexes: Sequence[int], reply: Any) -> None:
+    """The statuses of the locks renew.lua's reply lists: those it did not renew."""
+    for position in range(0, len(reply), 2):
+        statuses[indexes[int(reply[position]) - 1]] = RenewStatus(int(reply[position + 1]))

@@ -1,0 +1,241 @@
+"""The lock store over a Redis Cluster: one script call per slot, one pipeline per node.
+
+Every script call touches keys of one slot only: a lock and its fencing counter share a hash
+tag, and :meth:`ClusterStore.renew` splits a batch into one call per slot, sent as one
+pipeline per node. The client is built at the first call that needs it (``RedisCluster``
+reads the slot map when built): a cluster that cannot be reached fails that call with
+:class:`LockUnavailableError`, and the next call tries again. Nothing is written ahead: each
+call is its own round trip (:class:`~.backend.SequentialReleases`). Knows nothing of Celery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from ..errors import LockUnavailableError
+from . import _wire
+from .backend import (
+    FENCE_TTL_MS,
+    REDIS_ERRORS,
+    Acquired,
+    Contended,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+    SequentialReleases,
+    acquire_args,
+    acquire_outcome,
+    check_owner,
+    check_ttl,
+    fill_renewed,
+    release_args,
+    release_lost_args,
+    renew_args,
+    renew_groups,
+)
+from .keys import LockKeys
+from .store import ACQUIRE, RELEASE, RELEASE_LOST, RENEW, acquire_and_wait, warn_replicas
+
+__all__ = ["ClusterStore"]
+
+
+class ClusterStore(SequentialReleases):
+    """Acquire, renew and release locks on a Redis Cluster; implements
+    :class:`~.backend.LockBackend`.
+
+    ``connect()`` builds the ``RedisCluster`` at the first call that needs it.
+    ``wait_replicas`` > 0 makes every acquire wait (``WAIT``) on the node holding the lock, as
+    :class:`~.store.LockStore` does.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], RedisCluster],
+        fence_ttl_ms: int = FENCE_TTL_MS,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
+        if fence_ttl_ms <= 0:
+            raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
+        if wait_replicas < 0:
+            raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas!r}")
+        if wait_timeout_ms <= 0:
+            raise ValueError(f"wait_timeout_ms must be positive, got {wait_timeout_ms!r}")
+        self.fence_ttl_ms = fence_ttl_ms
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._connect = connect
+        self._client: RedisCluster | None = None
+        self._client_mutex = threading.Lock()
+
+    @property
+    def client(self) -> RedisCluster:
+        """The cluster client, built at the first use."""
+        client = self._client
+        if client is None:
+            with self._client_mutex:
+                if self._client is None:
+                    self._client = self._connect()
+                client = self._client
+        return client
+
+    # -- public API: validate, then delegate -------------------------------------------
+
+    def acquire(
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None = None,
+    ) -> Acquired | Contended:
+        """Take ``keys.lock`` for ``owner``; re-enter if an earlier generation of it holds it."""
+        check_owner(owner, generation)
+        check_ttl(ttl_ms)
+        try:
+            return self._do_acquire(keys, owner, generation, ttl_ms, meta)
+        except REDIS_ERRORS as exc:
+            raise LockUnavailableError(
+                f"could not acquire {keys.lock}: {exc}", key=keys.lock, task_id=owner
+            ) from exc
+
+    def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
+        """Renew every item still held by its owner and generation: one round trip per node
+        holding any of the locks. If a node cannot be asked, the locks on the other nodes are
+        still renewed, and then the error is raised."""
+        if not items:
+            return []
+        try:  # the items were checked when made
+            return self._do_renew(self.client, items)
+        except REDIS_ERRORS as exc:
+            raise LockUnavailableError(
+                f"could not renew {len(items)} lock(s): {exc}", key=items[0].key
+            ) from exc
+
+    def release(
+        self, key: str, owner: str, generation: int | None, token: int | None = None
+    ) -> ReleaseStatus:
+        """As :meth:`.store.LockStore.release`."""
+        check_owner(owner, 0 if generation is None else generation)
+        return self._release(RELEASE, release_args(key, owner, generation, token), key, owner)
+
+    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+        """As :meth:`.store.LockStore.release_lost`."""
+        check_owner(owner, generation)
+        args = release_lost_args(key, owner, generation)
+        return self._release(RELEASE_LOST, args, key, owner)
+
+    def holder(self, key: str) -> dict[str, str]:
+        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
+        items = self.client.hgetall(key).items()
+        return {_wire.as_text(k): _wire.as_text(v) for k, v in items}
+
+    # -- Redis round trips --------------------------------------------------------------
+
+    def _release(self, lua: _wire.Script, args: list[Any], key: str, owner: str) -> ReleaseStatus:
+        try:
+            return ReleaseStatus(int(_wire.evalsha(self.client, lua, args)))
+        except REDIS_ERRORS as exc:
+            raise LockUnavailableError(
+                f"could not release {key}: {exc}", key=key, task_id=owner
+            ) from exc
+
+    def _do_acquire(
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None,
+    ) -> Acquired | Contended:
+        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
+        if not self.wait_replicas:
+            return acquire_outcome(_wire.evalsha(self.client, ACQUIRE, args), None)
+        node = self._node(keys.lock)
+        try:
+            reply, replicas = acquire_and_wait(node, args, self.wait_replicas, self.wait_timeout_ms)
+        except redis.ResponseError as exc:
+            if str(exc).startswith(("MOVED", "ASK")):
+                self._refresh_slots()  # the script did not run; the next try goes to the owner
+            raise
+        outcome = acquire_outcome(reply, replicas)
+        warn_replicas(keys, outcome, replicas, self.wait_replicas, self.wait_timeout_ms)
+        return outcome
+
+    def _node(self, key: str) -> redis.Redis:
+        """The client of the node holding ``key``."""
+        node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        connection: redis.Redis | None = None if node is None else node.redis_connection
+        if connection is None:
+            raise redis.ConnectionError(f"no cluster node known for {key}")
+        return connection
+
+    def _refresh_slots(self) -> None:
+        client = self._client
+        if client is not None:
+            with contextlib.suppress(*REDIS_ERRORS):  # the next call tries again
+                client.nodes_manager.initialize()
+
+    def _do_renew(self, client: RedisCluster, items: Sequence[RenewItem]) -> list[RenewStatus]:
+        """One renew.lua call per slot; the calls of one node in one pipeline.
+
+        A node without the script (new, restarted, or a promoted replica) gets it loaded and
+        its calls sent again (:func:`._wire.pipeline`). Calls the pipelines could not place (a
+        slot that moved, an unknown or failed node) go again, one by one, through the cluster
+        client, which follows redirects and refreshes its slot map; a node that fails there
+        too is given up for this batch.
+        """
+        by_slot: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            slot: int = client.keyslot(item.key)  # type: ignore[no-untyped-call]
+            by_slot.setdefault(slot, []).append(index)
+        by_node: dict[str, tuple[redis.Redis, list[list[int]]]] = {}
+        again: list[tuple[str, list[int]]] = []
+        slot_groups = [
+            (s, g) for s, grouped in by_slot.items() for g in renew_groups(items, grouped)
+        ]
+        for slot, group in slot_groups:
+            try:
+                node = client.nodes_manager.get_node_from_slot(slot)
+            except REDIS_ERRORS:
+                node = None
+            connection = None if node is None else node.redis_connection
+            if node is None or connection is None:
+                again.append(("", group))
+                continue
+            by_node.setdefault(node.name, (connection, []))[1].append(group)
+        statuses: list[RenewStatus | None] = [None] * len(items)
+        for name, (connection, groups) in by_node.items():
+            calls = [(RENEW, renew_args(items, group)) for group in groups]
+            try:
+                replies = _wire.pipeline(connection, calls)
+            except REDIS_ERRORS:
+                again.extend((name, group) for group in groups)
+                continue
+            for group, reply in zip(groups, replies, strict=True):
+                if isinstance(reply, Exception):
+                    again.append((name, group))
+                else:
+                    fill_renewed(statuses, group, reply)
+        error: Exception | None = None
+        failed: set[str] = set()
+        for name, group in again:
+            if name and name in failed:
+                continue
+            try:
+                reply = _wire.evalsha(client, RENEW, renew_args(items, group))
+            except REDIS_ERRORS as exc:
+                error = error or exc
+                failed.add(name)
+                continue
+            fill_renewed(statuses, group, reply)
+        if error is not None:
+            raise error
+        return [status if status is not None else RenewStatus.GONE for status in statuses]
