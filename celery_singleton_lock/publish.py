@@ -17,6 +17,9 @@ The marker never outlives its message for long:
 - otherwise (a purged queue, a message lost by the broker) it expires after
   ``singleton_publish_ttl`` seconds, counted from the message's countdown or eta.
 
+The task (task.py) decides when to mark, publish and forget; this module does it over plain
+values (the keys, the client, the ttl) and never imports the task.
+
 Every delete is compare-and-delete on the task id. The lock on the worker still guards every
 run, so a lapsed or lost marker can at worst let a second message through, which the worker
 then handles by ``singleton_on_duplicate``.
@@ -36,36 +39,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import states
 from celery.backends.base import DisabledBackend
 from kombu import serialization
 from kombu.exceptions import DecodeError
-from kombu.utils.uuid import uuid
 
 from . import signals
 from .core import _wire
 from .core._wire import as_text
-from .core.backend import REDIS_ERRORS
-from .core.connection import store_for
-from .core.keys import queued_key
-from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
+from .core.backend import Client
+from .core.keys import LockKeys, queued_key
+from .errors import DuplicateTaskError, SingletonKeyError
 
-if TYPE_CHECKING:
-    from .task import SingletonTask
-
-__all__ = ["delivered_arguments", "forget_queued", "publish_once"]
+__all__ = [
+    "Queued",
+    "always_published",
+    "delivered_arguments",
+    "finished",
+    "forget_queued",
+    "mark_queued",
+    "marker_ttl_ms",
+    "not_published",
+]
 
 logger = logging.getLogger("celery_singleton_lock")
-
-#: What forget_queued logs instead of raising: the marker then expires in its ttl.
-_FORGET_ERRORS: tuple[type[Exception], ...] = (
-    SingletonKeyError,
-    LockUnavailableError,
-    *REDIS_ERRORS,
-)
 
 PUBLISH = _wire.script("publish.lua")
 UNQUEUE = _wire.script("unqueue.lua")
@@ -97,9 +98,24 @@ def marker_ttl_ms(publish_ttl: float, options: Mapping[str, Any]) -> int:
     return max(1, round(ttl * 1000))
 
 
-def _finished(task: SingletonTask, task_id: str) -> bool:
-    """True when the result backend says ``task_id`` is done (its marker is then stale)."""
-    backend = task.backend
+@dataclass(frozen=True)
+class Queued:
+    """What kept a message from being published: ``holder`` (a task id) is ``state``
+    ("running": it holds the lock; "queued": its identical call waits in the queue)."""
+
+    holder: str
+    state: str
+
+
+def always_published(options: Mapping[str, Any]) -> bool:
+    """Whether Celery publishes this message as part of a canvas: group and chord members,
+    chain steps and link callbacks (the tracer publishes those with the ``parent_id`` of the
+    run that finished). A canvas waits for the ids it froze: they are never deduplicated."""
+    return bool(options.get("group_id") or options.get("chord") or options.get("parent_id"))
+
+
+def finished(backend: Any, task_id: str) -> bool:
+    """True when the result ``backend`` says ``task_id`` is done (its marker is then stale)."""
     if isinstance(backend, DisabledBackend) or not getattr(backend, "persistent", False):
         return False
     try:
@@ -108,82 +124,46 @@ def _finished(task: SingletonTask, task_id: str) -> bool:
         return False
 
 
-def publish_once(
-    task: SingletonTask,
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    task_id: str | None,
-    options: dict[str, Any],
-    *,
-    send: Callable[..., Any],
-) -> Any:
-    """Publish unless the lock is held or the same call is queued; return the AsyncResult.
-
-    ``send(args, kwargs, task_id, **options)`` is Celery's own ``apply_async``.
-    """
-    request = task.request
-    if (
-        task.app.conf.task_always_eager
-        or (task_id is not None and task_id == request.id)
-        or options.get("group_id")
-        or options.get("chord")
-        or options.get("parent_id")
-    ):
-        # eager: the run is the call, the lock guards it; the current message published
-        # again (retry(), a requeued duplicate) is never its own duplicate; a canvas waits for
-        # the ids it froze, so its members are always published: group and chord members,
-        # chain steps and link callbacks (published by the tracer with the parent's id)
-        return send(args, kwargs, task_id, **options)
-    opts = task.singleton_options()
-    task_id = task_id or uuid()
-    try:
-        keys = task.singleton_keys(*delivered_arguments(task, args, kwargs, options))
-    except SingletonKeyError as exc:
-        raise SingletonKeyError(f"{task.name}[{task_id}]: {exc}", task_id=task_id) from exc
+def mark_queued(
+    client: Client,
+    keys: LockKeys,
+    task_id: str,
+    ttl_ms: int,
+    is_finished: Callable[[str], bool],
+) -> Queued | None:
+    """Mark ``task_id`` queued under ``keys`` unless the lock is held or an identical call is
+    queued; None when marked (publish it), else what was found. A marker whose task
+    ``is_finished`` is taken over (a second round trip, only then). Raises Redis's errors."""
     marker = queued_key(keys.lock)
-    ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
-    try:
-        client = store_for(opts.redis_url).client
-        reply = _wire.evalsha(client, PUBLISH, [2, keys.lock, marker, task_id, ttl_ms, ""])
-        if reply[0] == 0 and as_text(reply[2]) == "queued" and _finished(task, as_text(reply[1])):
-            args = [2, keys.lock, marker, task_id, ttl_ms, as_text(reply[1])]
-            reply = _wire.evalsha(client, PUBLISH, args)
-    except REDIS_ERRORS as exc:
-        logger.warning(
-            "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
-            task.name,
-            task_id,
-            keys.lock,
-            exc,
-        )
-        return send(args, kwargs, task_id, **options)
+    reply = _wire.evalsha(client, PUBLISH, [2, keys.lock, marker, task_id, ttl_ms, ""])
+    if reply[0] == 0 and as_text(reply[2]) == "queued" and is_finished(as_text(reply[1])):
+        args = [2, keys.lock, marker, task_id, ttl_ms, as_text(reply[1])]
+        reply = _wire.evalsha(client, PUBLISH, args)
     if reply[0] == 1:
-        try:
-            return send(args, kwargs, task_id, **options)
-        except BaseException:
-            forget_queued(task, task_id, args, kwargs, "publish failed")
-            raise
-    holder, state = as_text(reply[1]), as_text(reply[2])
-    return _duplicate(task, opts.on_duplicate, keys.lock, task_id, holder=holder, state=state)
+        return None
+    return Queued(as_text(reply[1]), as_text(reply[2]))
+
+
+def forget_queued(client: Client, lock_key: str, task_id: str) -> None:
+    """Delete the queued marker of ``lock_key`` if it still names ``task_id``."""
+    _wire.evalsha(client, UNQUEUE, [1, queued_key(lock_key), task_id])
 
 
 def delivered_arguments(
-    task: SingletonTask,
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
-    options: Mapping[str, Any],
+    serializer: str,
+    dump_pydantic: Callable[..., tuple[Any, Any]] | None = None,
 ) -> tuple[Sequence[Any], Mapping[str, Any]]:
     """``args`` and ``kwargs`` as a worker will receive them: through the message's serializer.
 
-    The serializer is the one Celery picks for the message (the ``serializer`` option, else the
+    ``serializer`` is the one Celery picks for the message (the ``serializer`` option, else the
     task's, else ``task_serializer``); pydantic arguments are dumped first as Celery dumps them.
     Raises kombu's ``EncodeError`` for arguments the serializer refuses (Celery would refuse to
     publish them too), and :class:`SingletonKeyError` for arguments it writes but cannot read
     back (a worker could not decode the message either); either before anything is marked.
     """
-    serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    dump_pydantic = getattr(task, "_dump_pydantic_arguments", None)
     if dump_pydantic is not None and serializer != "pickle":
         args, kwargs = dump_pydantic(args, kwargs)
     dumps, loads = serialization.dumps, serialization.loads
@@ -197,47 +177,28 @@ def delivered_arguments(
     return args, kwargs
 
 
-def _duplicate(
-    task: SingletonTask, policy: str, key: str, task_id: str, *, holder: str, state: str
-) -> Any:
+def not_published(  # noqa: PLR0917 - who, what, and what was found
+    sender: Any, name: str, policy: str, key: str, task_id: str, found: Queued
+) -> str:
+    """Log and signal a message not published; raise under policy "raise", else return the
+    holder's task id (the caller returns its AsyncResult)."""
+    holder, state = found.holder, found.state
     logger.info(
         "singleton: duplicate not published: %s[%s] key=%s holder=%s (%s)",
-        task.name,
+        name,
         task_id,
         key,
         holder,
         state,
     )
     signals.duplicate_not_published.send(
-        sender=task, key=key, task_id=task_id, holder=holder, state=state
+        sender=sender, key=key, task_id=task_id, holder=holder, state=state
     )
     if policy == "raise":
         raise DuplicateTaskError(
-            f"{task.name}[{task_id}] is a duplicate: {key} is {state} as {holder}",
+            f"{name}[{task_id}] is a duplicate: {key} is {state} as {holder}",
             key=key,
             task_id=task_id,
             holder=holder,
         )
-    return task.AsyncResult(holder)
-
-
-def forget_queued(
-    task: SingletonTask,
-    task_id: str,
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    reason: str,
-) -> None:
-    """Delete the queued marker of this call if it still names ``task_id``."""
-    try:
-        opts = task.singleton_options()
-        marker = queued_key(task.singleton_keys(args, kwargs).lock)
-        _wire.evalsha(store_for(opts.redis_url).client, UNQUEUE, [1, marker, task_id])
-    except _FORGET_ERRORS as exc:
-        logger.warning(
-            "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",
-            reason,
-            task.name,
-            task_id,
-            exc,
-        )
+    return holder

@@ -18,24 +18,35 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
+from kombu.utils.uuid import uuid
 
 from . import signals
 from .config import Options, read_options
 from .core._pid import current_pid
-from .core.backend import Acquired, Contended, ReleaseStatus, RenewStatus
+from .core.backend import REDIS_ERRORS, Acquired, Contended, ReleaseStatus
 from .core.connection import renewer_for, store_for
 from .core.keys import LockKeys, args_preview, derive_keys
 from .core.renewer import HeldLock, Renewer
 from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
-from .publish import forget_queued, publish_once
+from .events import configure_renewer, on_released
+from .publish import (
+    always_published,
+    delivered_arguments,
+    finished,
+    forget_queued,
+    mark_queued,
+    marker_ttl_ms,
+    not_published,
+)
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
 
@@ -47,6 +58,10 @@ SKIP_MARKER = "__singleton_skipped__"
 #: Pauses (seconds) between the tries of a message whose lock is held by the run that published
 #: it (a chain step, a link callback); after them it is requeued like a redelivered message.
 PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
+
+
+#: What a failed marker delete raises: logged, and the marker expires in its ttl.
+_FORGET_ERRORS: tuple[type[Exception], ...] = (LockUnavailableError, *REDIS_ERRORS)
 
 
 class LockHandle:
@@ -188,16 +203,20 @@ class SingletonTask(Task):  # type: ignore[misc]
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Take the lock, or deal with the duplicate by policy, before the body runs."""
         super().before_start(task_id, args, kwargs)
+        try:  # the keys are derived once per run: the lock, its marker, its release
+            keys = self.singleton_keys(args, kwargs)
+        except SingletonKeyError as exc:
+            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
         try:
             try:
-                self._singleton_acquire(task_id, args, kwargs)
+                self._singleton_acquire(task_id, keys, args, kwargs)
             except _Skipped as skip:
                 marker = skip.marker
             else:
                 return
         finally:  # the queued marker is handed over to the lock (publish.py)
             if self.singleton_options().lock_on != "execute" and not self.request.is_eager:
-                forget_queued(self, task_id, args, kwargs, "start")
+                self._singleton_forget_queued(task_id, keys, "start")
         # Raised here, not where the skip was decided: Celery snapshots and formats the
         # traceback of an Ignore twice, and each frame in it costs (about 2 ms a skip less).
         raise _Skipped(marker) from None
@@ -212,7 +231,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Celery's apply_async; under lock_on "publish"/"both" a duplicate is not published."""
         if self.singleton_options().lock_on == "execute":
             return super().apply_async(args, kwargs, task_id, **options)
-        return publish_once(self, args, kwargs, task_id, options, send=super().apply_async)
+        return self._singleton_publish(args, kwargs, task_id, options, super().apply_async)
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS)."""
@@ -248,19 +267,100 @@ class SingletonTask(Task):  # type: ignore[misc]
             **options,
         )
 
-    # -- acquire ------------------------------------------------------------------------------
+    # -- publish (lock_on "publish"/"both") ------------------------------------------------------
 
-    def _singleton_acquire(
-        self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> None:
+    def _singleton_publish(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str | None,
+        options: dict[str, Any],
+        send: Callable[..., Any],
+    ) -> Any:
+        """Publish unless the lock is held or the same call is queued (publish.py); return the
+        AsyncResult. ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async."""
+        if (
+            self.app.conf.task_always_eager
+            or (task_id is not None and task_id == self.request.id)
+            or always_published(options)
+        ):
+            # eager: the run is the call, the lock guards it; the current message published
+            # again (retry(), a requeued duplicate) is never its own duplicate; canvas members
+            return send(args, kwargs, task_id, **options)
         opts = self.singleton_options()
-        request = self.request
+        task_id = task_id or uuid()
+        serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
+        try:
+            delivered = delivered_arguments(
+                args, kwargs, serializer, getattr(self, "_dump_pydantic_arguments", None)
+            )
+            keys = self.singleton_keys(*delivered)
+        except SingletonKeyError as exc:
+            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+        ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
+        try:
+            client = store_for(opts.redis_url).client
+            found = mark_queued(client, keys, task_id, ttl_ms, partial(finished, self.backend))
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
+                self.name,
+                task_id,
+                keys.lock,
+                exc,
+            )
+            return send(args, kwargs, task_id, **options)
+        if found is None:
+            try:
+                return send(args, kwargs, task_id, **options)
+            except BaseException:
+                self._singleton_forget_queued(task_id, keys, "publish failed")
+                raise
+        holder = not_published(self, self.name, opts.on_duplicate, keys.lock, task_id, found)
+        return self.AsyncResult(holder)
+
+    def _singleton_forget_queued(self, task_id: str, keys: LockKeys, reason: str) -> None:
+        """Drop this call's queued marker if it still names ``task_id``; on failure log (the
+        marker then expires in its ttl)."""
+        try:
+            forget_queued(store_for(self.singleton_options().redis_url).client, keys.lock, task_id)
+        except _FORGET_ERRORS as exc:
+            logger.warning(
+                "singleton: could not clear queued marker after %s, it expires in its ttl: "
+                "%s[%s]: %s",
+                reason,
+                self.name,
+                task_id,
+                exc,
+            )
+
+    def singleton_forget_for(
+        self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> None:
+        """Drop the queued marker of a message that will not run (revoked, expired)."""
         try:
             keys = self.singleton_keys(args, kwargs)
         except SingletonKeyError as exc:
-            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+            logger.warning(
+                "singleton: could not clear queued marker after %s, it expires in its ttl: "
+                "%s[%s]: %s",
+                "revoke",
+                self.name,
+                task_id,
+                exc,
+            )
+            return
+        self._singleton_forget_queued(task_id, keys, "revoke")
+
+    # -- acquire ------------------------------------------------------------------------------
+
+    def _singleton_acquire(
+        self, task_id: str, keys: LockKeys, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        opts = self.singleton_options()
+        request = self.request
         generation = int(request.retries or 0)
-        renewer = renewer_for(opts.redis_url, _configure_renewer)
+        renewer = renewer_for(opts.redis_url, configure_renewer)
         meta = {
             "task": self.name,
             "host": str(request.hostname or socket.gethostname()),
@@ -501,13 +601,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not self.request.is_eager:
             renewer.release_later(held, state)
             return
-        renewer.remove(held)
-        status: ReleaseStatus | LockUnavailableError
-        try:
-            status = renewer.store.release(held.key, held.owner, held.generation, held.token)
-        except LockUnavailableError as exc:
-            status = exc
-        _on_released(held, status, state)
+        on_released(held, renewer.release_now(held), state)
 
     def singleton_release_for(
         self,
@@ -565,82 +659,3 @@ def _retry_delay(eta: datetime | None, countdown: float | None, default: float |
         now = datetime.now(timezone.utc) if eta.tzinfo else datetime.now()
         return (eta - now).total_seconds()
     return float(default or 0)
-
-
-def _configure_renewer(renewer: Renewer) -> None:
-    renewer.on_released = _on_released
-    renewer.on_lost = _on_lost
-    renewer.on_max_hold = _on_max_hold
-    renewer.on_error = _on_renew_error
-    renewer.on_late = _on_late
-
-
-def _on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, reason: str) -> None:
-    """Log (and signal) what the release of a run's lock found."""
-    task = held.context
-    name = getattr(task, "name", "?")
-    if isinstance(status, LockUnavailableError):
-        logger.warning(
-            "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
-            name,
-            held.owner,
-            held.key,
-            status,
-        )
-    elif status is ReleaseStatus.RELEASED:
-        logger.debug("singleton: released %s[%s] key=%s", name, held.owner, held.key)
-        signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
-    elif not held.lost:
-        logger.warning(
-            "singleton: lock was no longer ours at release: %s[%s] key=%s",
-            name,
-            held.owner,
-            held.key,
-        )
-
-
-def _on_lost(held: HeldLock, status: RenewStatus) -> None:
-    reason = "taken" if status is RenewStatus.TAKEN else "gone"
-    task = held.context
-    logger.error(
-        "singleton: lock lost: %s[%s] key=%s token=%d reason=%s",
-        getattr(task, "name", "?"),
-        held.owner,
-        held.key,
-        held.token,
-        reason,
-    )
-    signals.lock_lost.send(
-        sender=task, key=held.key, task_id=held.owner, token=held.token, reason=reason
-    )
-
-
-def _on_max_hold(held: HeldLock) -> None:
-    task = held.context
-    logger.error(
-        "singleton: max hold reached, no longer renewing: %s[%s] key=%s held=%ss",
-        getattr(task, "name", "?"),
-        held.owner,
-        held.key,
-        held.max_hold_s,
-    )
-    signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
-
-
-def _on_late(held: HeldLock, left_s: float) -> None:
-    task = held.context
-    logger.warning(
-        "singleton: lock renewed late: %s[%s] key=%s left=%.3fs ttl=%ss",
-        getattr(task, "name", "?"),
-        held.owner,
-        held.key,
-        left_s,
-        held.ttl_ms / 1000,
-    )
-    signals.lock_renewed_late.send(
-        sender=task, key=held.key, task_id=held.owner, token=held.token, left=left_s
-    )
-
-
-def _on_renew_error(exc: LockUnavailableError) -> None:
-    logger.warning("singleton: renewal failed, retrying: %s", exc)

@@ -57,7 +57,6 @@ from .config import describe, read_options
 from .core.connection import flush_releases
 from .core.keys import check_key_args
 from .errors import SingletonConfigError
-from .publish import forget_queued
 from .reaper import ChildReaper
 from .task import SingletonTask
 
@@ -201,7 +200,7 @@ def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not (isinstance(sender, SingletonTask) and request is not None and request.id):
         return
     if sender.singleton_options().lock_on != "execute":
-        forget_queued(sender, request.id, request.args, request.kwargs, "revoke")
+        sender.singleton_forget_for(request.id, request.args, request.kwargs)
 
 
 def _flush_releases(**_: Any) -> None:

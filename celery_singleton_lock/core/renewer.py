@@ -239,6 +239,15 @@ class Renewer:
         self.remove(held)
         self.store.renew([RenewItem(held.key, held.owner, held.generation, ttl_ms, held.token)])
 
+    def release_now(self, held: HeldLock) -> ReleaseStatus | LockUnavailableError:
+        """Stop renewing ``held`` and release it in this call (eager runs): its status, or the
+        error that kept it (the lock then expires after its ttl)."""
+        self.remove(held)
+        try:
+            return self.store.release(held.key, held.owner, held.generation, held.token)
+        except LockUnavailableError as exc:
+            return exc
+
     # -- deferred releases -------------------------------------------------------------------
 
     def release_later(self, held: HeldLock, reason: str) -> None:

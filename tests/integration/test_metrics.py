@@ -15,7 +15,7 @@ from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
-from celery_singleton_lock.task import _configure_renewer
+from celery_singleton_lock.events import configure_renewer
 
 
 def _hold(store: LockStore, prefix: str, ttl_ms: int) -> HeldLock:
@@ -31,7 +31,7 @@ def test_renewal_with_less_than_a_third_left_is_late(
     """On time renewals are quiet; one with under a third of the ttl left sends the signal."""
     store = LockStore(redis_client)
     renewer = Renewer(store)
-    _configure_renewer(renewer)
+    configure_renewer(renewer)
     received: list[dict[str, Any]] = []
 
     def receiver(sender: Any = None, **kwargs: Any) -> None:

@@ -3,9 +3,11 @@
 A few keys and owners; hypothesis interleaves the protocol's operations, the way a worker, its
 main process, publishers and an operator would:
 
-- publish a call (the queued marker, ``publish_once``), a chain step or callback (published by a
-  running run, with its ``parent_id``), a retried message, a redelivered copy;
-- start a message: ``Renewer.acquire``, then the queued marker handed over (``forget_queued``);
+- publish a call (the queued marker, ``SingletonTask._singleton_publish``), a chain step or
+  callback (published by a running run, with its ``parent_id``), a retried message, a
+  redelivered copy;
+- start a message: ``Renewer.acquire``, then the queued marker handed over
+  (``SingletonTask._singleton_forget_queued``);
 - renew (``Renewer.run_due``), and a renewal that was on the wire when the lock was handed over;
 - end a run: release now, release deferred (written ahead on one server, queued for the
   renewer thread on a store that cannot write ahead), the retry hand-over, the loss of its pool
@@ -58,7 +60,6 @@ from celery_singleton_lock.core.backend import (
 from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
-from celery_singleton_lock.publish import forget_queued, publish_once
 from tests.conftest import delete_prefix
 
 TTL_MS = 30_000
@@ -169,7 +170,7 @@ class ProtocolModel(RuleBasedStateMachine):
             self.sent.append(sent)
             return sent
 
-        return publish_once(self.task, (key,), {}, task_id, options, send=send)
+        return self.task._singleton_publish((key,), {}, task_id, options, send)
 
     def settle_all(self) -> None:
         """What a round trip on the acquire connection or a flush makes certain."""
@@ -237,7 +238,7 @@ class ProtocolModel(RuleBasedStateMachine):
             keys, message.task_id, message.generation, TTL_MS, {"task": "m.job"}
         )
         self.settle_all()  # the acquire went after every release this process made
-        forget_queued(self.task, message.task_id, (key,), {}, "start")
+        self.task._singleton_forget_queued(message.task_id, keys, "start")
         if self.marker[key] == message.task_id:
             self.marker[key] = None
         holder = self.holder[key]
@@ -479,7 +480,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for message in list(self.queue):
                 keys = self.task.singleton_keys((message.key,), {})
                 outcome = self.renewer.acquire(keys, message.task_id, message.generation, TTL_MS)
-                forget_queued(self.task, message.task_id, (message.key,), {}, "start")
+                self.task._singleton_forget_queued(message.task_id, keys, "start")
                 if isinstance(outcome, Acquired):
                     self.store.release(keys.lock, message.task_id, message.generation, None)
                     self.queue.remove(message)

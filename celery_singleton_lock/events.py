@@ -1,0 +1,96 @@
+"""What a run's lock reports from the renewer: released, lost, past max hold, renewed late,
+renewal failed. Fixed log lines (docs/configuration.md, "Log lines") and the library's signals;
+:func:`configure_renewer` hands these callbacks to a process's renewer once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import signals
+from .core.backend import ReleaseStatus, RenewStatus
+from .core.renewer import HeldLock, Renewer
+from .errors import LockUnavailableError
+
+__all__ = ["configure_renewer", "on_released"]
+
+logger = logging.getLogger("celery_singleton_lock")
+
+
+def configure_renewer(renewer: Renewer) -> None:
+    renewer.on_released = on_released
+    renewer.on_lost = _on_lost
+    renewer.on_max_hold = _on_max_hold
+    renewer.on_error = _on_renew_error
+    renewer.on_late = _on_late
+
+
+def on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, reason: str) -> None:
+    """Log (and signal) what the release of a run's lock found."""
+    task = held.context
+    name = getattr(task, "name", "?")
+    if isinstance(status, LockUnavailableError):
+        logger.warning(
+            "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
+            name,
+            held.owner,
+            held.key,
+            status,
+        )
+    elif status is ReleaseStatus.RELEASED:
+        logger.debug("singleton: released %s[%s] key=%s", name, held.owner, held.key)
+        signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
+    elif not held.lost:
+        logger.warning(
+            "singleton: lock was no longer ours at release: %s[%s] key=%s",
+            name,
+            held.owner,
+            held.key,
+        )
+
+
+def _on_lost(held: HeldLock, status: RenewStatus) -> None:
+    reason = "taken" if status is RenewStatus.TAKEN else "gone"
+    task = held.context
+    logger.error(
+        "singleton: lock lost: %s[%s] key=%s token=%d reason=%s",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        held.token,
+        reason,
+    )
+    signals.lock_lost.send(
+        sender=task, key=held.key, task_id=held.owner, token=held.token, reason=reason
+    )
+
+
+def _on_max_hold(held: HeldLock) -> None:
+    task = held.context
+    logger.error(
+        "singleton: max hold reached, no longer renewing: %s[%s] key=%s held=%ss",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        held.max_hold_s,
+    )
+    signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
+
+
+def _on_late(held: HeldLock, left_s: float) -> None:
+    task = held.context
+    logger.warning(
+        "singleton: lock renewed late: %s[%s] key=%s left=%.3fs ttl=%ss",
+        getattr(task, "name", "?"),
+        held.owner,
+        held.key,
+        left_s,
+        held.ttl_ms / 1000,
+    )
+    signals.lock_renewed_late.send(
+        sender=task, key=held.key, task_id=held.owner, token=held.token, left=left_s
+    )
+
+
+def _on_renew_error(exc: LockUnavailableError) -> None:
+    logger.warning("singleton: renewal failed, retrying: %s", exc)
