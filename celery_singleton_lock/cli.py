@@ -12,7 +12,6 @@ from __future__ import annotations
 import getpass
 import json
 import logging
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import click
 
 from . import signals
 from .config import read_options
+from .core._pid import current_pid
 from .core.admin import (
     ForceStatus,
     LockInfo,
@@ -40,7 +40,7 @@ from .errors import SingletonConfigError
 
 __all__ = ["singleton"]
 
-logger = logging.getLogger("celery_singleton_lock.cli")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -205,7 +205,7 @@ def _operator() -> str:
         user = getpass.getuser()
     except Exception:
         user = "?"
-    return f"{user}@{socket.gethostname()}:{os.getpid()}"
+    return f"{user}@{socket.gethostname()}:{current_pid()}"
 
 
 def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:

@@ -14,7 +14,7 @@ from .errors import LockUnavailableError
 
 __all__ = ["configure_renewer", "on_released"]
 
-logger = logging.getLogger("celery_singleton_lock")
+logger = logging.getLogger(__name__)
 
 
 def configure_renewer(renewer: Renewer) -> None:

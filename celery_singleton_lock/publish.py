@@ -66,7 +66,7 @@ __all__ = [
     "not_published",
 ]
 
-logger = logging.getLogger("celery_singleton_lock")
+logger = logging.getLogger(__name__)
 
 PUBLISH = _wire.script("publish.lua")
 UNQUEUE = _wire.script("unqueue.lua")

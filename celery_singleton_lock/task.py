@@ -50,7 +50,7 @@ from .publish import (
 
 __all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
 
-logger = logging.getLogger("celery_singleton_lock")
+logger = logging.getLogger(__name__)
 
 #: Key of the result a skipped duplicate stores (its value is True).
 SKIP_MARKER = "__singleton_skipped__"
@@ -218,7 +218,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if self.singleton_options().lock_on != "execute" and not self.request.is_eager:
                 self._singleton_forget_queued(task_id, keys, "start")
         # Raised here, not where the skip was decided: Celery snapshots and formats the
-        # traceback of an Ignore twice, and each frame in it costs (about 2 ms a skip less).
+        # traceback of an Ignore twice, and each frame in it costs (docs/performance.md).
         raise _Skipped(marker) from None
 
     def apply_async(
@@ -416,7 +416,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         A chain's next step and a link callback are published by the run before them after its
         body returned, and reach another worker process before that run's release does: the
-        release follows within milliseconds. Up to :data:`PARENT_WAITS` (about 0.3 s) in all.
+        release follows within milliseconds. Up to the sum of :data:`PARENT_WAITS` in all.
         """
         task_id, ttl_ms = self.request.id, self.singleton_options().ttl_ms
         outcome: Acquired | Contended = held

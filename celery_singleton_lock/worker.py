@@ -62,7 +62,7 @@ from .task import SingletonTask
 
 __all__ = ["SingletonRequest"]
 
-logger = logging.getLogger("celery_singleton_lock")
+logger = logging.getLogger(__name__)
 
 #: Terminate signals that end a prefork child at once, so its main process may release for
 #: it. SIGTERM is not one: billiard turns it into SystemExit in the child, whose ``finally``

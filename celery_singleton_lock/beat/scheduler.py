@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import socket
 import time
 import uuid
@@ -30,6 +29,7 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from ..config import BeatOptions, read_beat_options
+from ..core._pid import current_pid
 from ..core.backend import REDIS_ERRORS, Acquired, Contended, LockBackend, RenewItem, RenewStatus
 from ..core.keys import leader_keys, run_claim_key
 from ..core.urls import redact_url
@@ -39,7 +39,7 @@ from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_sta
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
-logger = logging.getLogger("celery_singleton_lock.beat.scheduler")
+logger = logging.getLogger(__name__)
 
 #: How long a claim may stay unconfirmed while its instance publishes the run. An
 #: instance that dies in that window delays the run by at most this much.
@@ -96,12 +96,12 @@ class SingletonSchedulerMixin:
 
     def _singleton_state(self) -> _BeatState:
         state = self._singleton
-        if state is None or state.pid != os.getpid():
+        if state is None or state.pid != current_pid():
             opts = self.singleton_options
-            claimer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+            claimer = f"{socket.gethostname()}:{current_pid()}:{uuid.uuid4().hex[:8]}"
             claims, store = claims_and_store(opts.redis_url, claimer)
             state = self._singleton = _BeatState(
-                opts=opts, pid=os.getpid(), claimer=claimer, claims=claims, store=store
+                opts=opts, pid=current_pid(), claimer=claimer, claims=claims, store=store
             )
             logger.info(
                 "beat: singleton scheduler started: mode=%s redis=%s prefix=%s instance=%s",
@@ -189,7 +189,7 @@ class SingletonSchedulerMixin:
     def close(self) -> None:
         """Give up the leader lease (if held) so a standby takes over at once."""
         state = self._singleton
-        if state is not None and state.leading and state.pid == os.getpid():
+        if state is not None and state.leading and state.pid == current_pid():
             keys = leader_keys(state.opts.key_prefix, self._group())
             try:
                 state.store.release(keys.lock, state.claimer, 0)

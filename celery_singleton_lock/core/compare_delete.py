@@ -27,7 +27,7 @@ from .backend import Client
 
 __all__ = ["delete_if_equal", "native_command"]
 
-logger = logging.getLogger("celery_singleton_lock.core.compare_delete")
+logger = logging.getLogger(__name__)
 
 #: The commands, in the order they are looked for, and the arguments each takes after the key.
 _COMMANDS: dict[str, tuple[str, ...]] = {"DELIFEQ": (), "DELEX": ("IFEQ",)}

@@ -53,7 +53,7 @@ __all__ = [
     "store_for",
 ]
 
-logger = logging.getLogger("celery_singleton_lock.core.connection")
+logger = logging.getLogger(__name__)
 
 #: Seconds a Redis call may take before it counts as an error. Small enough that a
 #: renewal stalled on a dead server is retried well inside a ttl.

@@ -70,7 +70,7 @@ __all__ = [
     "RedlockStore",
 ]
 
-logger = logging.getLogger("celery_singleton_lock.core.redlock")
+logger = logging.getLogger(__name__)
 
 #: How often an acquire is tried again after a split vote: no owner got (or can have) a
 #: majority, because several contenders each took some masters at the same moment.
