@@ -38,7 +38,7 @@ from celery_singleton_lock.beat import (
 from celery_singleton_lock.keys import leader_keys
 from celery_singleton_lock.lock import load_script
 from tests.support.servers import RedisServer
-from tests.support.workers import wait_for
+from tests.support.waiting import wait_for
 
 INTERVAL = "remote-every-10s"
 CRON = "remote-every-5min"

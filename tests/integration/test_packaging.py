@@ -20,7 +20,8 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
-from tests.support.workers import REPO_ROOT, WorkerFactory, wait_for
+from tests.support.waiting import wait_for
+from tests.support.workers import REPO_ROOT, WorkerFactory
 
 #: where the stand-in for the example's ``write_balance`` records its calls (a list)
 CALLS_KEY = "readme:write_balance"

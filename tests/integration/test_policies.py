@@ -16,8 +16,8 @@ from celery_singleton_lock import DuplicateTaskError, SkipInfo, signals, skip_in
 from celery_singleton_lock.keys import derive_keys
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.test_app import history_key, make_app
+from tests.support.waiting import wait_for as _wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-from tests.support.workers import wait_for as _wait_for
 
 APP = "tests.support.singleton_app"
 

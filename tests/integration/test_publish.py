@@ -19,7 +19,8 @@ from celery_singleton_lock.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
 from tests.support.history import load_history
 from tests.support.test_app import history_key, make_app
-from tests.support.workers import WorkerFactory, WorkerProcess, wait_for
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
 
 APP = "tests.support.singleton_app"
 
