@@ -24,7 +24,7 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# tests/support holds helpers, not tests (test_app.py only looks like a test module)
+# tests/support holds helpers, not tests: none of its modules is collected
 collect_ignore_glob = ["support/*"]
 
 

@@ -21,10 +21,10 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import run_claim_key
+from tests.support.basic_app import history_key, make_app
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port
-from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 BEAT_APP = "tests.support.beat_app"

@@ -27,6 +27,7 @@ from celery import Celery
 from celery_singleton_lock import fenced_get
 from celery_singleton_lock.beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from celery_singleton_lock.keys import run_claim_key
+from tests.support.basic_app import history_key, make_app
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.chaos import (
     LoadRig,
@@ -49,7 +50,6 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
-from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 APP = "tests.support.singleton_app"

@@ -27,7 +27,7 @@ from celery_singleton_lock.admin import (
 from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import LockStore
-from tests.support.test_app import make_app
+from tests.support.basic_app import make_app
 from tests.support.workers import REPO_ROOT, WorkerFactory
 
 APP = "tests.support.singleton_app"

@@ -49,9 +49,9 @@ from tests.integration.test_beat_mixin import (
     paused,
     set_clock,
 )
+from tests.support.basic_app import history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
-from tests.support.test_app import history_key, make_app
 from tests.support.topologies import Cluster
 from tests.support.workers import WorkerFactory
 

@@ -17,6 +17,7 @@ from celery import Celery
 
 from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
+from tests.support.basic_app import history_key, make_app
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -24,7 +25,6 @@ from tests.support.history import (
     record_end,
     record_start,
 )
-from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory
 
 APP = "tests.support.singleton_app"

@@ -13,7 +13,7 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.keys import derive_keys
-from tests.support.test_app import make_app
+from tests.support.basic_app import make_app
 from tests.support.workers import WorkerFactory
 
 APP = "tests.support.singleton_app"

@@ -21,9 +21,9 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.support.basic_app import make_app
 from tests.support.beats import BeatFactory
 from tests.support.chaos import LoadRig, make_beat_factory, record_figures, with_twice
-from tests.support.test_app import make_app
 from tests.support.workers import WorkerFactory
 
 LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "180"))

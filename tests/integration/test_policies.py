@@ -14,8 +14,8 @@ from celery.result import AsyncResult
 
 from celery_singleton_lock import DuplicateTaskError, SkipInfo, signals, skip_info
 from celery_singleton_lock.keys import derive_keys
+from tests.support.basic_app import history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
-from tests.support.test_app import history_key, make_app
 from tests.support.waiting import wait_for as _wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 

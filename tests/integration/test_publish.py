@@ -17,8 +17,8 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
+from tests.support.basic_app import history_key, make_app
 from tests.support.history import load_history
-from tests.support.test_app import history_key, make_app
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 

@@ -22,8 +22,8 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import SingletonKeyError, SingletonTask, skip_info
 from celery_singleton_lock.keys import queued_key
 from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
+from tests.support.basic_app import DEFAULT_QUEUE, history_key, make_app
 from tests.support.history import Execution, load_history
-from tests.support.test_app import DEFAULT_QUEUE, history_key, make_app
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 

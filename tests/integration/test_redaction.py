@@ -24,8 +24,8 @@ from celery_singleton_lock.beat import _BeatState
 from celery_singleton_lock.cli import _Target
 from celery_singleton_lock.config import read_beat_options, read_options, redact_url
 from celery_singleton_lock.connection import claims_and_store
+from tests.support.basic_app import make_app
 from tests.support.servers import RedisServer
-from tests.support.test_app import make_app
 from tests.support.workers import REPO_ROOT, WorkerFactory
 
 APP = "tests.support.singleton_app"

@@ -28,9 +28,9 @@ from celery_singleton_lock import LockUnavailableError, skip_info
 from celery_singleton_lock import connection as singleton_connection
 from celery_singleton_lock.connection import store_for
 from celery_singleton_lock.keys import lock_keys
+from tests.support.basic_app import RECORD_TASK, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
 from tests.support.servers import RedisServer
-from tests.support.test_app import RECORD_TASK, history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 APP = "tests.support.singleton_app"

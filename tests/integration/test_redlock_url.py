@@ -31,8 +31,8 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
+from tests.support.basic_app import make_app
 from tests.support.servers import RedisServer
-from tests.support.test_app import make_app
 from tests.support.workers import WorkerFactory
 
 PASSWORD = "rl-Pw-9c1e"

@@ -22,6 +22,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
+from tests.support.basic_app import history_key, make_app
 from tests.support.history import (
     Execution,
     assert_no_overlap,
@@ -30,7 +31,6 @@ from tests.support.history import (
     server_time_us,
 )
 from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key, signals_key
-from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
 
 APP_MODULE = "tests.support.singleton_app"

@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.support.basic_app import RECORD_TASK, history_key, make_app
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -18,10 +19,9 @@ from tests.support.history import (
     record_start,
 )
 from tests.support.servers import RedisServer, find_server_binary, ping
-from tests.support.test_app import RECORD_TASK, history_key, make_app
 from tests.support.workers import WorkerFactory, is_alive
 
-APP_MODULE = "tests.support.test_app"
+APP_MODULE = "tests.support.basic_app"
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from tests.support.basic_app import history_key
 from tests.support.beats import BeatFactory, BeatProcess, parse_log
 from tests.support.history import (
     BeatRun,
@@ -43,7 +44,6 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
-from tests.support.test_app import history_key
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
 
 __test__ = False

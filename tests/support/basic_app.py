@@ -7,7 +7,7 @@ Configured from the environment so a worker subprocess and the test share one pr
   ``global_keyprefix`` transport option), and of the history list;
 - ``SINGLETON_TEST_QUEUE``: the default queue name.
 
-Run a worker with ``celery -A tests.support.test_app worker``; build the same app in the test
+Run a worker with ``celery -A tests.support.basic_app worker``; build the same app in the test
 process with :func:`make_app` and the same three values.
 """
 
@@ -25,10 +25,10 @@ from tests.support.history import record_end, record_start
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "cslt:default:"
 DEFAULT_QUEUE = "cslt-testbed"
-RECORD_TASK = "tests.support.test_app.record"
+RECORD_TASK = "tests.support.basic_app.record"
 HISTORY_SUFFIX = "history"
 
-__test__ = False  # not a test module, despite its name
+__test__ = False  # a helper module: never collected
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -57,7 +57,7 @@ def make_app(
     prefix = prefix or os.environ.get("SINGLETON_TEST_PREFIX") or DEFAULT_PREFIX
     queue = queue or os.environ.get("SINGLETON_TEST_QUEUE") or DEFAULT_QUEUE
 
-    app = Celery("tests.support.test_app", set_as_current=set_as_current)
+    app = Celery("tests.support.basic_app", set_as_current=set_as_current)
     app.conf.update(
         broker_url=redis_url,
         result_backend=redis_url,
