@@ -14,40 +14,23 @@ import re
 import time
 from collections.abc import Iterator
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import run_claim_key
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import BEAT_APP, history_key, make_app
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-BEAT_APP = "tests.support.beat_app"
 #: publishing lags the slot start by a few ms; a slot due this close to a beat's end may be lost
 PUBLISH_MARGIN_S = 0.5
 #: how long in-flight tasks get to finish after the last beat stopped
 DRAIN_S = 3.0
 LEASE_S = 3.0
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = BeatFactory(
-        tmp_path / "beats",
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": key_prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-        },
-    )
-    yield factory
-    factory.close()
 
 
 @pytest.fixture

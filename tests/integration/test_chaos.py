@@ -16,24 +16,21 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import TypeVar
 
-import pytest
 import redis
 from celery import Celery
 
 from celery_singleton_lock import fenced_get
 from celery_singleton_lock.beat import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from celery_singleton_lock.keys import run_claim_key
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import BEAT_APP, SINGLETON_APP, history_key
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.chaos import (
     LoadRig,
     deliveries_key,
     lock_holders,
-    make_beat_factory,
     record_figures,
     wait_locks_gone,
     with_twice,
@@ -52,9 +49,6 @@ from tests.support.history import (
 )
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-APP = "tests.support.singleton_app"
-BEAT_APP = "tests.support.beat_app"
-
 T = TypeVar("T")
 
 
@@ -68,22 +62,6 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker apps: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = make_beat_factory(tmp_path / "beats", redis_url, key_prefix)
-    yield factory
-    factory.close()
 
 
 def history(client: redis.Redis, prefix: str) -> list[Execution]:
@@ -101,7 +79,7 @@ def start_ready(
     factory: WorkerFactory, app: Celery, env: dict[str, str], concurrency: int = 1
 ) -> WorkerProcess:
     """A prefork worker of singleton_app, answering ping."""
-    worker = factory.start(APP, pool="prefork", concurrency=concurrency, env=env)
+    worker = factory.start(SINGLETON_APP, pool="prefork", concurrency=concurrency, env=env)
     worker.wait_ready(app)
     return worker
 
@@ -205,7 +183,9 @@ def test_visibility_timeout_redelivery_waits_for_the_lock(
 ) -> None:
     """acks_late, visibility 2 s, a 6 s run: the broker's copy waits for the lock, no overlap."""
     env = {"SINGLETON_TEST_VISIBILITY": "2"}
-    workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
+    workers = [
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1, env=env) for _ in "ab"
+    ]
     for worker in workers:
         worker.wait_ready(client_app)
 
@@ -252,7 +232,9 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     the other worker. Resumed, the first delivery must learn its lock is gone (its renewal, or
     its release, finds the copy's token) and, when it ends, leave the copy's lock alone."""
     env = {"SINGLETON_TEST_VISIBILITY": "2"}
-    workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
+    workers = [
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1, env=env) for _ in "ab"
+    ]
     for worker in workers:
         worker.wait_ready(client_app)
     result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 1.5, 6.0))

@@ -8,10 +8,9 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 from celery import Celery
 from click.testing import CliRunner
@@ -27,25 +26,15 @@ from celery_singleton_lock.admin import (
 from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import LockStore
-from tests.support.basic_app import make_app
+from tests.support.basic_app import SINGLETON_APP
 from tests.support.workers import REPO_ROOT, WorkerFactory
-
-APP = "tests.support.singleton_app"
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
 
 
 def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any:
     """Run ``celery -A tests.support.singleton_app singleton <args>`` as a real process."""
     env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+        [sys.executable, "-m", "celery", "-A", SINGLETON_APP, "singleton", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -82,7 +71,7 @@ def test_list_purge_and_release_on_a_live_worker(
 ) -> None:
     """list shows the worker's lock and holder; purge spares it; release makes the run lose it."""
     lock_prefix = f"{key_prefix}lock:"
-    worker = worker_factory.start(APP, env={"SINGLETON_TEST_TTL": "4"})
+    worker = worker_factory.start(SINGLETON_APP, env={"SINGLETON_TEST_TTL": "4"})
     dead = _plant(redis_client, lock_prefix, "t.hold", b"dead", "w-gone@nowhere")
     bare = _plant(redis_client, lock_prefix, "t.hold", b"bare", "w-gone@nowhere")
     redis_client.persist(bare)

@@ -14,16 +14,13 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
-from tests.support.basic_app import make_app
 from tests.support.beats import BeatFactory
-from tests.support.chaos import LoadRig, make_beat_factory, record_figures, with_twice
+from tests.support.chaos import LoadRig, record_figures, with_twice
 from tests.support.workers import WorkerFactory
 
 LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "180"))
@@ -36,22 +33,6 @@ QUIET_END_S = 15.0
 TTL_S = 1.0
 #: the entries of beat_app checked for runs fired twice or not at all, with their periods
 PERIODS = {"every-second": 1.0, "remote-every-2s": 2.0, "load-fanout": 1.0, "every-minute": 60.0}
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of beat_app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = make_beat_factory(tmp_path / "beats", redis_url, key_prefix)
-    yield factory
-    factory.close()
 
 
 def next_phase(now: float) -> float:

@@ -4,7 +4,6 @@ each on real worker processes of ``tests.support.singleton_app``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,29 +13,18 @@ from celery.result import AsyncResult
 
 from celery_singleton_lock import DuplicateTaskError, SkipInfo, signals, skip_info
 from celery_singleton_lock.keys import derive_keys
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.waiting import wait_for as _wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-
-APP = "tests.support.singleton_app"
-
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
 def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     """One prefork worker, -c 3, ttl 1 s."""
-    started = worker_factory.start(APP, pool="prefork", concurrency=3)
+    started = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
     started.wait_ready(client_app)
     return started
 
@@ -403,7 +391,7 @@ def test_lock_taken_by_another_owner_is_reported_lost(
 def test_worker_with_invalid_policy_exits_at_start_up(worker_factory: WorkerFactory) -> None:
     """An app-wide singleton_on_duplicate="bogus" stops the worker before it consumes."""
     bad = worker_factory.start(
-        APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_BAD_POLICY": "bogus"}
+        SINGLETON_APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_BAD_POLICY": "bogus"}
     )
     code = bad.wait(timeout=30)
     log = bad.log_text()

@@ -17,12 +17,10 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, history_key, make_app
 from tests.support.history import load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-
-APP = "tests.support.singleton_app"
 
 
 def _signature(key: str, seconds: float = 0.0, retries: int = 0) -> None:
@@ -107,7 +105,7 @@ def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
     """Queued or running, the holder's id comes back; after the run a new call runs; a
     retrying run is not its own duplicate; revoked and expired messages free their key."""
     app, task = client
-    worker: WorkerProcess = worker_factory.start(APP, pool="prefork", concurrency=2)
+    worker: WorkerProcess = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2)
     worker.wait_ready(app)
     events: list[tuple[str, str]] = []
 

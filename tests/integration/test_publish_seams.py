@@ -22,12 +22,10 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import SingletonKeyError, SingletonTask, skip_info
 from celery_singleton_lock.keys import queued_key
 from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
-from tests.support.basic_app import DEFAULT_QUEUE, history_key, make_app
+from tests.support.basic_app import DEFAULT_QUEUE, SINGLETON_APP, history_key, make_app
 from tests.support.history import Execution, load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
-
-APP = "tests.support.singleton_app"
 
 #: Every serializer Celery ships a content type for (msgpack and yaml are test dependencies).
 SERIALIZERS = ("json", "pickle", "msgpack", "yaml")
@@ -208,7 +206,7 @@ def test_a_run_clears_its_marker_when_json_changed_its_argument(
     else would ever let the key go before publish_ttl)."""
     app = make_client("json")
     task = _quiet_task(app)
-    worker = worker_factory.start(APP, pool="prefork", concurrency=1)
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1)
     worker.wait_ready(app)
     first = task.delay((1, 2))
     wait_for(lambda: [e for e in _runs(redis_client, key_prefix) if e.finished], 20, "run", worker)
@@ -232,7 +230,7 @@ def test_chain_steps_and_callbacks_of_one_key_all_run_in_order(
     app = make_client("json")
     step = _step_task(app, lock_on)
     worker = worker_factory.start(
-        APP, pool="prefork", concurrency=2, env={"SINGLETON_TEST_LOCK_ON": lock_on}
+        SINGLETON_APP, pool="prefork", concurrency=2, env={"SINGLETON_TEST_LOCK_ON": lock_on}
     )
     worker.wait_ready(app)
     rounds = 4
@@ -273,7 +271,7 @@ def test_a_message_waits_for_the_run_that_published_it(
     app = make_client("json")
     step = _step_task(app, "execute")
     worker = worker_factory.start(
-        APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_LOCK_ON": "execute"}
+        SINGLETON_APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_LOCK_ON": "execute"}
     )
     worker.wait_ready(app)
     store = LockStore(redis_client)

@@ -28,12 +28,11 @@ from celery_singleton_lock import LockUnavailableError, skip_info
 from celery_singleton_lock import connection as singleton_connection
 from celery_singleton_lock.connection import store_for
 from celery_singleton_lock.keys import lock_keys
-from tests.support.basic_app import RECORD_TASK, history_key, make_app
+from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
 from tests.support.servers import RedisServer
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-APP = "tests.support.singleton_app"
 #: singleton_retry_countdown of every worker here: how often a run is requeued while Redis fails
 COUNTDOWN = 0.5
 REQUEUED = "singleton: redis error on acquire, retrying in"
@@ -112,7 +111,7 @@ def start_worker(
 ) -> WorkerProcess:
     """A prefork worker of singleton_app whose locks live at ``lock_url``; waits for ping."""
     worker = bed.factory.start(
-        APP,
+        SINGLETON_APP,
         pool="prefork",
         concurrency=concurrency,
         env={
@@ -425,7 +424,7 @@ def test_wrong_password_is_reported_without_the_password(
     right_url = f"redis://:{PASSWORD}@127.0.0.1:{private_redis.port}/0"
     try:
         wrong = bed.factory.start(
-            APP,
+            SINGLETON_APP,
             concurrency=1,
             env={
                 "SINGLETON_TEST_LOCK_URL": wrong_url,
@@ -434,7 +433,7 @@ def test_wrong_password_is_reported_without_the_password(
             },
         )
         right = bed.factory.start(
-            APP,
+            SINGLETON_APP,
             concurrency=1,
             env={"SINGLETON_TEST_LOCK_URL": right_url, "SINGLETON_TEST_QUEUE": f"{bed.prefix}ok"},
         )

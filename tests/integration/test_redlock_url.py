@@ -31,12 +31,11 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
-from tests.support.basic_app import make_app
+from tests.support.basic_app import SINGLETON_APP, make_app
 from tests.support.servers import RedisServer
 from tests.support.workers import WorkerFactory
 
 PASSWORD = "rl-Pw-9c1e"
-APP = "tests.support.singleton_app"
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +134,9 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
         for server in servers:
             server.client().config_set("requirepass", PASSWORD)
         url = redlock_url(servers)
-        worker = worker_factory.start(APP, pool="prefork", env={"SINGLETON_TEST_LOCK_URL": url})
+        worker = worker_factory.start(
+            SINGLETON_APP, pool="prefork", env={"SINGLETON_TEST_LOCK_URL": url}
+        )
         app = make_app(redis_url, key_prefix)
         try:
             worker.wait_ready(app)

@@ -22,7 +22,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, history_key, make_app
 from tests.support.history import (
     Execution,
     assert_no_overlap,
@@ -32,8 +32,6 @@ from tests.support.history import (
 )
 from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key, signals_key
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
-
-APP_MODULE = "tests.support.singleton_app"
 
 #: Log lines that must never appear on a path that releases correctly.
 BAD_LINES = (
@@ -83,7 +81,7 @@ class Bed:
             env["SINGLETON_TEST_TTL"] = str(ttl)
         extra = () if queues is None else ("-Q", queues)
         worker = self.factory.start(
-            APP_MODULE, pool=pool, concurrency=concurrency, env=env, extra_args=extra
+            SINGLETON_APP, pool=pool, concurrency=concurrency, env=env, extra_args=extra
         )
         worker.wait_ready(self.app)
         return worker

@@ -22,6 +22,11 @@ from celery import Celery
 
 from tests.support.history import record_end, record_start
 
+#: the test apps, by the module name ``celery -A`` takes (worker and beat processes)
+BASIC_APP = "tests.support.basic_app"
+SINGLETON_APP = "tests.support.singleton_app"
+BEAT_APP = "tests.support.beat_app"
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "cslt:default:"
 DEFAULT_QUEUE = "cslt-testbed"

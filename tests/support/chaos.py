@@ -24,12 +24,11 @@ import signal
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 
-from tests.support.basic_app import history_key
+from tests.support.basic_app import BEAT_APP, history_key
 from tests.support.beats import BeatFactory, BeatProcess, parse_log
 from tests.support.history import (
     BeatRun,
@@ -51,7 +50,6 @@ __test__ = False
 RELIABILITY_ENV = "SINGLETON_RELIABILITY_OUT"
 #: a task id in a worker log line: ``b.load[feed-...]``, ``b.record[<uuid>]``
 _TASK_ID = re.compile(r"\[((?:feed-|fanout-)?[0-9a-f][0-9a-f-]{15,})\]")
-BEAT_APP = "tests.support.beat_app"
 LOAD_TASK = "b.load"
 
 
@@ -569,15 +567,3 @@ class LoadRig:
     def logs(self) -> str:
         """Worker and beat log tails, for failure messages."""
         return f"{self.worker_factory.logs()}\n{self.beat_factory.logs(200)}"
-
-
-def make_beat_factory(work_dir: Path, redis_url: str, prefix: str) -> BeatFactory:
-    """A BeatFactory for beat_app on ``prefix`` (as test_beat's fixture builds it)."""
-    return BeatFactory(
-        work_dir,
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-        },
-    )
