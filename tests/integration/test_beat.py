@@ -24,6 +24,7 @@ from tests.support.basic_app import BEAT_APP, history_key, make_app
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 #: publishing lags the slot start by a few ms; a slot due this close to a beat's end may be lost
@@ -264,14 +265,13 @@ def leader_lines(beat: BeatProcess, start: int = 0) -> list[float]:
 
 
 def wait_for_leader(beats: list[BeatProcess], timeout: float, since: float = 0.0) -> BeatProcess:
-    """The beat that logged it became leader after ``since`` (epoch s); TimeoutError if none."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for beat in beats:
-            if any(ts >= since for ts in leader_lines(beat)):
-                return beat
-        time.sleep(0.05)
-    raise TimeoutError(f"no beat became leader within {timeout}s")
+    """The beat that logged it became leader after ``since`` (epoch s); fails if none."""
+
+    def leader() -> BeatProcess | None:
+        return next((b for b in beats if any(ts >= since for ts in leader_lines(b))), None)
+
+    found: BeatProcess = wait_for(leader, timeout, "a beat to become leader", interval=0.05)
+    return found
 
 
 def test_leader_killed_a_standby_takes_over_within_the_lease(

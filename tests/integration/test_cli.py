@@ -7,8 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -27,6 +25,7 @@ from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.keys import lock_keys
 from celery_singleton_lock.lock import LockStore
 from tests.support.basic_app import SINGLETON_APP
+from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory
 
 
@@ -42,16 +41,6 @@ def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any
         timeout=timeout,
         check=False,
     )
-
-
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str) -> str:
@@ -85,7 +74,7 @@ def test_list_purge_and_release_on_a_live_worker(
         mine = [lock for lock in json.loads(listed.stdout) if lock["owner"] == result.id]
         return mine[0] if mine else None
 
-    lock = _wait_for(live_lock, 30, "the worker's lock in `singleton list --json`")
+    lock = wait_for(live_lock, 30, "the worker's lock in `singleton list --json`")
     assert lock["task"] == "t.hold"
     assert lock["host"] == worker.nodename
     assert lock["pid"] in worker.child_pids()
@@ -108,7 +97,7 @@ def test_list_purge_and_release_on_a_live_worker(
     def logged() -> set[str]:
         return {raw.decode() for raw in redis_client.lrange(f"{key_prefix}signals", 0, -1)}
 
-    _wait_for(lambda: f"lock_lost {result.id}" in logged(), 30, "lock_lost from the worker")
+    wait_for(lambda: f"lock_lost {result.id}" in logged(), 30, "lock_lost from the worker")
     assert f"lock_force_released {result.id}" in logged()  # sent by the command's process
     assert "singleton: lock lost: t.hold" in worker.log_text()
 

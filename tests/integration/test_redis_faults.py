@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from celery_singleton_lock.keys import lock_keys
 from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
 from tests.support.servers import RedisServer
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 #: singleton_retry_countdown of every worker here: how often a run is requeued while Redis fails
@@ -85,21 +86,6 @@ def bed(
     finally:
         app.close()
         print(worker_factory.logs())
-
-
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, *workers: WorkerProcess
-) -> Any:
-    """Poll ``condition`` every 20 ms until it is truthy; fail with the workers' logs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            logs = "\n".join(w.log_tail(60) for w in workers)
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
-        time.sleep(0.02)
 
 
 def start_worker(

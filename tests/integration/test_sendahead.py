@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import time
 
 import redis
 
@@ -12,6 +11,7 @@ from celery_singleton_lock.keys import LockKeys, lock_keys
 from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus, load_script
 from celery_singleton_lock.renewer import HeldLock, Renewer
 from tests.support.servers import RedisServer
+from tests.support.waiting import wait_for
 
 
 def _take(store: LockStore, prefix: str, name: str, owner: str) -> LockKeys:
@@ -21,9 +21,7 @@ def _take(store: LockStore, prefix: str, name: str, owner: str) -> LockKeys:
 
 
 def _wait_gone(client: redis.Redis, key: str) -> None:
-    deadline = time.monotonic() + 5
-    while client.exists(key) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: not client.exists(key), 5, f"{key} to be gone", interval=0.005)
 
 
 def test_release_ahead_frees_the_lock_before_its_reply_is_read(
@@ -158,9 +156,7 @@ def test_renewer_thread_reports_a_release_written_ahead(
     renewer.ensure_started()
     try:
         renewer.release_later(held, "SUCCESS")
-        deadline = time.monotonic() + 5
-        while not outcomes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: outcomes, 5, "the release's outcome", interval=0.01)
     finally:
         renewer.stop()
     assert outcomes == [(keys.lock, ReleaseStatus.RELEASED, "SUCCESS")]

@@ -43,6 +43,7 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
 
 __test__ = False
@@ -145,12 +146,8 @@ def lock_holders(client: redis.Redis, prefix: str) -> dict[str, dict[str, str]]:
 
 def wait_locks_gone(client: redis.Redis, prefix: str, timeout: float) -> dict[str, dict[str, str]]:
     """Wait up to ``timeout`` for every lock under the prefix to go; return those left."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = lock_holders(client, prefix)
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
+    wait_for(lambda: not lock_holders(client, prefix), timeout, interval=0.05, fail=False)
+    return lock_holders(client, prefix)
 
 
 # -- kills ----------------------------------------------------------------------------------
@@ -188,9 +185,7 @@ def sigkill_pid(client: redis.Redis, pid: int, timeout: float = 5.0) -> int:
     """SIGKILL ``pid``, wait until it is gone; return the server time (us) just after."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while is_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: not is_alive(pid), timeout, interval=0.01, fail=False)
     return server_time_us(client)
 
 
