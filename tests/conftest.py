@@ -20,6 +20,7 @@ from hypothesis import settings
 
 from tests.support.basic_app import make_app
 from tests.support.beats import BeatFactory
+from tests.support.scheduling import longest_first
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.workers import WorkerFactory
 
@@ -30,6 +31,12 @@ if os.environ.get("CI"):
 
 # tests/support holds helpers, not tests: none of its modules is collected
 collect_ignore_glob = ["support/*"]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow(seconds=N)`` first, longest first (see tests/support/scheduling.py)."""
+    items[:] = longest_first(items)
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> int:

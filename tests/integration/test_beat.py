@@ -129,7 +129,7 @@ def minute_boundaries_ms(start: float, end: float) -> list[int]:
 # -- active-active ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=80)
 def test_three_beats_killed_one_by_one_run_every_nominal_run_exactly_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -183,6 +183,7 @@ def test_three_beats_killed_one_by_one_run_every_nominal_run_exactly_once(
         assert len(later) >= 2, f"no runs right after {name} was killed at {killed_at}\n{logs}"
 
 
+@pytest.mark.slow(seconds=19)
 def test_paused_beat_neither_duplicates_nor_loses_runs(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -214,6 +215,7 @@ def test_paused_beat_neither_duplicates_nor_loses_runs(
     assert_no_gaps(hist, "remote-every-2s", step_s=2.0, ready=ready, end=end, logs=logs)
 
 
+@pytest.mark.slow(seconds=14)
 def test_run_claimed_by_a_dead_claimer_is_published_late_not_lost(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -274,6 +276,7 @@ def wait_for_leader(beats: list[BeatProcess], timeout: float, since: float = 0.0
     return found
 
 
+@pytest.mark.slow(seconds=16)
 def test_leader_killed_a_standby_takes_over_within_the_lease(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -320,6 +323,7 @@ def test_leader_killed_a_standby_takes_over_within_the_lease(
     assert ids[-1] >= slot_ms(end - PUBLISH_MARGIN_S, 1.0), hist.summary()
 
 
+@pytest.mark.slow(seconds=20)
 def test_paused_leader_is_deposed_and_does_not_publish_after_resuming(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -369,6 +373,7 @@ RENEWAL_FAILED = r"beat: redis error, (lease not renewed|standing by)"
 KEPT = "beat: leadership kept after a redis error"
 
 
+@pytest.mark.slow(seconds=20)
 def test_leader_keeps_leading_after_its_lock_redis_stalls_once(  # noqa: PLR0917 - fixtures
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,

@@ -17,6 +17,7 @@ import random
 import signal
 import time
 
+import pytest
 import redis
 from celery import Celery
 
@@ -160,6 +161,7 @@ def test_paused_worker_loses_its_lock_and_its_fenced_write_is_rejected(
 # -- 2. broker redelivery of a late-acked message -----------------------------------------------
 
 
+@pytest.mark.slow(seconds=8)
 def test_visibility_timeout_redelivery_waits_for_the_lock(
     worker_factory: WorkerFactory,
     client_app: Celery,
@@ -271,6 +273,7 @@ def latest_publisher(beats: list[BeatProcess]) -> BeatProcess:
     return max(beats, key=lambda b: p.ts if (p := last[b.name]) is not None else 0.0)
 
 
+@pytest.mark.slow(seconds=32)
 def test_beat_and_node_killed_while_runs_hold_locks(
     worker_factory: WorkerFactory,
     beat_factory: BeatFactory,
@@ -399,6 +402,7 @@ def beat_dying_on_publish(  # noqa: PLR0917 - fixtures passed through
     return label, report, runs, beat_factory.logs(100)
 
 
+@pytest.mark.slow(seconds=20)
 def test_beat_killed_after_claiming_before_publishing_publishes_the_run_late_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -417,6 +421,7 @@ def test_beat_killed_after_claiming_before_publishing_publishes_the_run_late_onc
     assert report.ok, detail
 
 
+@pytest.mark.slow(seconds=22)
 def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -433,6 +438,7 @@ def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     assert report.ok, detail
 
 
+@pytest.mark.slow(seconds=16)
 def test_beat_started_after_a_claimer_died_publishes_its_run_late_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,

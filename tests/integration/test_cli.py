@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from click.testing import CliRunner
@@ -51,6 +52,7 @@ def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str)
     return keys.lock
 
 
+@pytest.mark.slow(seconds=8)
 def test_list_purge_and_release_on_a_live_worker(
     worker_factory: WorkerFactory,
     client_app: Celery,

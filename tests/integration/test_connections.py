@@ -438,6 +438,7 @@ def _other_server() -> str:
 
 
 @pytest.mark.skipif(os.environ.get("SINGLETON_TEST_NESTED") == "1", reason="already the nested run")
+@pytest.mark.slow(seconds=10)
 def test_fast_suite_on_the_other_server() -> None:
     """The fast integration files pass on the other server too (Valkey 8 when this run uses
     Redis 7, and the other way round), on private servers of that binary."""

@@ -29,6 +29,7 @@ from tests.support.workers import WorkerFactory
 # -- through Celery -------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=24)
 def test_exclusion_across_prefork_threads_and_solo_workers(
     worker_factory: WorkerFactory,
     client_app: Celery,

@@ -91,6 +91,7 @@ def test_a_callable_that_cannot_take_args_and_kwargs_is_refused_when_read() -> N
     app.close()
 
 
+@pytest.mark.slow(seconds=7)
 def test_key_callables_run_on_a_real_worker(
     worker_factory: WorkerFactory, redis_url: str, key_prefix: str
 ) -> None:

@@ -44,7 +44,7 @@ def next_phase(now: float) -> float:
     return base + 1.25  # pragma: no cover - unreachable
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=LOAD_SECONDS + 10)
 @pytest.mark.timeout(LOAD_SECONDS + 240)
 def test_load_with_random_kills_no_overlap_no_stuck_lock(
     worker_factory: WorkerFactory,

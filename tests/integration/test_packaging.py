@@ -71,7 +71,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=11)
 def test_readme_example_runs_from_a_bare_install(
     fresh_venv: Path, private_redis: RedisServer, tmp_path: Path
 ) -> None:

@@ -159,6 +159,7 @@ def test_raise_policy_fails_duplicate_with_duplicate_task_error(
 # -- retry ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=6)
 def test_retry_policy_runs_every_duplicate_in_turn(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -179,6 +180,7 @@ def test_retry_policy_runs_every_duplicate_in_turn(
 # -- signals --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 def test_signals_for_skip_raise_and_retry(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -306,6 +308,7 @@ def test_fencing_tokens_of_successive_runs_increase(
 # -- max_hold and loss ----------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=8)
 def test_max_hold_stops_renewal_and_lets_a_duplicate_run(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:

@@ -96,6 +96,7 @@ def _new_holder(
     return wait_for(published, timeout, f"a new message for {key!r}", worker)
 
 
+@pytest.mark.slow(seconds=6)
 def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
     worker_factory: WorkerFactory,
     client: tuple[Celery, Any],

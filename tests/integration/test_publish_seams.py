@@ -259,6 +259,7 @@ def test_chain_steps_and_callbacks_of_one_key_all_run_in_order(
     assert _markers(redis_client, key_prefix) == []
 
 
+@pytest.mark.slow(seconds=8)
 def test_a_message_waits_for_the_run_that_published_it(
     worker_factory: WorkerFactory,
     make_client: Callable[..., Celery],

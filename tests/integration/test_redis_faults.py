@@ -250,6 +250,7 @@ def test_run_policy_runs_unguarded_while_lock_redis_is_down(
 # -- 3. restarted without its data while a lock is held -----------------------------------------
 
 
+@pytest.mark.slow(seconds=9)
 def test_restart_without_persistence_loses_the_lock_and_says_so(
     bed: Bed, private_redis: RedisServer, lock_client: redis.Redis
 ) -> None:
@@ -287,6 +288,7 @@ def test_restart_without_persistence_loses_the_lock_and_says_so(
 # -- 4. unreachable for a while, data kept --------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=9)
 def test_lock_survives_a_lock_redis_stopped_for_4s(bed: Bed) -> None:
     """Renewals fail while the (persistent) lock Redis is down, then succeed: the lock stays."""
     server = RedisServer(extra_args=("--appendonly", "yes"))  # keeps its data over a restart
@@ -330,6 +332,7 @@ def test_lock_survives_a_lock_redis_stopped_for_4s(bed: Bed) -> None:
 
 
 @pytest.mark.parametrize("stall", ["debug-sleep", "sigstop"])
+@pytest.mark.slow(seconds=8)
 def test_slow_lock_redis_delays_but_keeps_the_lock(stall: str, bed: Bed) -> None:
     """A 2 s stall (DEBUG SLEEP, SIGSTOP): the renewal is late, acquires wait, nothing is lost."""
     server = RedisServer(extra_args=("--enable-debug-command", "yes"))

@@ -529,7 +529,7 @@ def race_launcher(config_json: str) -> None:
     sys.exit(1 if failures else 0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)
 def test_twenty_processes_never_overlap(three_masters: Masters, private_redis: RedisServer) -> None:
     """20 processes racing for one lock over 3 masters (one killed and restarted empty meanwhile)
     never run at once, and their tokens increase in the order they ran."""

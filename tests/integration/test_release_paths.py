@@ -547,6 +547,7 @@ def assert_the_retry_runs_alone(bed: Bed, key: str, result: AsyncResult, lock: s
 
 
 @pytest.mark.parametrize(("die", "reason"), [("kill", "worker lost"), ("limit", "hard time limit")])
+@pytest.mark.slow(seconds=13)
 def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reason: str) -> None:
     """retry(), the retried run takes the lock on another worker, then the first child dies
     (SIGKILL or hard time limit): its main process leaves the retried run's lock alone, and a
@@ -585,6 +586,7 @@ def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reaso
     assert_clean_log(second_worker)
 
 
+@pytest.mark.slow(seconds=11)
 def test_lost_child_leaves_a_handed_over_lock_to_its_retry(bed: Bed) -> None:
     """retry(countdown=8), then SIGKILL before the retried message arrived: the main process
     leaves the stretched lock alone, a duplicate is skipped, and the retried run takes over."""
@@ -625,6 +627,7 @@ def test_lost_child_of_a_foreign_request_class_leaves_the_lock_to_its_ttl(bed: B
 # -- 7. warm shutdown -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 def test_warm_shutdown_lets_the_run_finish(bed: Bed) -> None:
     """SIGTERM (warm shutdown) while a run holds the lock: it completes, releases, exit code 0."""
     worker = bed.start(ttl=30)  # a long ttl: only a release can make the lock go away
@@ -668,6 +671,7 @@ def test_node_sigkill_lock_expires_by_ttl(bed: Bed) -> None:
 # -- 9. acks_late redelivery ----------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=11)
 def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
     """acks_late + reject_on_worker_lost: the redelivered message waits out the lock, runs once."""
     # billiard may take up to its 5 s maintain_pool interval to notice the dead child and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
 import redis
 
 from celery_singleton_lock.errors import LockUnavailableError
@@ -114,6 +115,7 @@ def _child_collects(store: LockStore, key: str, out: multiprocessing.Queue[objec
     out.put((parents, isinstance(taken, Acquired)))
 
 
+@pytest.mark.slow(seconds=10)
 def test_a_forked_child_does_not_read_its_parents_replies(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
