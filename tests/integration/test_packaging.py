@@ -151,7 +151,7 @@ def test_readme_example_runs_from_a_bare_install(
             return None if any(key.endswith(":lock") for key in keys) else keys
 
         # the lock is freed once the run ended; its fencing counter holds the run's token
-        keys = wait_for(released, timeout=30, what="the lock to be released", worker=worker)
+        keys = wait_for(released, 30, "the lock to be released", worker)
         (fence,) = keys
         assert fence.startswith("singleton:{billing.sync_account:"), keys
         assert fence.endswith(":fence"), keys

@@ -97,9 +97,9 @@ def test_skip_policy_marks_duplicates_done_at_once(
     # the two duplicates are ready long before the holder's 2.5 s are over
     ready = _wait_for(
         lambda: [r for r in results if r.ready()] if sum(r.ready() for r in results) >= 2 else [],
-        timeout=10,
-        what="two skipped duplicates",
-        worker=worker,
+        10,
+        "two skipped duplicates",
+        worker,
     )
     assert time.monotonic() - sent < 2.0
     assert len(ready) == 2
@@ -214,7 +214,7 @@ def test_signals_for_skip_raise_and_retry(
         wanted = {skip_holder.id, raise_holder.id, *(r.id for r in retry_results)}
         return events if wanted <= released else []
 
-    events = _wait_for(all_released, timeout=5, what="lock_released signals", worker=worker)
+    events = _wait_for(all_released, 5, "lock_released signals", worker)
 
     assert _events_of(events, skip_holder.id) == ["lock_acquired", "lock_released"]
     assert _events_of(events, skipped.id) == ["duplicate_skipped"]
@@ -277,9 +277,9 @@ def test_int_and_str_arguments_are_different_keys(
     # both locks are held at one moment: neither run waited for the other
     _wait_for(
         lambda: redis_client.exists(int_key, str_key) == 2,
-        timeout=5,
-        what="both locks held at once",
-        worker=worker,
+        5,
+        "both locks held at once",
+        worker,
     )
     values = [_get(r, worker) for r in results]
     assert all(isinstance(v, int) for v in values)
