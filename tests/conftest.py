@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 from hypothesis import settings
 
-from tests.support.basic_app import make_app
+from tests.support.basic_app import close_app, make_app
 from tests.support.beats import BeatFactory
 from tests.support.scheduling import longest_first
 from tests.support.servers import RedisServer, shared_redis_url
@@ -130,4 +130,4 @@ def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
     """The client side of the worker and beat apps: same broker, backend and private prefix."""
     app = make_app(redis_url, key_prefix)
     yield app
-    app.close()
+    close_app(app)

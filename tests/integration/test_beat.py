@@ -20,7 +20,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.keys import run_claim_key
-from tests.support.basic_app import BEAT_APP, history_key, make_app
+from tests.support.basic_app import BEAT_APP, close_app, history_key, make_app
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port
@@ -39,7 +39,7 @@ def control_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
     """A client app on the workers' private broker space (to ping them)."""
     app = make_app(redis_url, key_prefix)
     yield app
-    app.close()
+    close_app(app)
 
 
 def start_workers(

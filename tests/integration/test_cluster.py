@@ -49,7 +49,7 @@ from tests.integration.test_beat_mixin import (
     paused,
     set_clock,
 )
-from tests.support.basic_app import history_key, make_app
+from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
 from tests.support.topologies import Cluster
@@ -439,7 +439,7 @@ def test_worker_locks_on_the_cluster(
         assert not list(client.scan_iter(match=f"{key_prefix}*:lock"))
     finally:
         factory.close()
-        app.close()
+        close_app(app)
         client.close()
         broker.close()
 

@@ -458,7 +458,18 @@ def test_fast_suite_on_the_other_server() -> None:
         pytest.skip(f"no {other} server binary installed")
     node = "tests/integration/test_connections.py::test_test_server_matches_the_choice"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_FILES, node],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            *FAST_FILES,
+            node,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -13,7 +13,7 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.keys import derive_keys
-from tests.support.basic_app import SINGLETON_APP, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.workers import WorkerFactory
 
 NAMES = ("t.key_lambda", "t.key_inline", "t.key_attribute", "t.key_static")
@@ -109,7 +109,7 @@ def test_key_callables_run_on_a_real_worker(
             assert skip_info(duplicate.get(timeout=20)) is not None, name
             assert first.get(timeout=20)["token"] > 0, name
     finally:
-        app.close()
+        close_app(app)
 
 
 def test_worker_refuses_a_key_callable_that_cannot_take_args_and_kwargs(

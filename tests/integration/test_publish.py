@@ -3,7 +3,6 @@ holder's AsyncResult; the queued marker never outlives its message for long."""
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +16,7 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
-from tests.support.basic_app import SINGLETON_APP, history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -48,14 +47,6 @@ def _client_app(redis_url: str, prefix: str, **options: Any) -> tuple[Celery, An
     return app, publish_hold
 
 
-def _close(app: Celery) -> None:
-    """Close the app and its result backend's connections (pubsub included)."""
-    gc.collect()  # AsyncResults in cycles unsubscribe now, not after the close
-    app.backend.result_consumer.stop()
-    app.backend.client.connection_pool.disconnect()
-    app.close()
-
-
 @pytest.fixture
 def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple[Celery, Any]]]:
     """Builds client apps with t.publish_hold (task options as keywords); purged and closed
@@ -70,7 +61,7 @@ def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple
     yield make
     for app in apps:
         app.control.purge()
-        _close(app)
+        close_app(app)
 
 
 @pytest.fixture

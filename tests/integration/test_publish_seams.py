@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import enum
-import gc
 import itertools
 import time
 import uuid
@@ -22,7 +21,7 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import SingletonKeyError, SingletonTask, skip_info
 from celery_singleton_lock.keys import queued_key
 from celery_singleton_lock.lock import Acquired, LockStore, ReleaseStatus
-from tests.support.basic_app import DEFAULT_QUEUE, SINGLETON_APP, history_key, make_app
+from tests.support.basic_app import DEFAULT_QUEUE, SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
@@ -83,13 +82,6 @@ FAMILIES: dict[str, Any] = {
 }
 
 
-def _close(app: Celery) -> None:
-    gc.collect()
-    app.backend.result_consumer.stop()
-    app.backend.client.connection_pool.disconnect()
-    app.close()
-
-
 def _client_app(redis_url: str, prefix: str, serializer: str = "json") -> Celery:
     """The publishing side of singleton_app, with its tasks defined on it (same keys)."""
     app = make_app(redis_url, prefix)
@@ -112,7 +104,7 @@ def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., Celer
     yield make
     for app in apps:
         app.control.purge()
-        _close(app)
+        close_app(app)
 
 
 def _quiet_task(app: Celery, lock_on: str = "publish") -> Any:

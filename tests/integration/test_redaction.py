@@ -24,7 +24,7 @@ from celery_singleton_lock.beat import _BeatState
 from celery_singleton_lock.cli import _Target
 from celery_singleton_lock.config import read_beat_options, read_options, redact_url
 from celery_singleton_lock.connection import claims_and_store
-from tests.support.basic_app import SINGLETON_APP, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
 from tests.support.workers import REPO_ROOT, WorkerFactory
 
@@ -142,7 +142,7 @@ def test_inspect_conf_of_a_worker_never_shows_the_password(
         result = client_app.send_task("t.hold", kwargs={"key": "k", "seconds": 0})
         assert result.get(timeout=30)["token"] > 0
     finally:
-        client_app.close()
+        close_app(client_app)
     conf = _celery(
         "-A",
         SINGLETON_APP,

@@ -28,7 +28,7 @@ from celery_singleton_lock import LockUnavailableError, skip_info
 from celery_singleton_lock import connection as singleton_connection
 from celery_singleton_lock.connection import store_for
 from celery_singleton_lock.keys import lock_keys
-from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, history_key, make_app
+from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
@@ -84,7 +84,7 @@ def bed(
     try:
         yield Bed(app, worker_factory, redis_client, key_prefix)
     finally:
-        app.close()
+        close_app(app)
         print(worker_factory.logs())
 
 

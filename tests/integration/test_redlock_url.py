@@ -31,7 +31,7 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
-from tests.support.basic_app import SINGLETON_APP, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
@@ -174,7 +174,7 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
             assert "redis+redlock://:***@" in log, "the banner shows the URL, password hidden"
             assert PASSWORD not in log
         finally:
-            app.close()
+            close_app(app)
     finally:
         for server in servers:
             server.close()

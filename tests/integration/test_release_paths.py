@@ -22,7 +22,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
-from tests.support.basic_app import SINGLETON_APP, history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import (
     Execution,
     assert_no_overlap,
@@ -133,7 +133,7 @@ def bed(
     try:
         yield bed
     finally:
-        app.close()
+        close_app(app)
         print(worker_factory.logs())
 
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
-from tests.support.basic_app import BASIC_APP, RECORD_TASK, history_key, make_app
+from tests.support.basic_app import BASIC_APP, RECORD_TASK, close_app, history_key, make_app
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -41,7 +41,7 @@ def testbed(redis_url: str, key_prefix: str) -> Iterator[Testbed]:
     app = make_app(redis_url, key_prefix, queue)
     env = {"SINGLETON_TEST_QUEUE": queue}
     yield Testbed(app=app, env=env, queue=queue, history_key=history_key(key_prefix))
-    app.close()
+    close_app(app)
 
 
 def test_solo_and_prefork_workers_run_recorded_tasks(

@@ -13,6 +13,7 @@ process with :func:`make_app` and the same three values.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -91,6 +92,26 @@ def make_app(
         return exec_id
 
     return app
+
+
+def close_app(app: Celery) -> None:
+    """Close a client app and its result backend's connections, the pub/sub one included.
+
+    ``app.close()`` alone leaves the result consumer's pub/sub connection (opened by
+    ``AsyncResult.get``) to the garbage collector, which closes its socket in whichever later
+    test it runs: a ResourceWarning, an error under ``filterwarnings = error``. The collection
+    first lets AsyncResults left in reference cycles unsubscribe now.
+    """
+    gc.collect()
+    backend = app._backend  # None when this thread never used a backend: nothing to close
+    if backend is not None:
+        consumer = getattr(backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
+        client = getattr(backend, "client", None)
+        if client is not None:
+            client.connection_pool.disconnect()
+    app.close()
 
 
 app = make_app()
