@@ -1,18 +1,15 @@
 """Real ``celery worker`` subprocesses for the throughput benchmarks.
 
-Each worker runs ``python -m celery -A benchmarks.bench_app worker`` from the repository root
-in its own session, so :meth:`BenchWorker.close` can SIGKILL its whole process group. Workers
-log at WARNING: a per-task INFO line would cost more than some of the differences measured.
+Each worker runs ``python -m celery -A benchmarks.bench_app worker`` from the repository root:
+a :class:`~celery_singleton_lock._devprocess.DevProcess`, in its own session, so
+:meth:`BenchWorker.close` can SIGKILL its whole process group. Workers log at WARNING: a
+per-task INFO line would cost more than some of the differences measured.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,14 +17,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from celery_singleton_lock._devprocess import DevProcess, children_of, cpu_seconds
+
 from .bench_app import URL_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-_LIVE: set[BenchWorker] = set()
 
-
-class BenchWorker:
+class BenchWorker(DevProcess):
     """One worker process (solo, or prefork with ``concurrency`` children)."""
 
     def __init__(self, url: str, pool: str, concurrency: int) -> None:
@@ -35,7 +32,6 @@ class BenchWorker:
         self.concurrency = concurrency
         name = f"bench-{pool}-{uuid.uuid4().hex[:6]}"
         self.nodename = f"{name}@{socket.gethostname()}"
-        self.log_path = Path(tempfile.gettempdir()) / f"cslt-{name}.log"
         args = [
             sys.executable,
             "-m",
@@ -57,23 +53,13 @@ class BenchWorker:
             "-l",
             "WARNING",
         ]
-        env = {**os.environ, URL_ENV: url, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                args,
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        _LIVE.add(self)
+        log_path = Path(tempfile.gettempdir()) / f"cslt-{name}.log"
+        super().__init__(args, log_path, name=name, env={URL_ENV: url}, cwd=REPO_ROOT)
 
     def wait_ready(self, app: Any, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if not self.is_running():
                 raise RuntimeError(f"worker exited early:\n{self.log_tail()}")
             replies = app.control.ping(destination=[self.nodename], timeout=0.5)
             if any(self.nodename in reply for reply in replies or ()):
@@ -81,63 +67,15 @@ class BenchWorker:
         raise TimeoutError(f"worker not ready within {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return super().log_tail(lines)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU of the worker and its children so far (from /proc)."""
-        total = 0.0
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            total += _proc_cpu(pid)
-        return total
+        """User + system CPU of the worker and its children so far."""
+        pids = [self.pid, *children_of(self.pid, recursive=True)]
+        return sum(cpu_seconds(pid) for pid in pids)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-        _LIVE.discard(self)
+        """SIGKILL the worker's whole tree and remove its log."""
+        self.kill()
         with contextlib.suppress(OSError):
             self.log_path.unlink()
-
-
-def _proc_cpu(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read().decode(errors="replace")
-    except OSError:
-        return 0.0
-    fields = data[data.rfind(")") + 2 :].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-
-
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                data = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(data[data.rfind(")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        for kid in parents.get(todo.pop(), []):
-            found.append(kid)
-            todo.append(kid)
-    return found
-
-
-@atexit.register
-def _kill_leftover_workers() -> None:
-    for worker in list(_LIVE):
-        with contextlib.suppress(Exception):
-            worker.close()

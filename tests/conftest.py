@@ -1,4 +1,5 @@
-"""Shared fixtures: a Redis to test against, private key prefixes, private servers, workers.
+"""Shared fixtures: a Redis to test against, private key prefixes, private servers, workers,
+beats and the client side of the test apps.
 
 The shared Redis (127.0.0.1:6379, or ``SINGLETON_TEST_REDIS_URL``) is used by others at the same
 time: tests only touch keys under their ``key_prefix`` and never run server-wide commands on it.
@@ -14,8 +15,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery import Celery
 from hypothesis import settings
 
+from celery_singleton_lock.core import connection
+from tests.support.basic_app import close_app, make_app
+from tests.support.beats import BeatFactory
+from tests.support.scheduling import longest_first
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.workers import WorkerFactory
 
@@ -24,8 +30,14 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# tests/support holds helpers, not tests (test_app.py only looks like a test module)
+# tests/support holds helpers, not tests: none of its modules is collected
 collect_ignore_glob = ["support/*"]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow(seconds=N)`` first, longest first (see tests/support/scheduling.py)."""
+    items[:] = longest_first(items)
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> int:
@@ -94,3 +106,37 @@ def worker_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[
     )
     yield factory
     factory.close()
+
+
+@pytest.fixture
+def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
+    """Starts beats (of beat_app by default) on ``key_prefix``; all SIGKILLed at teardown.
+
+    Beats get ``SINGLETON_TEST_ROLE=beat`` (beat_app then leaves ``b.remote`` unregistered).
+    """
+    factory = BeatFactory(
+        tmp_path / "beats",
+        base_env={
+            "SINGLETON_TEST_REDIS_URL": redis_url,
+            "SINGLETON_TEST_PREFIX": key_prefix,
+            "SINGLETON_TEST_ROLE": "beat",
+        },
+    )
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
+    """The client side of the worker and beat apps: same broker, backend and private prefix."""
+    app = make_app(redis_url, key_prefix)
+    yield app
+    close_app(app)
+
+
+@pytest.fixture
+def forget_stores() -> Iterator[None]:
+    """Forget this process's lock stores and renewers before and after the test."""
+    connection.reset()
+    yield
+    connection.reset()

@@ -3,36 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from celery_singleton_lock import SingletonConfigError
 from celery_singleton_lock.config import read_beat_options, read_options
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.urls import redact_url
+from tests.support.basic_app import SINGLETON_APP
 from tests.support.beats import BeatFactory
 from tests.support.workers import WorkerFactory
 
-APP = "tests.support.singleton_app"
 PASSWORD = "s3cret-Pw-52e"
 INVALID = "celery_singleton_lock: invalid setting: "
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = BeatFactory(
-        tmp_path / "beats",
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": key_prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-        },
-    )
-    yield factory
-    factory.close()
 
 
 def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
@@ -64,7 +46,7 @@ def test_worker_refuses_to_start(
     worker_factory: WorkerFactory, env: dict[str, str], setting: str, shown: str
 ) -> None:
     """The worker exits before it is ready, with one line naming the setting and its value."""
-    worker = worker_factory.start(APP, concurrency=1, env=env)
+    worker = worker_factory.start(SINGLETON_APP, concurrency=1, env=env)
     code = worker.wait(timeout=30)
     log = worker.log_text()
     _assert_refused(log, code, setting, shown)

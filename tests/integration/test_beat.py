@@ -14,20 +14,19 @@ import re
 import time
 from collections.abc import Iterator
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
 from celery_singleton_lock.core.keys import run_claim_key
+from tests.support.basic_app import BEAT_APP, close_app, history_key, make_app
 from tests.support.beats import BeatFactory, BeatHistory, BeatProcess
 from tests.support.history import load_history
 from tests.support.servers import RedisServer, free_port
-from tests.support.test_app import history_key, make_app
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-BEAT_APP = "tests.support.beat_app"
 #: publishing lags the slot start by a few ms; a slot due this close to a beat's end may be lost
 PUBLISH_MARGIN_S = 0.5
 #: how long in-flight tasks get to finish after the last beat stopped
@@ -36,26 +35,11 @@ LEASE_S = 3.0
 
 
 @pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = BeatFactory(
-        tmp_path / "beats",
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": key_prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-        },
-    )
-    yield factory
-    factory.close()
-
-
-@pytest.fixture
 def control_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
     """A client app on the workers' private broker space (to ping them)."""
     app = make_app(redis_url, key_prefix)
     yield app
-    app.close()
+    close_app(app)
 
 
 def start_workers(
@@ -145,7 +129,7 @@ def minute_boundaries_ms(start: float, end: float) -> list[int]:
 # -- active-active ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=80)
 def test_three_beats_killed_one_by_one_run_every_nominal_run_exactly_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -199,6 +183,7 @@ def test_three_beats_killed_one_by_one_run_every_nominal_run_exactly_once(
         assert len(later) >= 2, f"no runs right after {name} was killed at {killed_at}\n{logs}"
 
 
+@pytest.mark.slow(seconds=19)
 def test_paused_beat_neither_duplicates_nor_loses_runs(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -230,6 +215,7 @@ def test_paused_beat_neither_duplicates_nor_loses_runs(
     assert_no_gaps(hist, "remote-every-2s", step_s=2.0, ready=ready, end=end, logs=logs)
 
 
+@pytest.mark.slow(seconds=14)
 def test_run_claimed_by_a_dead_claimer_is_published_late_not_lost(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -281,16 +267,16 @@ def leader_lines(beat: BeatProcess, start: int = 0) -> list[float]:
 
 
 def wait_for_leader(beats: list[BeatProcess], timeout: float, since: float = 0.0) -> BeatProcess:
-    """The beat that logged it became leader after ``since`` (epoch s); TimeoutError if none."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for beat in beats:
-            if any(ts >= since for ts in leader_lines(beat)):
-                return beat
-        time.sleep(0.05)
-    raise TimeoutError(f"no beat became leader within {timeout}s")
+    """The beat that logged it became leader after ``since`` (epoch s); fails if none."""
+
+    def leader() -> BeatProcess | None:
+        return next((b for b in beats if any(ts >= since for ts in leader_lines(b))), None)
+
+    found: BeatProcess = wait_for(leader, timeout, "a beat to become leader", interval=0.05)
+    return found
 
 
+@pytest.mark.slow(seconds=16)
 def test_leader_killed_a_standby_takes_over_within_the_lease(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -337,6 +323,7 @@ def test_leader_killed_a_standby_takes_over_within_the_lease(
     assert ids[-1] >= slot_ms(end - PUBLISH_MARGIN_S, 1.0), hist.summary()
 
 
+@pytest.mark.slow(seconds=20)
 def test_paused_leader_is_deposed_and_does_not_publish_after_resuming(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -386,6 +373,7 @@ RENEWAL_FAILED = r"beat: redis error, (lease not renewed|standing by)"
 KEPT = "beat: leadership kept after a redis error"
 
 
+@pytest.mark.slow(seconds=20)
 def test_leader_keeps_leading_after_its_lock_redis_stalls_once(  # noqa: PLR0917 - fixtures
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,

@@ -38,7 +38,7 @@ from celery_singleton_lock.beat.scheduler import (
 from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.keys import leader_keys
 from tests.support.servers import RedisServer
-from tests.support.workers import wait_for
+from tests.support.waiting import wait_for
 
 INTERVAL = "remote-every-10s"
 CRON = "remote-every-5min"

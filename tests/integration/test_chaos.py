@@ -16,9 +16,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import redis
@@ -27,12 +24,12 @@ from celery import Celery
 from celery_singleton_lock import fenced_get
 from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from celery_singleton_lock.core.keys import run_claim_key
+from tests.support.basic_app import BEAT_APP, SINGLETON_APP, history_key
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.chaos import (
     LoadRig,
     deliveries_key,
     lock_holders,
-    make_beat_factory,
     record_figures,
     wait_locks_gone,
     with_twice,
@@ -49,41 +46,8 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
-from tests.support.test_app import history_key, make_app
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-
-APP = "tests.support.singleton_app"
-BEAT_APP = "tests.support.beat_app"
-
-T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``predicate`` every 20 ms until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker apps: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = make_beat_factory(tmp_path / "beats", redis_url, key_prefix)
-    yield factory
-    factory.close()
 
 
 def history(client: redis.Redis, prefix: str) -> list[Execution]:
@@ -101,7 +65,7 @@ def start_ready(
     factory: WorkerFactory, app: Celery, env: dict[str, str], concurrency: int = 1
 ) -> WorkerProcess:
     """A prefork worker of singleton_app, answering ping."""
-    worker = factory.start(APP, pool="prefork", concurrency=concurrency, env=env)
+    worker = factory.start(SINGLETON_APP, pool="prefork", concurrency=concurrency, env=env)
     worker.wait_ready(app)
     return worker
 
@@ -121,7 +85,7 @@ def test_paused_worker_loses_its_lock_and_its_fenced_write_is_rejected(
     key, record = "paused", f"{key_prefix}record:paused"
 
     first = client_app.send_task("t.fenced_hold", args=(key, record, "A", 4.0), queue="chaos-a")
-    lock = wait_until(
+    lock = wait_for(
         lambda: next(
             (
                 k
@@ -133,13 +97,13 @@ def test_paused_worker_loses_its_lock_and_its_fenced_write_is_rejected(
         15,
         "A to take the lock",
     )
-    wait_until(lambda: history(redis_client, key_prefix), 5, "A's body to start")
+    wait_for(lambda: history(redis_client, key_prefix), 5, "A's body to start")
     token_a = int(redis_client.hget(lock, "token") or 0)
 
     os.killpg(a.pid, signal.SIGSTOP)  # the main process and its pool child: a GC-like pause
     stopped_us = server_time_us(redis_client)
     try:
-        wait_until(lambda: not redis_client.exists(lock), 3, "A's lock to expire")
+        wait_for(lambda: not redis_client.exists(lock), 3, "A's lock to expire")
         second = client_app.send_task(
             "t.fenced_hold", args=(key, record, "B", 0.5), queue="chaos-b"
         )
@@ -197,6 +161,7 @@ def test_paused_worker_loses_its_lock_and_its_fenced_write_is_rejected(
 # -- 2. broker redelivery of a late-acked message -----------------------------------------------
 
 
+@pytest.mark.slow(seconds=8)
 def test_visibility_timeout_redelivery_waits_for_the_lock(
     worker_factory: WorkerFactory,
     client_app: Celery,
@@ -205,14 +170,16 @@ def test_visibility_timeout_redelivery_waits_for_the_lock(
 ) -> None:
     """acks_late, visibility 2 s, a 6 s run: the broker's copy waits for the lock, no overlap."""
     env = {"SINGLETON_TEST_VISIBILITY": "2"}
-    workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
+    workers = [
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1, env=env) for _ in "ab"
+    ]
     for worker in workers:
         worker.wait_ready(client_app)
 
     result = client_app.send_task("t.hold_redelivered", args=("redelivered", 6.0))
     runs_key = deliveries_key(key_prefix, result.id)
-    wait_until(lambda: int(redis_client.get(runs_key) or 0) >= 2, 30, "a second run")
-    executions = wait_until(
+    wait_for(lambda: int(redis_client.get(runs_key) or 0) >= 2, 30, "a second run")
+    executions = wait_for(
         lambda: (h := history(redis_client, key_prefix)) and all(e.finished for e in h) and h,
         10,
         "every run to finish",
@@ -237,7 +204,7 @@ def test_visibility_timeout_redelivery_waits_for_the_lock(
     assert first.end_us - first.start_us >= 5_900_000, first.describe()
     assert_no_overlap(report, allow_unfinished=False)
     assert not stuck, stuck
-    wait_until(lambda: result.state == "SUCCESS", 10, "the result")
+    wait_for(lambda: result.state == "SUCCESS", 10, "the result")
     assert "singleton: lock lost" not in logs
 
 
@@ -252,12 +219,14 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     the other worker. Resumed, the first delivery must learn its lock is gone (its renewal, or
     its release, finds the copy's token) and, when it ends, leave the copy's lock alone."""
     env = {"SINGLETON_TEST_VISIBILITY": "2"}
-    workers = [worker_factory.start(APP, pool="prefork", concurrency=1, env=env) for _ in "ab"]
+    workers = [
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1, env=env) for _ in "ab"
+    ]
     for worker in workers:
         worker.wait_ready(client_app)
     result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 1.5, 6.0))
     runs_key = deliveries_key(key_prefix, result.id)
-    lock, fields = wait_until(
+    lock, fields = wait_for(
         lambda: next(iter(lock_holders(redis_client, key_prefix).items()), None),
         15,
         "the first delivery to take the lock",
@@ -268,8 +237,8 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     child = int(fields["pid"])
     os.kill(child, signal.SIGSTOP)
     try:
-        wait_until(lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy")
-        copy_token = wait_until(
+        wait_for(lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy")
+        copy_token = wait_for(
             lambda: (
                 (t := redis_client.hget(lock, "token")) and int(t) != int(fields["token"]) and t
             ),
@@ -278,7 +247,7 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
         )
     finally:
         os.kill(child, signal.SIGCONT)
-    wait_until(
+    wait_for(
         lambda: len([e for e in history(redis_client, key_prefix) if e.finished]) >= 1,
         15,
         "the first delivery to end",
@@ -290,7 +259,7 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     # it learns at its next renewal ("lock lost ... reason=taken") or, when its body ended
     # before the renewer's next tick, at its release ("no longer ours")
     learned = ("reason=taken", "singleton: lock was no longer ours at release")
-    wait_until(lambda: any(line in first.log_text() for line in learned), 10, "the first to learn")
+    wait_for(lambda: any(line in first.log_text() for line in learned), 10, "the first to learn")
 
 
 # -- 3. a beat and a worker node killed ----------------------------------------------------------
@@ -304,6 +273,7 @@ def latest_publisher(beats: list[BeatProcess]) -> BeatProcess:
     return max(beats, key=lambda b: p.ts if (p := last[b.name]) is not None else 0.0)
 
 
+@pytest.mark.slow(seconds=32)
 def test_beat_and_node_killed_while_runs_hold_locks(
     worker_factory: WorkerFactory,
     beat_factory: BeatFactory,
@@ -401,7 +371,7 @@ def beat_dying_on_publish(  # noqa: PLR0917 - fixtures passed through
     )
     ready["victim"] = victim.wait_ready()
     died_key = f"{key_prefix}died-on"
-    wait_until(lambda: not victim.is_running(), 20, "the victim to win a claim and die")
+    wait_for(lambda: not victim.is_running(), 20, "the victim to win a claim and die")
     died_at = time.time()
     label = (redis_client.lindex(died_key, 0) or b"").decode()
     run_s = int(label.rsplit("@", 1)[1]) / 1000
@@ -432,6 +402,7 @@ def beat_dying_on_publish(  # noqa: PLR0917 - fixtures passed through
     return label, report, runs, beat_factory.logs(100)
 
 
+@pytest.mark.slow(seconds=20)
 def test_beat_killed_after_claiming_before_publishing_publishes_the_run_late_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -450,6 +421,7 @@ def test_beat_killed_after_claiming_before_publishing_publishes_the_run_late_onc
     assert report.ok, detail
 
 
+@pytest.mark.slow(seconds=22)
 def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -466,6 +438,7 @@ def test_beat_killed_after_publishing_before_confirming_does_not_publish_twice(
     assert report.ok, detail
 
 
+@pytest.mark.slow(seconds=16)
 def test_beat_started_after_a_claimer_died_publishes_its_run_late_once(
     beat_factory: BeatFactory,
     worker_factory: WorkerFactory,
@@ -480,12 +453,12 @@ def test_beat_started_after_a_claimer_died_publishes_its_run_late_once(
         name="victim", env={"SINGLETON_TEST_DIE_ON_PUBLISH": f"before:{DIE_ENTRY}"}
     )
     victim.wait_ready()
-    wait_until(lambda: not victim.is_running(), 20, "the victim to claim a run and die")
+    wait_for(lambda: not victim.is_running(), 20, "the victim to claim a run and die")
     label = (redis_client.lindex(f"{key_prefix}died-on", 0) or b"").decode()
     run_s = int(label.rsplit("@", 1)[1]) / 1000
     late = beat_factory.start(name="late")  # starts after the victim's run, in a later slot
     late.wait_ready()
-    wait_until(
+    wait_for(
         lambda: [e for e in history(redis_client, key_prefix) if e.key == label],
         run_s + CLAIM_GRACE_S + 15 - time.time(),
         "the late beat to publish the dead claimer's run",
@@ -514,7 +487,7 @@ def test_worker_drops_a_second_message_of_one_scheduled_run(
     first = client_app.send_task("b.record", args=("manual",), headers=headers)
     assert first.get(timeout=30) == label
     second = client_app.send_task("b.record", args=("manual",), headers=headers)
-    wait_until(lambda: second.state == "REVOKED", 30, "the second message to be revoked")
+    wait_for(lambda: second.state == "REVOKED", 30, "the second message to be revoked")
     redelivered = client_app.send_task(
         "b.record", args=("manual",), headers=headers, task_id=first.id
     )
@@ -523,7 +496,7 @@ def test_worker_drops_a_second_message_of_one_scheduled_run(
     def label_runs() -> list[Execution]:
         return [e for e in history(redis_client, key_prefix) if e.key == label]
 
-    wait_until(lambda: len(label_runs()) >= 2, 30, "the redelivered first message to run")
+    wait_for(lambda: len(label_runs()) >= 2, 30, "the redelivered first message to run")
     time.sleep(0.5)  # the second message, had it not been dropped, would have run long ago
     runs = label_runs()
     assert len(runs) == 2, runs  # the first message and its redelivery, never the second

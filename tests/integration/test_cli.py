@@ -7,8 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,25 +25,16 @@ from celery_singleton_lock.core.admin import (
 )
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
-from tests.support.test_app import make_app
+from tests.support.basic_app import SINGLETON_APP
+from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory
-
-APP = "tests.support.singleton_app"
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
 
 
 def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any:
     """Run ``celery -A tests.support.singleton_app singleton <args>`` as a real process."""
     env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+        [sys.executable, "-m", "celery", "-A", SINGLETON_APP, "singleton", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -53,16 +42,6 @@ def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any
         timeout=timeout,
         check=False,
     )
-
-
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str) -> str:
@@ -73,6 +52,7 @@ def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str)
     return keys.lock
 
 
+@pytest.mark.slow(seconds=8)
 def test_list_purge_and_release_on_a_live_worker(
     worker_factory: WorkerFactory,
     client_app: Celery,
@@ -82,7 +62,7 @@ def test_list_purge_and_release_on_a_live_worker(
 ) -> None:
     """list shows the worker's lock and holder; purge spares it; release makes the run lose it."""
     lock_prefix = f"{key_prefix}lock:"
-    worker = worker_factory.start(APP, env={"SINGLETON_TEST_TTL": "4"})
+    worker = worker_factory.start(SINGLETON_APP, env={"SINGLETON_TEST_TTL": "4"})
     dead = _plant(redis_client, lock_prefix, "t.hold", b"dead", "w-gone@nowhere")
     bare = _plant(redis_client, lock_prefix, "t.hold", b"bare", "w-gone@nowhere")
     redis_client.persist(bare)
@@ -96,7 +76,7 @@ def test_list_purge_and_release_on_a_live_worker(
         mine = [lock for lock in json.loads(listed.stdout) if lock["owner"] == result.id]
         return mine[0] if mine else None
 
-    lock = _wait_for(live_lock, 30, "the worker's lock in `singleton list --json`")
+    lock = wait_for(live_lock, 30, "the worker's lock in `singleton list --json`")
     assert lock["task"] == "t.hold"
     assert lock["host"] == worker.nodename
     assert lock["pid"] in worker.child_pids()
@@ -119,7 +99,7 @@ def test_list_purge_and_release_on_a_live_worker(
     def logged() -> set[str]:
         return {raw.decode() for raw in redis_client.lrange(f"{key_prefix}signals", 0, -1)}
 
-    _wait_for(lambda: f"lock_lost {result.id}" in logged(), 30, "lock_lost from the worker")
+    wait_for(lambda: f"lock_lost {result.id}" in logged(), 30, "lock_lost from the worker")
     assert f"lock_force_released {result.id}" in logged()  # sent by the command's process
     assert "singleton: lock lost: t.hold" in worker.log_text()
 

@@ -25,7 +25,6 @@ from redis.connection import AbstractConnection
 from celery_singleton_lock import LockUnavailableError
 from celery_singleton_lock.beat.claims import RunClaims
 from celery_singleton_lock.beat.scheduler import ERROR_RETRY_S
-from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
@@ -49,24 +48,20 @@ from tests.integration.test_beat_mixin import (
     paused,
     set_clock,
 )
+from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
-from tests.support.test_app import history_key, make_app
 from tests.support.topologies import Cluster
 from tests.support.workers import WorkerFactory
+
+#: store_for caches per URL and process: every test starts and ends without any
+pytestmark = pytest.mark.usefixtures("forget_stores")
 
 PREFIX = "cslt:cluster:"
 TTL_MS = 30_000
 #: an expiry the tests set before a renewal: only a renewal puts it back above this
 AGED_MS = TTL_MS // 3
 LOCKS = 200
-
-
-@pytest.fixture(autouse=True)
-def _forget_stores() -> Iterator[None]:
-    singleton_connection.reset()
-    yield
-    singleton_connection.reset()
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +434,7 @@ def test_worker_locks_on_the_cluster(
         assert not list(client.scan_iter(match=f"{key_prefix}*:lock"))
     finally:
         factory.close()
-        app.close()
+        close_app(app)
         client.close()
         broker.close()
 

@@ -49,6 +49,9 @@ from tests.support.topologies import (
     short_tempdir,
 )
 
+#: store_for caches per URL and process: every test starts and ends without any
+pytestmark = pytest.mark.usefixtures("forget_stores")
+
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret-Pw-e07"
 SENTINEL_PASSWORD = "s3nt-Pw-1b8"
@@ -58,14 +61,6 @@ FAST_FILES = [
     "tests/integration/test_claims.py",
     "tests/integration/test_fencing.py",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _forget_stores() -> Iterator[None]:
-    """store_for caches per URL and process: start and end every test without any."""
-    singleton_connection.reset()
-    yield
-    singleton_connection.reset()
 
 
 def lock_cycle(store: LockStore, prefix: str = "cslt:conn:") -> Acquired:
@@ -432,6 +427,7 @@ def _other_server() -> str:
 
 
 @pytest.mark.skipif(os.environ.get("SINGLETON_TEST_NESTED") == "1", reason="already the nested run")
+@pytest.mark.slow(seconds=10)
 def test_fast_suite_on_the_other_server() -> None:
     """The fast integration files pass on the other server too (Valkey 8 when this run uses
     Redis 7, and the other way round), on private servers of that binary."""
@@ -451,7 +447,18 @@ def test_fast_suite_on_the_other_server() -> None:
         pytest.skip(f"no {other} server binary installed")
     node = "tests/integration/test_connections.py::test_test_server_matches_the_choice"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_FILES, node],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            *FAST_FILES,
+            node,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

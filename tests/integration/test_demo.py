@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=26)
 def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> None:
     """A 12 s demo with a beat and a worker SIGKILLed: 0 overlaps, 0 missed, each run once."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DEMO_REDIS_URL")}

@@ -17,6 +17,7 @@ import redis
 from celery.contrib.testing.worker import start_worker
 
 from celery_singleton_lock import skip_info
+from tests.support.waiting import wait_for
 
 AMQP_HOST = ("127.0.0.1", 5672)
 # the workers run in this process: Celery's Redis result backend calls redis-py's setex
@@ -59,15 +60,11 @@ def wait_for_lock(redis_url: str, prefix: str) -> list[bytes]:
     """The lock keys under ``prefix`` once there is one (a run has started)."""
     client = redis.Redis.from_url(redis_url)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            locks = list(client.scan_iter(match=f"{prefix}lock:*:lock"))
-            if locks:
-                return locks
-            time.sleep(0.05)
+        return wait_for(
+            lambda: list(client.scan_iter(match=f"{prefix}lock:*:lock")), 20, "a run's lock"
+        )
     finally:
         client.close()
-    raise AssertionError("no run took its lock within 20 s")
 
 
 def duplicates(task: Any, redis_url: str, prefix: str, *args: Any) -> tuple[Any, Any]:
@@ -80,10 +77,7 @@ def duplicates(task: Any, redis_url: str, prefix: str, *args: Any) -> tuple[Any,
 
 def outcome(result: Any, timeout: float = 30.0) -> Any:
     """The result's value, polled (``get()`` waits on pub/sub, which the key prefix hides)."""
-    deadline = time.monotonic() + timeout
-    while not result.ready():
-        assert time.monotonic() < deadline, f"no result for {result.id} within {timeout} s"
-        time.sleep(0.05)
+    wait_for(result.ready, timeout, f"the result of {result.id}", interval=0.05)
     return result.result
 
 

@@ -8,7 +8,6 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from celery import Celery
 from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
+from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -25,23 +25,12 @@ from tests.support.history import (
     record_end,
     record_start,
 )
-from tests.support.test_app import history_key, make_app
 from tests.support.workers import WorkerFactory
-
-APP = "tests.support.singleton_app"
-
-
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
 
 # -- through Celery -------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=24)
 def test_exclusion_across_prefork_threads_and_solo_workers(
     worker_factory: WorkerFactory,
     client_app: Celery,
@@ -54,10 +43,10 @@ def test_exclusion_across_prefork_threads_and_solo_workers(
     """
     env = {"SINGLETON_TEST_TTL": "1"}
     workers = [
-        worker_factory.start(APP, pool="prefork", concurrency=3, env=env),
-        worker_factory.start(APP, pool="prefork", concurrency=2, env=env),
-        worker_factory.start(APP, pool="threads", concurrency=3, env=env),
-        worker_factory.start(APP, pool="solo", concurrency=1, env=env),
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3, env=env),
+        worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2, env=env),
+        worker_factory.start(SINGLETON_APP, pool="threads", concurrency=3, env=env),
+        worker_factory.start(SINGLETON_APP, pool="solo", concurrency=1, env=env),
     ]
     for worker in workers:
         worker.wait_ready(client_app)

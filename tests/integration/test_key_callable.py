@@ -13,10 +13,9 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.keys import derive_keys
-from tests.support.test_app import make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.workers import WorkerFactory
 
-APP = "tests.support.singleton_app"
 NAMES = ("t.key_lambda", "t.key_inline", "t.key_attribute", "t.key_static")
 
 
@@ -92,13 +91,14 @@ def test_a_callable_that_cannot_take_args_and_kwargs_is_refused_when_read() -> N
     app.close()
 
 
+@pytest.mark.slow(seconds=7)
 def test_key_callables_run_on_a_real_worker(
     worker_factory: WorkerFactory, redis_url: str, key_prefix: str
 ) -> None:
     """On a real worker each spelling runs (no TypeError) and keys on the account alone: a second
     call for the same account while the first runs is skipped, another account runs."""
     app = make_app(redis_url, key_prefix)
-    worker = worker_factory.start(APP, pool="prefork", concurrency=2)
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2)
     worker.wait_ready(app)
     try:
         for name in NAMES:
@@ -109,14 +109,16 @@ def test_key_callables_run_on_a_real_worker(
             assert skip_info(duplicate.get(timeout=20)) is not None, name
             assert first.get(timeout=20)["token"] > 0, name
     finally:
-        app.close()
+        close_app(app)
 
 
 def test_worker_refuses_a_key_callable_that_cannot_take_args_and_kwargs(
     worker_factory: WorkerFactory,
 ) -> None:
     """Checked at start-up like singleton_key_args: one line naming the option, no traceback."""
-    worker = worker_factory.start(APP, concurrency=1, env={"SINGLETON_TEST_BAD_KEY_FN": "1"})
+    worker = worker_factory.start(
+        SINGLETON_APP, concurrency=1, env={"SINGLETON_TEST_BAD_KEY_FN": "1"}
+    )
     code = worker.wait(timeout=30)
     log = worker.log_text()
     assert code != 0, log

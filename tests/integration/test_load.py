@@ -14,16 +14,13 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
 from tests.support.beats import BeatFactory
-from tests.support.chaos import LoadRig, make_beat_factory, record_figures, with_twice
-from tests.support.test_app import make_app
+from tests.support.chaos import LoadRig, record_figures, with_twice
 from tests.support.workers import WorkerFactory
 
 LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "180"))
@@ -38,22 +35,6 @@ TTL_S = 1.0
 PERIODS = {"every-second": 1.0, "remote-every-2s": 2.0, "load-fanout": 1.0, "every-minute": 60.0}
 
 
-@pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of beat_app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def beat_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[BeatFactory]:
-    """Starts beats of beat_app on ``key_prefix``; every one is SIGKILLed at teardown."""
-    factory = make_beat_factory(tmp_path / "beats", redis_url, key_prefix)
-    yield factory
-    factory.close()
-
-
 def next_phase(now: float) -> float:
     """The next x.25 or x.75 second: sends stay clear of the beats' publishes and the kills."""
     base = math.floor(now)
@@ -63,7 +44,7 @@ def next_phase(now: float) -> float:
     return base + 1.25  # pragma: no cover - unreachable
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=LOAD_SECONDS + 10)
 @pytest.mark.timeout(LOAD_SECONDS + 240)
 def test_load_with_random_kills_no_overlap_no_stuck_lock(
     worker_factory: WorkerFactory,

@@ -11,6 +11,7 @@ from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
 from celery_singleton_lock.core import backend as lock_module
+from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.backend import (
     Acquired,
     Contended,
@@ -200,6 +201,9 @@ def test_renew_writes_every_call_before_it_reads_a_reply(
     held, items = _chunked(store, redis_client, key_prefix, 35)
     redis_client.hset(held[23].lock, "owner", "thief")  # in the third call
     redis_client.unlink(held[34].lock)  # the last one of the fourth
+    # the script is on the server, as after any earlier renewal: no NOSCRIPT round trip (under
+    # xdist this test may be the first to renew on its worker's private server)
+    redis_client.script_load(script("renew.lua").text)
     events: list[str] = []
     send, parse = AbstractConnection.send_packed_command, redis.Redis.parse_response
 
@@ -278,17 +282,18 @@ def test_renew_in_chunks_reports_each_lock(redis_client: redis.Redis, key_prefix
     """A batch over two ttls and several 1,000-lock calls keeps every lock's own status."""
     store = LockStore(redis_client)
     held = [_keys(key_prefix, f"c{i}") for i in range(2100)]
-    for keys in held:
-        store.acquire(keys, "owner", 0, 2000)
+    for keys in held:  # 30 s: none expires while the 2,100 acquires run on a loaded machine
+        store.acquire(keys, "owner", 0, 30_000)
     redis_client.hset(held[1500].lock, "owner", "thief")
     redis_client.delete(held[2050].lock)
     items = [RenewItem(k.lock, "owner", 0, 60_000 if i % 2 else 50_000) for i, k in enumerate(held)]
     statuses = store.renew(items)
-    expected = [RenewStatus.RENEWED] * len(held)
-    expected[1500], expected[2050] = RenewStatus.TAKEN, RenewStatus.GONE
-    assert statuses == expected
+    assert len(statuses) == len(held)
+    # the locks not renewed, by index (a diff of two 2,100-item lists takes pytest minutes)
+    not_renewed = {i: s for i, s in enumerate(statuses) if s is not RenewStatus.RENEWED}
+    assert not_renewed == {1500: RenewStatus.TAKEN, 2050: RenewStatus.GONE}
     assert 50_000 < redis_client.pttl(held[1].lock) <= 60_000
-    assert 2000 < redis_client.pttl(held[2].lock) <= 50_000
+    assert 30_000 < redis_client.pttl(held[2].lock) <= 50_000
 
 
 def test_acquire_after_releases_first(redis_client: redis.Redis, key_prefix: str) -> None:

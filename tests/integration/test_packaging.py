@@ -20,7 +20,8 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
-from tests.support.workers import REPO_ROOT, WorkerFactory, wait_for
+from tests.support.waiting import wait_for
+from tests.support.workers import REPO_ROOT, WorkerFactory
 
 #: where the stand-in for the example's ``write_balance`` records its calls (a list)
 CALLS_KEY = "readme:write_balance"
@@ -70,7 +71,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=11)
 def test_readme_example_runs_from_a_bare_install(
     fresh_venv: Path, private_redis: RedisServer, tmp_path: Path
 ) -> None:
@@ -150,7 +151,7 @@ def test_readme_example_runs_from_a_bare_install(
             return None if any(key.endswith(":lock") for key in keys) else keys
 
         # the lock is freed once the run ended; its fencing counter holds the run's token
-        keys = wait_for(released, timeout=30, what="the lock to be released", worker=worker)
+        keys = wait_for(released, 30, "the lock to be released", worker)
         (fence,) = keys
         assert fence.startswith("singleton:{billing.sync_account:"), keys
         assert fence.endswith(":fence"), keys

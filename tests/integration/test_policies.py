@@ -4,7 +4,6 @@ each on real worker processes of ``tests.support.singleton_app``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,29 +13,18 @@ from celery.result import AsyncResult
 
 from celery_singleton_lock import DuplicateTaskError, SkipInfo, signals, skip_info
 from celery_singleton_lock.core.keys import derive_keys
+from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import assert_no_overlap, check_history, load_history
-from tests.support.test_app import history_key, make_app
+from tests.support.waiting import wait_for as _wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-from tests.support.workers import wait_for as _wait_for
-
-APP = "tests.support.singleton_app"
-
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def client_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
-    """The client side of the worker app: same broker, backend and private prefix."""
-    app = make_app(redis_url, key_prefix)
-    yield app
-    app.close()
-
-
-@pytest.fixture
 def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     """One prefork worker, -c 3, ttl 1 s."""
-    started = worker_factory.start(APP, pool="prefork", concurrency=3)
+    started = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
     started.wait_ready(client_app)
     return started
 
@@ -109,9 +97,9 @@ def test_skip_policy_marks_duplicates_done_at_once(
     # the two duplicates are ready long before the holder's 2.5 s are over
     ready = _wait_for(
         lambda: [r for r in results if r.ready()] if sum(r.ready() for r in results) >= 2 else [],
-        timeout=10,
-        what="two skipped duplicates",
-        worker=worker,
+        10,
+        "two skipped duplicates",
+        worker,
     )
     assert time.monotonic() - sent < 2.0
     assert len(ready) == 2
@@ -171,6 +159,7 @@ def test_raise_policy_fails_duplicate_with_duplicate_task_error(
 # -- retry ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=6)
 def test_retry_policy_runs_every_duplicate_in_turn(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -191,6 +180,7 @@ def test_retry_policy_runs_every_duplicate_in_turn(
 # -- signals --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 def test_signals_for_skip_raise_and_retry(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -224,7 +214,7 @@ def test_signals_for_skip_raise_and_retry(
         wanted = {skip_holder.id, raise_holder.id, *(r.id for r in retry_results)}
         return events if wanted <= released else []
 
-    events = _wait_for(all_released, timeout=5, what="lock_released signals", worker=worker)
+    events = _wait_for(all_released, 5, "lock_released signals", worker)
 
     assert _events_of(events, skip_holder.id) == ["lock_acquired", "lock_released"]
     assert _events_of(events, skipped.id) == ["duplicate_skipped"]
@@ -287,9 +277,9 @@ def test_int_and_str_arguments_are_different_keys(
     # both locks are held at one moment: neither run waited for the other
     _wait_for(
         lambda: redis_client.exists(int_key, str_key) == 2,
-        timeout=5,
-        what="both locks held at once",
-        worker=worker,
+        5,
+        "both locks held at once",
+        worker,
     )
     values = [_get(r, worker) for r in results]
     assert all(isinstance(v, int) for v in values)
@@ -318,6 +308,7 @@ def test_fencing_tokens_of_successive_runs_increase(
 # -- max_hold and loss ----------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=8)
 def test_max_hold_stops_renewal_and_lets_a_duplicate_run(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -403,7 +394,7 @@ def test_lock_taken_by_another_owner_is_reported_lost(
 def test_worker_with_invalid_policy_exits_at_start_up(worker_factory: WorkerFactory) -> None:
     """An app-wide singleton_on_duplicate="bogus" stops the worker before it consumes."""
     bad = worker_factory.start(
-        APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_BAD_POLICY": "bogus"}
+        SINGLETON_APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_BAD_POLICY": "bogus"}
     )
     code = bad.wait(timeout=30)
     log = bad.log_text()

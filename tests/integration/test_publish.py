@@ -3,7 +3,6 @@ holder's AsyncResult; the queued marker never outlives its message for long."""
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,11 +16,10 @@ from kombu.exceptions import EncodeError
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import load_history
-from tests.support.test_app import history_key, make_app
-from tests.support.workers import WorkerFactory, WorkerProcess, wait_for
-
-APP = "tests.support.singleton_app"
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
 
 
 def _signature(key: str, seconds: float = 0.0, retries: int = 0) -> None:
@@ -49,14 +47,6 @@ def _client_app(redis_url: str, prefix: str, **options: Any) -> tuple[Celery, An
     return app, publish_hold
 
 
-def _close(app: Celery) -> None:
-    """Close the app and its result backend's connections (pubsub included)."""
-    gc.collect()  # AsyncResults in cycles unsubscribe now, not after the close
-    app.backend.result_consumer.stop()
-    app.backend.client.connection_pool.disconnect()
-    app.close()
-
-
 @pytest.fixture
 def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple[Celery, Any]]]:
     """Builds client apps with t.publish_hold (task options as keywords); purged and closed
@@ -71,7 +61,7 @@ def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple
     yield make
     for app in apps:
         app.control.purge()
-        _close(app)
+        close_app(app)
 
 
 @pytest.fixture
@@ -97,6 +87,7 @@ def _new_holder(
     return wait_for(published, timeout, f"a new message for {key!r}", worker)
 
 
+@pytest.mark.slow(seconds=6)
 def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
     worker_factory: WorkerFactory,
     client: tuple[Celery, Any],
@@ -106,7 +97,7 @@ def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
     """Queued or running, the holder's id comes back; after the run a new call runs; a
     retrying run is not its own duplicate; revoked and expired messages free their key."""
     app, task = client
-    worker: WorkerProcess = worker_factory.start(APP, pool="prefork", concurrency=2)
+    worker: WorkerProcess = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2)
     worker.wait_ready(app)
     events: list[tuple[str, str]] = []
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import enum
-import gc
 import itertools
 import time
 import uuid
@@ -23,11 +22,10 @@ from celery_singleton_lock import SingletonKeyError, SingletonTask, skip_info
 from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.store import LockStore
+from tests.support.basic_app import DEFAULT_QUEUE, SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, load_history
-from tests.support.test_app import DEFAULT_QUEUE, history_key, make_app
-from tests.support.workers import WorkerFactory, wait_for
-
-APP = "tests.support.singleton_app"
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory
 
 #: Every serializer Celery ships a content type for (msgpack and yaml are test dependencies).
 SERIALIZERS = ("json", "pickle", "msgpack", "yaml")
@@ -85,13 +83,6 @@ FAMILIES: dict[str, Any] = {
 }
 
 
-def _close(app: Celery) -> None:
-    gc.collect()
-    app.backend.result_consumer.stop()
-    app.backend.client.connection_pool.disconnect()
-    app.close()
-
-
 def _client_app(redis_url: str, prefix: str, serializer: str = "json") -> Celery:
     """The publishing side of singleton_app, with its tasks defined on it (same keys)."""
     app = make_app(redis_url, prefix)
@@ -114,7 +105,7 @@ def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., Celer
     yield make
     for app in apps:
         app.control.purge()
-        _close(app)
+        close_app(app)
 
 
 def _quiet_task(app: Celery, lock_on: str = "publish") -> Any:
@@ -208,7 +199,7 @@ def test_a_run_clears_its_marker_when_json_changed_its_argument(
     else would ever let the key go before publish_ttl)."""
     app = make_client("json")
     task = _quiet_task(app)
-    worker = worker_factory.start(APP, pool="prefork", concurrency=1)
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=1)
     worker.wait_ready(app)
     first = task.delay((1, 2))
     wait_for(lambda: [e for e in _runs(redis_client, key_prefix) if e.finished], 20, "run", worker)
@@ -232,7 +223,7 @@ def test_chain_steps_and_callbacks_of_one_key_all_run_in_order(
     app = make_client("json")
     step = _step_task(app, lock_on)
     worker = worker_factory.start(
-        APP, pool="prefork", concurrency=2, env={"SINGLETON_TEST_LOCK_ON": lock_on}
+        SINGLETON_APP, pool="prefork", concurrency=2, env={"SINGLETON_TEST_LOCK_ON": lock_on}
     )
     worker.wait_ready(app)
     rounds = 4
@@ -261,6 +252,7 @@ def test_chain_steps_and_callbacks_of_one_key_all_run_in_order(
     assert _markers(redis_client, key_prefix) == []
 
 
+@pytest.mark.slow(seconds=8)
 def test_a_message_waits_for_the_run_that_published_it(
     worker_factory: WorkerFactory,
     make_client: Callable[..., Celery],
@@ -273,7 +265,7 @@ def test_a_message_waits_for_the_run_that_published_it(
     app = make_client("json")
     step = _step_task(app, "execute")
     worker = worker_factory.start(
-        APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_LOCK_ON": "execute"}
+        SINGLETON_APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_LOCK_ON": "execute"}
     )
     worker.wait_ready(app)
     store = LockStore(redis_client)

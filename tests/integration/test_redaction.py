@@ -25,11 +25,9 @@ from celery_singleton_lock.beat.scheduler import _BeatState
 from celery_singleton_lock.cli import _Target
 from celery_singleton_lock.config import read_beat_options, read_options
 from celery_singleton_lock.core.urls import redact_url
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
-from tests.support.test_app import make_app
 from tests.support.workers import REPO_ROOT, WorkerFactory
-
-APP = "tests.support.singleton_app"
 
 #: An app configured with namespace="CELERY": its setting is CELERY_SINGLETON_REDIS_URL.
 NAMESPACED_APP = """
@@ -85,7 +83,7 @@ def test_celery_report_never_shows_the_lock_store_password(
         "SINGLETON_TEST_PREFIX": key_prefix,
         "SINGLETON_TEST_LOCK_URL": url,
     }
-    report = _celery("-A", APP, "report", env=env)
+    report = _celery("-A", SINGLETON_APP, "report", env=env)
     assert report.returncode == 0, report.stderr
     assert password not in report.stdout + report.stderr
     assert f"singleton_redis_url: {redact_url(url)!r}" in report.stdout, report.stdout
@@ -137,7 +135,7 @@ def test_inspect_conf_of_a_worker_never_shows_the_password(
     server, password = locked_server
     url = _lock_urls(password, server.port)[where]
     env = {"SINGLETON_TEST_LOCK_URL": url}
-    worker = worker_factory.start(APP, concurrency=1, env=env)
+    worker = worker_factory.start(SINGLETON_APP, concurrency=1, env=env)
     client_app = make_app(redis_url, key_prefix)
     try:
         worker.wait_ready(client_app)
@@ -145,10 +143,10 @@ def test_inspect_conf_of_a_worker_never_shows_the_password(
         result = client_app.send_task("t.hold", kwargs={"key": "k", "seconds": 0})
         assert result.get(timeout=30)["token"] > 0
     finally:
-        client_app.close()
+        close_app(client_app)
     conf = _celery(
         "-A",
-        APP,
+        SINGLETON_APP,
         "inspect",
         "conf",
         "-d",

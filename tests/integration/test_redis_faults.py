@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +28,12 @@ from celery_singleton_lock import LockUnavailableError, skip_info
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
+from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
 from tests.support.servers import RedisServer
-from tests.support.test_app import RECORD_TASK, history_key, make_app
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-APP = "tests.support.singleton_app"
 #: singleton_retry_countdown of every worker here: how often a run is requeued while Redis fails
 COUNTDOWN = 0.5
 REQUEUED = "singleton: redis error on acquire, retrying in"
@@ -84,23 +84,8 @@ def bed(
     try:
         yield Bed(app, worker_factory, redis_client, key_prefix)
     finally:
-        app.close()
+        close_app(app)
         print(worker_factory.logs())
-
-
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, *workers: WorkerProcess
-) -> Any:
-    """Poll ``condition`` every 20 ms until it is truthy; fail with the workers' logs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            logs = "\n".join(w.log_tail(60) for w in workers)
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
-        time.sleep(0.02)
 
 
 def start_worker(
@@ -112,7 +97,7 @@ def start_worker(
 ) -> WorkerProcess:
     """A prefork worker of singleton_app whose locks live at ``lock_url``; waits for ping."""
     worker = bed.factory.start(
-        APP,
+        SINGLETON_APP,
         pool="prefork",
         concurrency=concurrency,
         env={
@@ -265,6 +250,7 @@ def test_run_policy_runs_unguarded_while_lock_redis_is_down(
 # -- 3. restarted without its data while a lock is held -----------------------------------------
 
 
+@pytest.mark.slow(seconds=9)
 def test_restart_without_persistence_loses_the_lock_and_says_so(
     bed: Bed, private_redis: RedisServer, lock_client: redis.Redis
 ) -> None:
@@ -302,6 +288,7 @@ def test_restart_without_persistence_loses_the_lock_and_says_so(
 # -- 4. unreachable for a while, data kept --------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=9)
 def test_lock_survives_a_lock_redis_stopped_for_4s(bed: Bed) -> None:
     """Renewals fail while the (persistent) lock Redis is down, then succeed: the lock stays."""
     server = RedisServer(extra_args=("--appendonly", "yes"))  # keeps its data over a restart
@@ -345,6 +332,7 @@ def test_lock_survives_a_lock_redis_stopped_for_4s(bed: Bed) -> None:
 
 
 @pytest.mark.parametrize("stall", ["debug-sleep", "sigstop"])
+@pytest.mark.slow(seconds=8)
 def test_slow_lock_redis_delays_but_keeps_the_lock(stall: str, bed: Bed) -> None:
     """A 2 s stall (DEBUG SLEEP, SIGSTOP): the renewal is late, acquires wait, nothing is lost."""
     server = RedisServer(extra_args=("--enable-debug-command", "yes"))
@@ -425,7 +413,7 @@ def test_wrong_password_is_reported_without_the_password(
     right_url = f"redis://:{PASSWORD}@127.0.0.1:{private_redis.port}/0"
     try:
         wrong = bed.factory.start(
-            APP,
+            SINGLETON_APP,
             concurrency=1,
             env={
                 "SINGLETON_TEST_LOCK_URL": wrong_url,
@@ -434,7 +422,7 @@ def test_wrong_password_is_reported_without_the_password(
             },
         )
         right = bed.factory.start(
-            APP,
+            SINGLETON_APP,
             concurrency=1,
             env={"SINGLETON_TEST_LOCK_URL": right_url, "SINGLETON_TEST_QUEUE": f"{bed.prefix}ok"},
         )

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from tests.support.history import (
     record_start,
 )
 from tests.support.servers import RedisServer
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "rl:"
@@ -423,15 +424,6 @@ def test_token_clears_the_counter_of_a_refusing_master(three_masters: Masters) -
 # -- the renewer ----------------------------------------------------------------------------------
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_renewer_keeps_a_redlock_and_reports_its_loss(three_masters: Masters) -> None:
     """The renewer renews through RedlockStore, survives a dead master, and reports the lock
     lost once the majority has been gone for longer than its validity."""
@@ -464,7 +456,7 @@ def test_renewer_keeps_a_redlock_and_reports_its_loss(three_masters: Masters) ->
         assert not errors
 
         three_masters.kill(1)
-        assert wait_for(lambda: held.lost, timeout=3.0)
+        wait_for(lambda: held.lost, 3.0, "the lock reported lost")
         assert errors  # first: could not tell, try again
         assert lost == [RenewStatus.GONE]  # then: not vouched for within its validity
         assert len(renewer) == 0
@@ -537,7 +529,7 @@ def race_launcher(config_json: str) -> None:
     sys.exit(1 if failures else 0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)
 def test_twenty_processes_never_overlap(three_masters: Masters, private_redis: RedisServer) -> None:
     """20 processes racing for one lock over 3 masters (one killed and restarted empty meanwhile)
     never run at once, and their tokens increase in the order they ran."""
@@ -562,9 +554,11 @@ def test_twenty_processes_never_overlap(three_masters: Masters, private_redis: R
         start_new_session=True,  # its own process group: the cleanup kills every racer
     )
     try:
-        assert wait_for(lambda: history.llen("ready") == PROCESSES, timeout=60), (
-            launcher.poll(),
-            history.llen("ready"),
+        wait_for(
+            lambda: history.llen("ready") == PROCESSES,
+            60,
+            f"{PROCESSES} racers to be ready",
+            details=lambda: f"launcher: {launcher.poll()}, ready: {history.llen('ready')}",
         )
         history.set("go", 1)
         time.sleep(1.0)

@@ -33,12 +33,12 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
-from tests.support.test_app import make_app
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 
 PASSWORD = "rl-Pw-9c1e"
-APP = "tests.support.singleton_app"
 
 
 @pytest.fixture(scope="module")
@@ -137,20 +137,22 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
         for server in servers:
             server.client().config_set("requirepass", PASSWORD)
         url = redlock_url(servers)
-        worker = worker_factory.start(APP, pool="prefork", env={"SINGLETON_TEST_LOCK_URL": url})
+        worker = worker_factory.start(
+            SINGLETON_APP, pool="prefork", env={"SINGLETON_TEST_LOCK_URL": url}
+        )
         app = make_app(redis_url, key_prefix)
         try:
             worker.wait_ready(app)
             first = app.send_task("t.hold", kwargs={"key": "rl", "seconds": 3.0})
             clients = redlock_clients(url)
-            lock = None
-            deadline = time.monotonic() + 30
-            while lock is None and time.monotonic() < deadline:
+
+            def first_lock() -> Any:
                 for key in clients[1].scan_iter(match=f"{key_prefix}lock:*", _type="hash"):
                     if LockStore(clients[1]).holder(key).get("owner") == first.id:
-                        lock = key
-                time.sleep(0.05)
-            assert lock is not None, worker.log_tail()
+                        return key
+                return None
+
+            lock = wait_for(first_lock, 30, "the first run's lock on master 1", worker)
             held = [LockStore(c).holder(lock).get("owner") for c in clients]
             assert held == [first.id] * 3, "the lock is on every master"
             duplicate = app.send_task("t.hold", kwargs={"key": "rl", "seconds": 0})
@@ -160,9 +162,13 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
             servers[0].kill()  # ttl is 1 s: the 3 s run needs renewals on the other two
             value: dict[str, Any] = first.get(timeout=60)
             assert value["lost"] is False, worker.log_tail()
-            deadline = time.monotonic() + 30  # task_postrun releases after the result is stored
-            while time.monotonic() < deadline and any(c.exists(lock) for c in clients[1:]):
-                time.sleep(0.05)
+            # task_postrun releases after the result is stored
+            wait_for(
+                lambda: not any(c.exists(lock) for c in clients[1:]),
+                30,
+                "the lock released on the live masters",
+                worker,
+            )
             for client in clients[1:]:
                 assert LockStore(client).holder(lock) == {}, "released on the live masters"
             log = worker.log_text()
@@ -170,7 +176,7 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
             assert "redis+redlock://:***@" in log, "the banner shows the URL, password hidden"
             assert PASSWORD not in log
         finally:
-            app.close()
+            close_app(app)
     finally:
         for server in servers:
             server.close()

@@ -13,8 +13,8 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +22,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import (
     Execution,
     assert_no_overlap,
@@ -30,10 +31,8 @@ from tests.support.history import (
     server_time_us,
 )
 from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key, signals_key
-from tests.support.test_app import history_key, make_app
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
-
-APP_MODULE = "tests.support.singleton_app"
 
 #: Log lines that must never appear on a path that releases correctly.
 BAD_LINES = (
@@ -42,20 +41,6 @@ BAD_LINES = (
     "singleton: release failed",
     "singleton: could not release",
 )
-
-T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout: float, what: str = "condition") -> T:
-    """Poll ``predicate`` every 50 ms until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Bed:
@@ -83,7 +68,7 @@ class Bed:
             env["SINGLETON_TEST_TTL"] = str(ttl)
         extra = () if queues is None else ("-Q", queues)
         worker = self.factory.start(
-            APP_MODULE, pool=pool, concurrency=concurrency, env=env, extra_args=extra
+            SINGLETON_APP, pool=pool, concurrency=concurrency, env=env, extra_args=extra
         )
         worker.wait_ready(self.app)
         return worker
@@ -114,12 +99,12 @@ class Bed:
 
     def wait_held(self, task_id: str, timeout: float = 15.0) -> str:
         """Wait until ``task_id`` holds a lock; return its key."""
-        return wait_until(lambda: self.lock_of(task_id), timeout, f"a lock held by {task_id}")
+        return wait_for(lambda: self.lock_of(task_id), timeout, f"a lock held by {task_id}")
 
     def wait_gone(self, key: str, timeout: float) -> float:
         """Wait until lock ``key`` is gone; return how long that took."""
         started = time.monotonic()
-        wait_until(lambda: not self.client.exists(key), timeout, f"{key} to be released")
+        wait_for(lambda: not self.client.exists(key), timeout, f"{key} to be released")
         return time.monotonic() - started
 
     def signals(self, entry: str) -> int:
@@ -148,7 +133,7 @@ def bed(
     try:
         yield bed
     finally:
-        app.close()
+        close_app(app)
         print(worker_factory.logs())
 
 
@@ -172,7 +157,7 @@ def assert_clean_log(worker: WorkerProcess, allow: tuple[str, ...] = ()) -> None
 
 def wait_result(result: AsyncResult, timeout: float = 20.0) -> AsyncResult:
     """Wait until ``result`` is ready (success or failure)."""
-    wait_until(result.ready, timeout, f"the result of {result.id}")
+    wait_for(result.ready, timeout, f"the result of {result.id}")
     return result
 
 
@@ -184,7 +169,7 @@ def exc_name(result: AsyncResult) -> str:
 def kill_child(client: redis.Redis, pid: int) -> int:
     """SIGKILL a pool child, wait until it is gone; return the server time (us) just after."""
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not is_alive(pid), 5, f"child {pid} to die")
+    wait_for(lambda: not is_alive(pid), 5, f"child {pid} to die")
     return server_time_us(client)
 
 
@@ -212,7 +197,7 @@ def test_run_end_releases(bed: Bed, kind: str, state: str, error: str | None) ->
     if error is not None:
         assert exc_name(result) == error
     if kind == "reject":
-        wait_until(
+        wait_for(
             lambda: f"t.outcome[{result.id}] reject requeue=False" in worker.log_text(), 5, "log"
         )
     assert bed.locks() == {}
@@ -227,7 +212,7 @@ def test_ignore_releases(bed: Bed) -> None:
     lock = bed.wait_held(result.id)
 
     bed.wait_gone(lock, 10)
-    wait_until(lambda: f"t.outcome[{result.id}] ignored" in worker.log_text(), 5, "ignored log")
+    wait_for(lambda: f"t.outcome[{result.id}] ignored" in worker.log_text(), 5, "ignored log")
     assert result.state == "PENDING"
     assert bed.locks() == {}
     assert_clean_log(worker)
@@ -309,7 +294,7 @@ def test_retry_without_throw_keeps_the_handed_over_lock(bed: Bed) -> None:
     assert info is not None
     assert info.holder == result.id
     # (the first run's SUCCESS is stored too: Celery's retry(throw=False) semantics)
-    wait_until(
+    wait_for(
         lambda: [e for e in bed.history() if e.key == f"{key}:retried" and e.finished],
         15,
         "the retried run",
@@ -388,7 +373,7 @@ def test_revoke_terminate_releases(bed: Bed) -> None:
 
     bed.app.control.revoke(result.id, terminate=True, destination=[worker.nodename])
     assert bed.wait_gone(lock, 3.0) < 3.0
-    wait_until(lambda: result.state == "REVOKED", 5, "REVOKED state")
+    wait_for(lambda: result.state == "REVOKED", 5, "REVOKED state")
     time.sleep(1.0)  # the main process's release may come after a grace: let it land
     assert bed.signals(f"lock_released {result.id}") == 1
     assert_clean_log(worker)
@@ -401,14 +386,14 @@ def test_revoke_terminate_keeps_the_lock_through_the_child_cleanup(bed: Bed) -> 
     first = bed.send("t.hold_cleanup", key, seconds=10, cleanup=1.5)
     lock = bed.wait_held(first.id)
     pid = int(bed.lock(lock)["pid"])
-    wait_until(bed.history, 5, "the body (and its try block) to start")
+    wait_for(bed.history, 5, "the body (and its try block) to start")
 
     bed.app.control.revoke(first.id, terminate=True, destination=[worker.nodename])
     bed.wait_gone(lock, 5)
     child_alive = is_alive(pid)
     duplicate = bed.send("t.hold_cleanup", key, seconds=0.2)
     wait_result(duplicate)
-    wait_until(lambda: all(e.finished for e in bed.history()), 5, "the first run's cleanup")
+    wait_for(lambda: all(e.finished for e in bed.history()), 5, "the first run's cleanup")
     assert_no_overlap(check_history(bed.history()), allow_unfinished=False)
     by_main = "singleton: released by main process after terminate" in worker.log_text()
     assert not (by_main and child_alive), (
@@ -473,7 +458,7 @@ def test_child_sigkill_released_by_main_process(bed: Bed) -> None:
     # else billiard's maintain_pool, every 5 s): 7 s is still far below the 30 s ttl, so only
     # the main process can have released it
     assert bed.wait_gone(lock, 7.0) < 7.0
-    wait_until(
+    wait_for(
         lambda: "singleton: released by main process after worker lost" in worker.log_text(),
         3,
         "the worker lost release log",
@@ -530,7 +515,7 @@ def start_retry_pair(bed: Bed) -> tuple[WorkerProcess, WorkerProcess]:
 
 def wait_task_failure(bed: Bed, task_id: str) -> None:
     """Wait until a main process sent task_failure for ``task_id`` (the library's handler ran)."""
-    wait_until(lambda: bed.signals(f"task_failure {task_id}"), 15, f"task_failure of {task_id}")
+    wait_for(lambda: bed.signals(f"task_failure {task_id}"), 15, f"task_failure of {task_id}")
 
 
 def wait_success(result: AsyncResult, timeout: float = 30.0) -> None:
@@ -538,7 +523,7 @@ def wait_success(result: AsyncResult, timeout: float = 30.0) -> None:
 
     A fresh AsyncResult per look: one caches the first ready state (FAILURE) it saw.
     """
-    wait_until(
+    wait_for(
         lambda: result.app.AsyncResult(result.id).state == "SUCCESS",
         timeout,
         f"{result.id} to succeed",
@@ -562,6 +547,7 @@ def assert_the_retry_runs_alone(bed: Bed, key: str, result: AsyncResult, lock: s
 
 
 @pytest.mark.parametrize(("die", "reason"), [("kill", "worker lost"), ("limit", "hard time limit")])
+@pytest.mark.slow(seconds=13)
 def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reason: str) -> None:
     """retry(), the retried run takes the lock on another worker, then the first child dies
     (SIGKILL or hard time limit): its main process leaves the retried run's lock alone, and a
@@ -577,7 +563,7 @@ def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reaso
         time_limit=2 if die == "limit" else None,
     )
     lock = bed.wait_held(result.id)
-    wait_until(lambda: bed.lock(lock).get("gen") == "1", 15, "the retried run to take the lock")
+    wait_for(lambda: bed.lock(lock).get("gen") == "1", 15, "the retried run to take the lock")
     bed.client.set(go_key(bed.prefix, result.id), 1)
     wait_task_failure(bed, result.id)
 
@@ -600,6 +586,7 @@ def test_lost_child_leaves_the_retried_runs_lock_alone(bed: Bed, die: str, reaso
     assert_clean_log(second_worker)
 
 
+@pytest.mark.slow(seconds=11)
 def test_lost_child_leaves_a_handed_over_lock_to_its_retry(bed: Bed) -> None:
     """retry(countdown=8), then SIGKILL before the retried message arrived: the main process
     leaves the stretched lock alone, a duplicate is skipped, and the retried run takes over."""
@@ -616,7 +603,7 @@ def test_lost_child_leaves_a_handed_over_lock_to_its_retry(bed: Bed) -> None:
         f"the handed-over lock was deleted before its retry came: {fields}"
     )
     assert bed.client.pttl(lock) > 30_000  # still stretched over the countdown (ttl 30 s)
-    wait_until(lambda: NOT_RELEASED + " worker lost" in first_worker.log_text(), 5, "the log line")
+    wait_for(lambda: NOT_RELEASED + " worker lost" in first_worker.log_text(), 5, "the log line")
 
     assert_the_retry_runs_alone(bed, key, result, lock)
     assert_clean_log(first_worker)
@@ -640,6 +627,7 @@ def test_lost_child_of_a_foreign_request_class_leaves_the_lock_to_its_ttl(bed: B
 # -- 7. warm shutdown -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 def test_warm_shutdown_lets_the_run_finish(bed: Bed) -> None:
     """SIGTERM (warm shutdown) while a run holds the lock: it completes, releases, exit code 0."""
     worker = bed.start(ttl=30)  # a long ttl: only a release can make the lock go away
@@ -683,6 +671,7 @@ def test_node_sigkill_lock_expires_by_ttl(bed: Bed) -> None:
 # -- 9. acks_late redelivery ----------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=11)
 def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
     """acks_late + reject_on_worker_lost: the redelivered message waits out the lock, runs once."""
     # billiard may take up to its 5 s maintain_pool interval to notice the dead child and
@@ -693,13 +682,13 @@ def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
     lock = bed.wait_held(result.id)
     first = bed.lock(lock)
     pid = int(first["pid"])
-    wait_until(bed.history, 5, "the first run to start")
+    wait_for(bed.history, 5, "the first run to start")
 
     killed_at = kill_child(bed.client, pid)
     pttl = bed.client.pttl(lock)
 
     # the same task id takes the lock again, with a new token, once the old one expired
-    wait_until(
+    wait_for(
         lambda: bed.lock(lock).get("token", first["token"]) != first["token"],
         15,
         "the redelivered run to take the lock",
@@ -744,7 +733,7 @@ def test_other_pools_release_and_skip(bed: Bed, pool: str, concurrency: int) -> 
     # a lock held across a retry countdown meets a duplicate on every pool, solo included
     retried = bed.send("t.retrying", key, 1, 1.0)
     retry_lock = bed.wait_held(retried.id)
-    wait_until(lambda: len([e for e in bed.history() if e.finished]) == 2, 10, "first try")
+    wait_for(lambda: len([e for e in bed.history() if e.finished]) == 2, 10, "first try")
     assert bed.lock(retry_lock)["gen"] == "0"
     duplicate = bed.send("t.retrying", key, 1, 1.0)
     info = skip_info(duplicate.get(timeout=10))

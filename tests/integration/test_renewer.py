@@ -12,6 +12,7 @@ from celery_singleton_lock.core.backend import Acquired, ReleaseStatus, RenewSta
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
+from tests.support.waiting import wait_for
 
 
 def _hold(store: LockStore, prefix: str, name: str, ttl_ms: int, now: float) -> HeldLock:
@@ -149,9 +150,7 @@ def test_release_later_reaches_redis_and_stop_reports_it(
     try:
         renewer.release_later(first, "SUCCESS")
         assert len(renewer) == 0
-        deadline = time.monotonic() + 10
-        while redis_client.exists(first.key) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: not redis_client.exists(first.key), 10, "the release", interval=0.01)
         assert not redis_client.exists(first.key)
         second = _hold(store, key_prefix, "second", 3000, now=renewer.clock())
         renewer.release_later(second, "FAILURE")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
-import time
 from typing import Any
 
+import pytest
 import redis
 
 from celery_singleton_lock.core._wire import script
@@ -15,6 +15,7 @@ from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.errors import LockUnavailableError
 from tests.support.servers import RedisServer
+from tests.support.waiting import wait_for
 
 
 def _take(store: LockStore, prefix: str, name: str, owner: str) -> LockKeys:
@@ -24,9 +25,7 @@ def _take(store: LockStore, prefix: str, name: str, owner: str) -> LockKeys:
 
 
 def _wait_gone(client: redis.Redis, key: str) -> None:
-    deadline = time.monotonic() + 5
-    while client.exists(key) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: not client.exists(key), 5, f"{key} to be gone", interval=0.005)
 
 
 def test_release_ahead_frees_the_lock_before_its_reply_is_read(
@@ -119,6 +118,7 @@ def _child_collects(store: LockStore, key: str, out: multiprocessing.Queue[objec
     out.put((parents, isinstance(taken, Acquired)))
 
 
+@pytest.mark.slow(seconds=10)
 def test_a_forked_child_does_not_read_its_parents_replies(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
@@ -178,9 +178,7 @@ def test_renewer_thread_reports_a_release_written_ahead(
     renewer.ensure_started()
     try:
         renewer.release_later(held, "SUCCESS")
-        deadline = time.monotonic() + 5
-        while not outcomes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: outcomes, 5, "the release's outcome", interval=0.01)
     finally:
         renewer.stop()
     assert outcomes == [(keys.lock, ReleaseStatus.RELEASED, "SUCCESS")]

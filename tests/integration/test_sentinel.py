@@ -19,7 +19,6 @@ import pytest
 import redis
 
 from celery_singleton_lock import LockUnavailableError
-from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.backend import (
     FENCE_TTL_MS,
@@ -40,15 +39,11 @@ from tests.integration.test_beat_mixin import (
 )
 from tests.support.topologies import SentinelSet, wait_until
 
+#: store_for caches per URL and process: every test starts and ends without any
+pytestmark = pytest.mark.usefixtures("forget_stores")
+
 PREFIX = "cslt:sentinel:"
 TTL_MS = 30_000
-
-
-@pytest.fixture(autouse=True)
-def _forget_stores() -> Iterator[None]:
-    singleton_connection.reset()
-    yield
-    singleton_connection.reset()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +82,7 @@ def test_lock_cycle_through_sentinel(sentinels: SentinelSet) -> None:
         close(store)
 
 
+@pytest.mark.slow(seconds=11)
 def test_sentinel_password_is_needed_and_never_shown(sentinels: SentinelSet) -> None:
     """Without sentinel_password the sentinels refuse: LockUnavailableError, no password in it."""
     store = store_for(sentinels.url(with_sentinel_password=False))
@@ -156,6 +152,7 @@ def renew_until_answered(
     return result
 
 
+@pytest.mark.slow(seconds=7)
 def test_failover_keeps_the_store_working_and_never_lies_about_a_lock() -> None:
     """Kill the master with SIGKILL. After the failover the same store acquires on the new
     master; a renewal of a lock taken before reports RENEWED only where the new master has it
@@ -214,6 +211,7 @@ def test_failover_keeps_the_store_working_and_never_lies_about_a_lock() -> None:
 
 
 @pytest.mark.parametrize("when", list(RENEWAL_FAILS))
+@pytest.mark.slow(seconds=6)
 def test_beat_leader_takes_its_lease_back_after_a_failed_renewal_through_sentinel(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:

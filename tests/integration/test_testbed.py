@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.support.basic_app import BASIC_APP, RECORD_TASK, close_app, history_key, make_app
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -18,10 +19,7 @@ from tests.support.history import (
     record_start,
 )
 from tests.support.servers import RedisServer, find_server_binary, ping
-from tests.support.test_app import RECORD_TASK, history_key, make_app
 from tests.support.workers import WorkerFactory, is_alive
-
-APP_MODULE = "tests.support.test_app"
 
 
 @dataclass
@@ -43,15 +41,15 @@ def testbed(redis_url: str, key_prefix: str) -> Iterator[Testbed]:
     app = make_app(redis_url, key_prefix, queue)
     env = {"SINGLETON_TEST_QUEUE": queue}
     yield Testbed(app=app, env=env, queue=queue, history_key=history_key(key_prefix))
-    app.close()
+    close_app(app)
 
 
 def test_solo_and_prefork_workers_run_recorded_tasks(
     testbed: Testbed, worker_factory: WorkerFactory, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """A solo and a prefork worker run 6 record tasks; the history holds 6 finished runs."""
-    solo = worker_factory.start(APP_MODULE, pool="solo", concurrency=1, env=testbed.env)
-    prefork = worker_factory.start(APP_MODULE, pool="prefork", concurrency=2, env=testbed.env)
+    solo = worker_factory.start(BASIC_APP, pool="solo", concurrency=1, env=testbed.env)
+    prefork = worker_factory.start(BASIC_APP, pool="prefork", concurrency=2, env=testbed.env)
     solo.wait_ready(testbed.app)
     prefork.wait_ready(testbed.app)
     assert len(prefork.child_pids()) == 2
@@ -83,7 +81,7 @@ def test_kill_leaves_no_process_of_the_worker_group(
     testbed: Testbed, worker_factory: WorkerFactory
 ) -> None:
     """kill() SIGKILLs a prefork worker with its pool: nothing of its process group survives."""
-    worker = worker_factory.start(APP_MODULE, pool="prefork", concurrency=2, env=testbed.env)
+    worker = worker_factory.start(BASIC_APP, pool="prefork", concurrency=2, env=testbed.env)
     worker.wait_ready(testbed.app)
     children = worker.child_pids()
     assert len(children) == 2
@@ -101,7 +99,7 @@ def test_kill_leaves_no_process_of_the_worker_group(
 
 def test_terminate_is_a_warm_shutdown(testbed: Testbed, worker_factory: WorkerFactory) -> None:
     """terminate() (SIGTERM) lets a solo worker exit on its own with status 0."""
-    worker = worker_factory.start(APP_MODULE, pool="solo", concurrency=1, env=testbed.env)
+    worker = worker_factory.start(BASIC_APP, pool="solo", concurrency=1, env=testbed.env)
     worker.wait_ready(testbed.app)
     assert worker.terminate(timeout=30) == 0
     assert worker.group_pids() == []

@@ -1,6 +1,6 @@
 """The Celery app the beat tests run as real ``celery beat`` and ``celery worker`` processes.
 
-Configured from the environment like ``test_app``. The schedule has a 1 s interval entry
+Configured from the environment like ``basic_app``. The schedule has a 1 s interval entry
 and an every-minute crontab entry, both recording every execution with the run label
 (``<entry>@<run id>``) that SingletonScheduler puts in the message headers, plus an entry
 for a task the beat process does not know (``SINGLETON_TEST_ROLE=beat`` leaves it
@@ -18,8 +18,8 @@ from typing import Any
 from celery.schedules import crontab
 
 import celery_singleton_lock  # noqa: F401 - connects the worker hooks (scheduled-run witness)
+from tests.support.basic_app import _client, history_key, make_app
 from tests.support.history import record_end, record_start
-from tests.support.test_app import _client, history_key, make_app
 
 __test__ = False
 

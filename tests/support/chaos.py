@@ -24,11 +24,11 @@ import signal
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 
+from tests.support.basic_app import BEAT_APP, history_key
 from tests.support.beats import BeatFactory, BeatProcess, parse_log
 from tests.support.history import (
     BeatRun,
@@ -43,7 +43,7 @@ from tests.support.history import (
     load_history,
     server_time_us,
 )
-from tests.support.test_app import history_key
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
 
 __test__ = False
@@ -51,7 +51,6 @@ __test__ = False
 RELIABILITY_ENV = "SINGLETON_RELIABILITY_OUT"
 #: a task id in a worker log line: ``b.load[feed-...]``, ``b.record[<uuid>]``
 _TASK_ID = re.compile(r"\[((?:feed-|fanout-)?[0-9a-f][0-9a-f-]{15,})\]")
-BEAT_APP = "tests.support.beat_app"
 LOAD_TASK = "b.load"
 
 
@@ -147,12 +146,8 @@ def lock_holders(client: redis.Redis, prefix: str) -> dict[str, dict[str, str]]:
 
 def wait_locks_gone(client: redis.Redis, prefix: str, timeout: float) -> dict[str, dict[str, str]]:
     """Wait up to ``timeout`` for every lock under the prefix to go; return those left."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = lock_holders(client, prefix)
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
+    wait_for(lambda: not lock_holders(client, prefix), timeout, interval=0.05, fail=False)
+    return lock_holders(client, prefix)
 
 
 # -- kills ----------------------------------------------------------------------------------
@@ -190,9 +185,7 @@ def sigkill_pid(client: redis.Redis, pid: int, timeout: float = 5.0) -> int:
     """SIGKILL ``pid``, wait until it is gone; return the server time (us) just after."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while is_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: not is_alive(pid), timeout, interval=0.01, fail=False)
     return server_time_us(client)
 
 
@@ -569,15 +562,3 @@ class LoadRig:
     def logs(self) -> str:
         """Worker and beat log tails, for failure messages."""
         return f"{self.worker_factory.logs()}\n{self.beat_factory.logs(200)}"
-
-
-def make_beat_factory(work_dir: Path, redis_url: str, prefix: str) -> BeatFactory:
-    """A BeatFactory for beat_app on ``prefix`` (as test_beat's fixture builds it)."""
-    return BeatFactory(
-        work_dir,
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-        },
-    )

@@ -1,6 +1,6 @@
 """The Celery app the SingletonTask integration tests run in real worker processes.
 
-Configured from the environment like ``test_app`` (``SINGLETON_TEST_REDIS_URL``,
+Configured from the environment like ``basic_app`` (``SINGLETON_TEST_REDIS_URL``,
 ``SINGLETON_TEST_PREFIX``, ``SINGLETON_TEST_QUEUE``); ``SINGLETON_TEST_TTL`` sets the lock
 ttl of every task (default 1 s, so any task longer than a second needs renewal).
 Every task records its execution (start, end, fencing token) in the history list.
@@ -15,8 +15,8 @@ from typing import Any
 from celery.exceptions import Ignore, Reject
 
 from celery_singleton_lock import SingletonTask
+from tests.support.basic_app import _client, history_key, make_app
 from tests.support.history import record_end, record_start
-from tests.support.test_app import _client, history_key, make_app
 
 __test__ = False
 

@@ -21,16 +21,16 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from tests.support.servers import RedisServer, find_server_binary, free_port
+from tests.support.waiting import wait_for
 
 __all__ = [
     "Cluster",
@@ -47,24 +47,13 @@ __all__ = [
 
 SLOTS = 16384
 
+T = TypeVar("T")
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` every 50 ms until it returns something truthy; raise on timeout.
 
-    Exceptions from ``condition`` count as "not yet" (the last one is named on timeout).
-    """
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            value = condition()
-        except Exception as exc:
-            value, last = None, exc
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(0.05)
+def wait_until(condition: Callable[[], T], timeout: float, what: str) -> T:
+    """:func:`~tests.support.waiting.wait_for` every 50 ms, any exception counting as "not
+    yet" (servers restart and fail over meanwhile; the last one is named on timeout)."""
+    return wait_for(condition, timeout, what, interval=0.05, ignore=(Exception,))
 
 
 def server_info(client: redis.Redis, section: str | None = None) -> dict[str, Any]:

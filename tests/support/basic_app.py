@@ -7,12 +7,13 @@ Configured from the environment so a worker subprocess and the test share one pr
   ``global_keyprefix`` transport option), and of the history list;
 - ``SINGLETON_TEST_QUEUE``: the default queue name.
 
-Run a worker with ``celery -A tests.support.test_app worker``; build the same app in the test
+Run a worker with ``celery -A tests.support.basic_app worker``; build the same app in the test
 process with :func:`make_app` and the same three values.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -22,13 +23,18 @@ from celery import Celery
 
 from tests.support.history import record_end, record_start
 
+#: the test apps, by the module name ``celery -A`` takes (worker and beat processes)
+BASIC_APP = "tests.support.basic_app"
+SINGLETON_APP = "tests.support.singleton_app"
+BEAT_APP = "tests.support.beat_app"
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "cslt:default:"
 DEFAULT_QUEUE = "cslt-testbed"
-RECORD_TASK = "tests.support.test_app.record"
+RECORD_TASK = "tests.support.basic_app.record"
 HISTORY_SUFFIX = "history"
 
-__test__ = False  # not a test module, despite its name
+__test__ = False  # a helper module: never collected
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -57,7 +63,7 @@ def make_app(
     prefix = prefix or os.environ.get("SINGLETON_TEST_PREFIX") or DEFAULT_PREFIX
     queue = queue or os.environ.get("SINGLETON_TEST_QUEUE") or DEFAULT_QUEUE
 
-    app = Celery("tests.support.test_app", set_as_current=set_as_current)
+    app = Celery("tests.support.basic_app", set_as_current=set_as_current)
     app.conf.update(
         broker_url=redis_url,
         result_backend=redis_url,
@@ -86,6 +92,26 @@ def make_app(
         return exec_id
 
     return app
+
+
+def close_app(app: Celery) -> None:
+    """Close a client app and its result backend's connections, the pub/sub one included.
+
+    ``app.close()`` alone leaves the result consumer's pub/sub connection (opened by
+    ``AsyncResult.get``) to the garbage collector, which closes its socket in whichever later
+    test it runs: a ResourceWarning, an error under ``filterwarnings = error``. The collection
+    first lets AsyncResults left in reference cycles unsubscribe now.
+    """
+    gc.collect()
+    backend = app._backend  # None when this thread never used a backend: nothing to close
+    if backend is not None:
+        consumer = getattr(backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
+        client = getattr(backend, "client", None)
+        if client is not None:
+            client.connection_pool.disconnect()
+    app.close()
 
 
 app = make_app()

@@ -1,0 +1,60 @@
+"""The order tests run in: the long ones first, so that under pytest-xdist no worker is left
+running one long test at the end while the others are idle.
+
+A long test says how long it takes with ``@pytest.mark.slow(seconds=N)`` (its usual wall
+time on the 2-core CI machine, setup and teardown included). :func:`longest_first` puts those
+first, longest first, each followed by one unmarked test, then the unmarked tests in their
+collection order (which keeps a module's tests together, so its module-scoped fixtures are set
+up a few times only).
+
+Why one unmarked test after each long one: an xdist worker only starts a test once it holds the
+next one as well (``--dist load --maxschedchunk 1`` hands them out one at a time, but each
+worker is given two to start with). Without the short one in between, the first worker would
+be handed the two longest tests and run them back to back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import pytest
+
+__test__ = False
+
+#: the marker's name; it is declared in pyproject.toml
+SLOW = "slow"
+
+ItemT = TypeVar("ItemT", bound=pytest.Item)
+
+
+def expected_seconds(item: pytest.Item) -> float:
+    """The ``seconds`` of the item's ``slow`` marker, 0.0 for an unmarked test.
+
+    A ``slow`` marker without ``seconds`` is an error: the order depends on it.
+    """
+    marker = item.get_closest_marker(SLOW)
+    if marker is None:
+        return 0.0
+    seconds = marker.kwargs.get("seconds", marker.args[0] if marker.args else None)
+    if not isinstance(seconds, int | float) or seconds <= 0:
+        raise pytest.UsageError(
+            f"{item.nodeid}: write @pytest.mark.slow(seconds=N), N its usual wall time in seconds"
+        )
+    return float(seconds)
+
+
+def longest_first(items: Sequence[ItemT]) -> list[ItemT]:
+    """The long tests, longest first, each followed by one unmarked test; then the others.
+
+    Stable: tests of equal length keep their collection order.
+    """
+    seconds = {id(item): expected_seconds(item) for item in items}
+    slow = sorted((i for i in items if seconds[id(i)] > 0), key=lambda i: -seconds[id(i)])
+    rest = [i for i in items if seconds[id(i)] == 0]
+    ordered: list[ItemT] = []
+    for item in slow:
+        ordered.append(item)
+        if rest:
+            ordered.append(rest.pop())  # from the end: tests/unit, the shortest ones
+    return ordered + rest

@@ -1,0 +1,57 @@
+"""The suite's own test order (tests/support/scheduling.py): long tests first, a short one after
+each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.support.scheduling import expected_seconds, longest_first
+
+
+class FakeItem:
+    """What longest_first reads of a pytest.Item: its node id and its closest marker."""
+
+    def __init__(self, nodeid: str, *args: Any, **kwargs: Any) -> None:
+        self.nodeid = nodeid
+        self.marker = pytest.mark.slow(*args, **kwargs).mark if (args or kwargs) else None
+
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return self.marker if name == "slow" else None
+
+    def __repr__(self) -> str:
+        return self.nodeid
+
+
+def names(items: list[Any]) -> list[str]:
+    return [item.nodeid for item in items]
+
+
+def test_long_tests_come_first_each_followed_by_a_short_one() -> None:
+    items: list[Any] = [
+        FakeItem("a"),
+        FakeItem("load", seconds=190),
+        FakeItem("b"),
+        FakeItem("beat", seconds=80),
+        FakeItem("c"),
+        FakeItem("chaos", seconds=32),
+        FakeItem("d"),
+    ]
+    # the short ones are taken from the end of the collection (tests/unit comes last)
+    assert names(longest_first(items)) == ["load", "d", "beat", "c", "chaos", "b", "a"]
+
+
+def test_equal_lengths_keep_their_order_and_nothing_is_lost() -> None:
+    items: list[Any] = [FakeItem("x", seconds=5), FakeItem("y", seconds=5), FakeItem("z", 5)]
+    assert names(longest_first(items)) == ["x", "y", "z"]
+    assert longest_first([]) == []
+
+
+def test_seconds_must_be_given() -> None:
+    assert expected_seconds(FakeItem("plain")) == 0.0
+    assert expected_seconds(FakeItem("positional", 12.5)) == 12.5
+    with pytest.raises(pytest.UsageError, match=r"slow\(seconds=N\)"):
+        expected_seconds(FakeItem("bare", reason="no number"))
+    with pytest.raises(pytest.UsageError):
+        expected_seconds(FakeItem("zero", seconds=0))
