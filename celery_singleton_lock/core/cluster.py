@@ -12,46 +12,35 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 
-from ..errors import LockUnavailableError
 from . import _wire
 from .backend import (
     FENCE_TTL_MS,
     REDIS_ERRORS,
-    Acquired,
-    Contended,
-    ReleaseStatus,
     RenewItem,
     RenewStatus,
     SequentialReleases,
-    acquire_args,
-    acquire_outcome,
-    check_owner,
-    check_ttl,
     fill_renewed,
-    release_args,
-    release_lost_args,
     renew_args,
     renew_groups,
 )
-from .keys import LockKeys
-from .store import ACQUIRE, RELEASE, RELEASE_LOST, RENEW, acquire_and_wait, warn_replicas
+from .store import RENEW, ScriptStore, acquire_and_wait
 
 __all__ = ["ClusterStore"]
 
 
-class ClusterStore(SequentialReleases):
+class ClusterStore(SequentialReleases, ScriptStore):
     """Acquire, renew and release locks on a Redis Cluster; implements
     :class:`~.backend.LockBackend`.
 
     ``connect()`` builds the ``RedisCluster`` at the first call that needs it.
-    ``wait_replicas`` > 0 makes every acquire wait (``WAIT``) on the node holding the lock, as
-    :class:`~.store.LockStore` does.
+    ``wait_replicas``: see :class:`~.store.ScriptStore`; ``WAIT`` goes to the node holding the
+    lock.
     """
 
     def __init__(
@@ -62,15 +51,7 @@ class ClusterStore(SequentialReleases):
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
     ) -> None:
-        if fence_ttl_ms <= 0:
-            raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
-        if wait_replicas < 0:
-            raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas!r}")
-        if wait_timeout_ms <= 0:
-            raise ValueError(f"wait_timeout_ms must be positive, got {wait_timeout_ms!r}")
-        self.fence_ttl_ms = fence_ttl_ms
-        self.wait_replicas = wait_replicas
-        self.wait_timeout_ms = wait_timeout_ms
+        super().__init__(fence_ttl_ms, wait_replicas, wait_timeout_ms)
         self._connect = connect
         self._client: RedisCluster | None = None
         self._client_mutex = threading.Lock()
@@ -86,88 +67,18 @@ class ClusterStore(SequentialReleases):
                 client = self._client
         return client
 
-    # -- public API: validate, then delegate -------------------------------------------
+    # -- how a call reaches the cluster --------------------------------------------------
 
-    def acquire(
-        self,
-        keys: LockKeys,
-        owner: str,
-        generation: int,
-        ttl_ms: int,
-        meta: Mapping[str, str] | None = None,
-    ) -> Acquired | Contended:
-        """Take ``keys.lock`` for ``owner``; re-enter if an earlier generation of it holds it."""
-        check_owner(owner, generation)
-        check_ttl(ttl_ms)
+    def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
+        return _wire.evalsha(self.client, lua, args)
+
+    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
         try:
-            return self._do_acquire(keys, owner, generation, ttl_ms, meta)
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(
-                f"could not acquire {keys.lock}: {exc}", key=keys.lock, task_id=owner
-            ) from exc
-
-    def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
-        """Renew every item still held by its owner and generation: one round trip per node
-        holding any of the locks. If a node cannot be asked, the locks on the other nodes are
-        still renewed, and then the error is raised."""
-        if not items:
-            return []
-        try:  # the items were checked when made
-            return self._do_renew(self.client, items)
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(
-                f"could not renew {len(items)} lock(s): {exc}", key=items[0].key
-            ) from exc
-
-    def release(
-        self, key: str, owner: str, generation: int | None, token: int | None = None
-    ) -> ReleaseStatus:
-        """As :meth:`.store.LockStore.release`."""
-        check_owner(owner, 0 if generation is None else generation)
-        return self._release(RELEASE, release_args(key, owner, generation, token), key, owner)
-
-    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
-        """As :meth:`.store.LockStore.release_lost`."""
-        check_owner(owner, generation)
-        args = release_lost_args(key, owner, generation)
-        return self._release(RELEASE_LOST, args, key, owner)
-
-    def holder(self, key: str) -> dict[str, str]:
-        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
-        items = self.client.hgetall(key).items()
-        return {_wire.as_text(k): _wire.as_text(v) for k, v in items}
-
-    # -- Redis round trips --------------------------------------------------------------
-
-    def _release(self, lua: _wire.Script, args: list[Any], key: str, owner: str) -> ReleaseStatus:
-        try:
-            return ReleaseStatus(int(_wire.evalsha(self.client, lua, args)))
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(
-                f"could not release {key}: {exc}", key=key, task_id=owner
-            ) from exc
-
-    def _do_acquire(
-        self,
-        keys: LockKeys,
-        owner: str,
-        generation: int,
-        ttl_ms: int,
-        meta: Mapping[str, str] | None,
-    ) -> Acquired | Contended:
-        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
-        if not self.wait_replicas:
-            return acquire_outcome(_wire.evalsha(self.client, ACQUIRE, args), None)
-        node = self._node(keys.lock)
-        try:
-            reply, replicas = acquire_and_wait(node, args, self.wait_replicas, self.wait_timeout_ms)
+            return acquire_and_wait(self._node(key), args, self.wait_replicas, self.wait_timeout_ms)
         except redis.ResponseError as exc:
             if str(exc).startswith(("MOVED", "ASK")):
                 self._refresh_slots()  # the script did not run; the next try goes to the owner
             raise
-        outcome = acquire_outcome(reply, replicas)
-        warn_replicas(keys, outcome, replicas, self.wait_replicas, self.wait_timeout_ms)
-        return outcome
 
     def _node(self, key: str) -> redis.Redis:
         """The client of the node holding ``key``."""
@@ -183,15 +94,17 @@ class ClusterStore(SequentialReleases):
             with contextlib.suppress(*REDIS_ERRORS):  # the next call tries again
                 client.nodes_manager.initialize()
 
-    def _do_renew(self, client: RedisCluster, items: Sequence[RenewItem]) -> list[RenewStatus]:
+    def _do_renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
         """One renew.lua call per slot; the calls of one node in one pipeline.
 
         A node without the script (new, restarted, or a promoted replica) gets it loaded and
         its calls sent again (:func:`._wire.pipeline`). Calls the pipelines could not place (a
         slot that moved, an unknown or failed node) go again, one by one, through the cluster
         client, which follows redirects and refreshes its slot map; a node that fails there
-        too is given up for this batch.
+        too is given up for this batch. If a node cannot be asked, the locks on the other
+        nodes are still renewed, and then the error is raised.
         """
+        client = self.client
         by_slot: dict[int, list[int]] = {}
         for index, item in enumerate(items):
             slot: int = client.keyslot(item.key)  # type: ignore[no-untyped-call]

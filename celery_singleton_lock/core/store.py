@@ -22,6 +22,7 @@ from .backend import (
     FENCE_TTL_MS,
     REDIS_ERRORS,
     Acquired,
+    Client,
     Contended,
     ReleaseItem,
     ReleaseStatus,
@@ -40,7 +41,7 @@ from .backend import (
 from .keys import LockKeys
 from .sendahead import SendAhead
 
-__all__ = ["LockStore"]
+__all__ = ["LockStore", "ScriptStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,36 +51,30 @@ RELEASE = _wire.script("release.lua")
 RELEASE_LOST = _wire.script("release_lost.lua")
 
 
-class LockStore:
-    """Acquire, renew and release locks on one server (or a Sentinel's master), one round trip
-    each; implements :class:`~.backend.LockBackend`.
+class ScriptStore:
+    """What :class:`LockStore` and :class:`~.cluster.ClusterStore` share: the lock scripts,
+    their checks and their errors. A subclass says how a call reaches Redis (``_call``,
+    ``_do_renew``, ``_acquire_waiting``) and gives the ``client``.
 
     ``wait_replicas`` > 0 makes every acquire wait (``WAIT``, in the same round trip) until
     that many replicas have the lock, at most ``wait_timeout_ms``; fewer acknowledgements are
-    logged and reported in :attr:`Acquired.replicas`, the lock is kept either way. Releases are
-    then not written ahead (``WAIT`` counts the writes of its own connection).
+    logged and reported in :attr:`Acquired.replicas`, the lock is kept either way.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        fence_ttl_ms: int = FENCE_TTL_MS,
-        *,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
-    ) -> None:
+    def __init__(self, fence_ttl_ms: int, wait_replicas: int, wait_timeout_ms: int) -> None:
         if fence_ttl_ms <= 0:
             raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
         if wait_replicas < 0:
             raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas!r}")
         if wait_timeout_ms <= 0:
             raise ValueError(f"wait_timeout_ms must be positive, got {wait_timeout_ms!r}")
-        self.client = client
         self.fence_ttl_ms = fence_ttl_ms
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
-        #: releases written now whose replies are read later
-        self._ahead: SendAhead | None = None if wait_replicas else SendAhead(client)
+
+    @property
+    def client(self) -> Client:
+        raise NotImplementedError
 
     # -- public API: validate, then delegate -------------------------------------------
 
@@ -102,7 +97,7 @@ class LockStore:
             ) from exc
 
     def renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
-        """Renew every item still held by its owner and generation, in one round trip."""
+        """Renew every item still held by its owner and generation (see ``_do_renew``)."""
         if not items:
             return []
         try:  # the items were checked when made
@@ -118,13 +113,7 @@ class LockStore:
         """Delete ``key`` if ``owner`` holds it (any generation when ``generation`` is None), with
         the fencing token ``token`` (any token when None: see :class:`RenewItem`)."""
         check_owner(owner, 0 if generation is None else generation)
-        try:
-            reply = self._call(RELEASE, release_args(key, owner, generation, token))
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(
-                f"could not release {key}: {exc}", key=key, task_id=owner
-            ) from exc
-        return ReleaseStatus(int(reply))
+        return self._release(RELEASE, release_args(key, owner, generation, token), key, owner)
 
     def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
         """Delete ``key`` for a holder whose process is gone, unless it was handed over.
@@ -133,13 +122,88 @@ class LockStore:
         past its ttl (a hand-over to a retry, which takes it over): ``HANDED_OVER`` then.
         """
         check_owner(owner, generation)
+        args = release_lost_args(key, owner, generation)
+        return self._release(RELEASE_LOST, args, key, owner)
+
+    def holder(self, key: str) -> dict[str, str]:
+        """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
+        items = self.client.hgetall(key).items()
+        return {_wire.as_text(k): _wire.as_text(v) for k, v in items}
+
+    # -- Redis round trips --------------------------------------------------------------
+
+    def _release(self, lua: _wire.Script, args: list[Any], key: str, owner: str) -> ReleaseStatus:
         try:
-            reply = self._call(RELEASE_LOST, release_lost_args(key, owner, generation))
+            return ReleaseStatus(int(self._call(lua, args)))
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
                 f"could not release {key}: {exc}", key=key, task_id=owner
             ) from exc
-        return ReleaseStatus(int(reply))
+
+    def _do_acquire(
+        self,
+        keys: LockKeys,
+        owner: str,
+        generation: int,
+        ttl_ms: int,
+        meta: Mapping[str, str] | None,
+    ) -> Acquired | Contended:
+        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
+        if not self.wait_replicas:
+            return acquire_outcome(self._call(ACQUIRE, args), None)
+        reply, replicas = self._acquire_waiting(keys.lock, args)
+        outcome = acquire_outcome(reply, replicas)
+        if replicas < self.wait_replicas:
+            logger.warning(
+                "singleton: only %d of %d replicas acknowledged the lock within %dms: "
+                "key=%s token=%d",
+                replicas,
+                self.wait_replicas,
+                self.wait_timeout_ms,
+                keys.lock,
+                getattr(outcome, "token", -1),
+            )
+        return outcome
+
+    # -- how a call reaches Redis: per deployment ------------------------------------------
+
+    def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
+        """One script call; its reply, or raises its error."""
+        raise NotImplementedError
+
+    def _do_renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
+        raise NotImplementedError
+
+    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
+        """acquire.lua and ``WAIT`` (:func:`acquire_and_wait`) on the server holding ``key``."""
+        raise NotImplementedError
+
+
+class LockStore(ScriptStore):
+    """Acquire, renew and release locks on one server (or a Sentinel's master), one round trip
+    each; implements :class:`~.backend.LockBackend`.
+
+    ``wait_replicas``: see :class:`ScriptStore`. Releases are then not written ahead
+    (``WAIT`` counts the writes of its own connection).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        fence_ttl_ms: int = FENCE_TTL_MS,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
+        super().__init__(fence_ttl_ms, wait_replicas, wait_timeout_ms)
+        self._client = client
+        #: releases written now whose replies are read later
+        self._ahead: SendAhead | None = None if wait_replicas else SendAhead(client)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The server's client (a Sentinel's: it follows the master)."""
+        return self._client
 
     def release_ahead(
         self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
@@ -239,23 +303,8 @@ class LockStore:
 
     # -- Redis round trips --------------------------------------------------------------
 
-    def _do_acquire(
-        self,
-        keys: LockKeys,
-        owner: str,
-        generation: int,
-        ttl_ms: int,
-        meta: Mapping[str, str] | None,
-    ) -> Acquired | Contended:
-        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
-        if not self.wait_replicas:
-            return acquire_outcome(self._call(ACQUIRE, args), None)
-        reply, replicas = acquire_and_wait(
-            self.client, args, self.wait_replicas, self.wait_timeout_ms
-        )
-        outcome = acquire_outcome(reply, replicas)
-        warn_replicas(keys, outcome, replicas, self.wait_replicas, self.wait_timeout_ms)
-        return outcome
+    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
+        return acquire_and_wait(self.client, args, self.wait_replicas, self.wait_timeout_ms)
 
     def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
         """One script call: on the send-ahead connection when the store has one (after the
@@ -295,24 +344,6 @@ def acquire_and_wait(
     if isinstance(acknowledged, Exception):  # the lock is ours; only the count is missing
         acknowledged = 0
     return reply, int(acknowledged)
-
-
-def warn_replicas(
-    keys: LockKeys,
-    outcome: Acquired | Contended,
-    replicas: int,
-    wanted: int,
-    timeout_ms: int,
-) -> None:
-    if replicas < wanted:
-        logger.warning(
-            "singleton: only %d of %d replicas acknowledged the lock within %dms: key=%s token=%d",
-            replicas,
-            wanted,
-            timeout_ms,
-            keys.lock,
-            getattr(outcome, "token", -1),
-        )
 
 
 @dataclass(frozen=True)
