@@ -41,7 +41,7 @@ from ..core._fanout import (
 from ..core._wire import as_text, evalsha, script
 from ..core.backend import REDIS_ERRORS, Client, LockBackend
 from ..core.compare_delete import delete_if_equal
-from ..core.connection import client_for, lock_url, master_timeout, new_store, redlock_clients
+from ..core.connection import lock_url, master_timeout, new_store, redlock_clients
 from ..core.redlock import RedlockStore
 from ..errors import LockUnavailableError
 
@@ -368,4 +368,5 @@ def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockBackend]:
             RedlockClaims(clients, claimer, master_timeout_s=timeout),
             RedlockStore(clients, master_timeout_s=timeout),
         )
-    return RunClaims(client_for(url), claimer), new_store(url)
+    store = new_store(url)
+    return RunClaims(store.client, claimer), store  # one client for both

@@ -90,14 +90,15 @@ def client_for(url: str) -> Client:
         raise ValueError(
             f"{redact_url(url)} lists several independent masters: use redlock_clients()"
         )
-    if parsed.kind == "sentinel":
-        return _sentinel_client(parsed)
     if parsed.kind == "cluster":
         return _cluster_client(parsed, url)
-    return _single_client(parsed, url)
+    return _server_client(parsed, url)
 
 
-def _single_client(parsed: LockUrl, url: str) -> redis.Redis:
+def _server_client(parsed: LockUrl, url: str) -> redis.Redis:
+    """The client of one server: a Sentinel's master, or the server a redis-py URL names."""
+    if parsed.kind == "sentinel":
+        return _sentinel_client(parsed)
     try:
         return redis.Redis.from_url(parsed.redis_url, **DEFAULTS)
     except ValueError as exc:  # never echo the URL: it may carry a password
@@ -183,8 +184,9 @@ def new_store(url: str) -> LockBackend:
         return ClusterStore(  # error of the call, not of building the store
             lambda: _cluster_client(parsed, url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
         )
-    client = _sentinel_client(parsed) if parsed.kind == "sentinel" else _single_client(parsed, url)
-    return LockStore(client, wait_replicas=replicas, wait_timeout_ms=timeout_ms)
+    return LockStore(
+        _server_client(parsed, url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
+    )
 
 
 def _ms(seconds: float) -> int:
