@@ -59,7 +59,7 @@ _LAZY = frozenset({"SingletonScheduler", "SingletonSchedulerMixin"})
 def __getattr__(name: str) -> Any:
     """The scheduler is loaded when asked for: a worker need not import ``celery.beat``."""
     if name in _LAZY:
-        from .beat import scheduler
+        from . import beat
 
-        return getattr(scheduler, name)
+        return getattr(beat, name)  # beat's own __getattr__ loads the scheduler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -325,14 +325,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             forget_queued(store_for(self.singleton_options().redis_url).client, keys.lock, task_id)
         except _FORGET_ERRORS as exc:
-            logger.warning(
-                "singleton: could not clear queued marker after %s, it expires in its ttl: "
-                "%s[%s]: %s",
-                reason,
-                self.name,
-                task_id,
-                exc,
-            )
+            self._singleton_marker_left(reason, task_id, exc)
+
+    def _singleton_marker_left(self, reason: str, task_id: str, exc: Exception) -> None:
+        logger.warning(
+            "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",
+            reason,
+            self.name,
+            task_id,
+            exc,
+        )
 
     def singleton_forget_for(
         self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
@@ -341,14 +343,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             keys = self.singleton_keys(args, kwargs)
         except SingletonKeyError as exc:
-            logger.warning(
-                "singleton: could not clear queued marker after %s, it expires in its ttl: "
-                "%s[%s]: %s",
-                "revoke",
-                self.name,
-                task_id,
-                exc,
-            )
+            self._singleton_marker_left("revoke", task_id, exc)
             return
         self._singleton_forget_queued(task_id, keys, "revoke")
 

@@ -164,5 +164,9 @@ def test_the_checks_see_imports() -> None:
     every check pass)."""
     assert f"{PKG}.core.store" in imports(ROOT / "core" / "cluster.py", module_level_only=True)
     assert "celery" in imports(ROOT / "task.py", module_level_only=True)
-    assert f"{PKG}.beat.scheduler" in imports(ROOT / "__init__.py", module_level_only=False)
-    assert f"{PKG}.beat.scheduler" not in imports(ROOT / "__init__.py", module_level_only=True)
+    assert f"{PKG}.beat.scheduler" in imports(
+        ROOT / "beat" / "__init__.py", module_level_only=False
+    )
+    assert f"{PKG}.beat.scheduler" not in imports(
+        ROOT / "beat" / "__init__.py", module_level_only=True
+    )
