@@ -20,6 +20,18 @@ that differ only in their base class:
   its reply read with the next acquire) from a few lines of its own: what the lock costs on
   the wire and in the server, without the library's Python.
 
+``bench.no_result`` is a plain task that stores no result: what a message costs a worker to
+receive, run and acknowledge, and nothing more (the floor of the flood rows, 4c).
+
+``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up
+(section 4b).
+
+``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks):
+counted in section 2c beside ``SingletonTask``.
+
+``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
+is not published (section 7).
+
 And ``bench.hold``, a SingletonTask keyed on ``key`` with a 30 s ttl that sleeps ``seconds``:
 the run whose pool child section 6 (``child_loss``) kills.
 """
@@ -27,6 +39,7 @@ the run whose pool child section 6 (``child_loss``) kills.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -37,6 +50,8 @@ from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core._wire import script
+from celery_singleton_lock.core.backend import acquire_args, release_args
+from celery_singleton_lock.core.keys import LockKeys
 
 URL_ENV = "BENCH_REDIS_URL"
 
@@ -49,6 +64,10 @@ ONE_PING = "bench.one_ping"
 BARE_PING = "bench.bare_ping"
 SAME_WIRE = "bench.same_wire"
 HOLD = "bench.hold"
+AT_PUBLISH = "bench.at_publish"
+NO_RESULT = "bench.no_result"
+COALESCE = "bench.coalesce"
+SCOPED = "bench.scoped"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -104,16 +123,23 @@ class OnePing(TwoPings):
         return None
 
 
+class _Bare(threading.local):
+    """A bare connection per thread (the threads pool runs tasks in several)."""
+
+    connection: Any = None
+    pending = 0
+
+
 class BarePing(Task):  # type: ignore[misc]
     """One PING before the body on a bare connection: a round trip and nothing else."""
 
-    _connection: Any = None
+    _bare = _Bare()
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        connection = self._connection
+        connection = self._bare.connection
         if connection is None:
             client = redis.Redis.from_url(app.conf.broker_url)
-            connection = type(self)._connection = client.connection_pool.get_connection()
+            connection = self._bare.connection = client.connection_pool.get_connection()
         connection.send_packed_command([b"*1\r\n$4\r\nPING\r\n"], check_health=False)
         connection.read_response()
 
@@ -121,55 +147,45 @@ class BarePing(Task):  # type: ignore[misc]
 class SameWire(Task):  # type: ignore[misc]
     """SingletonTask's scripts and round trips, on a bare connection of its own."""
 
-    _connection: Any = None
+    _bare = _Bare()
     _shas: tuple[str, str] = ("", "")
-    _pending = 0
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        if self._connection is None:
+        bare = self._bare
+        if bare.connection is None:
             client = redis.Redis.from_url(app.conf.broker_url)
             type(self)._shas = (
                 client.script_load(script("acquire.lua").text),
                 client.script_load(script("release.lua").text),
             )
-            type(self)._connection = client.connection_pool.get_connection()
+            bare.connection = client.connection_pool.get_connection()
         key = f"bench-wire:{{{args[0]}}}"
-        connection = self._connection
-        connection.send_packed_command(
-            connection.pack_command(
-                "EVALSHA",
-                self._shas[0],
-                2,
-                f"{key}:lock",
-                f"{key}:fence",
-                task_id,
-                0,
-                300_000,
-                604_800_000,
-                "task",
-                SAME_WIRE,
-                "host",
-                "bench@localhost",
-                "pid",
-                "12345",
-                "args",
-                repr(tuple(args)),
-            ),
-            check_health=False,
+        # the library's own argument lists, so this stays SingletonTask's traffic
+        acquire = acquire_args(
+            LockKeys(f"{key}:lock", f"{key}:fence"),
+            task_id,
+            0,
+            300_000,
+            604_800_000,
+            {"task": SAME_WIRE, "host": "bench@localhost", "pid": "12345", "args": repr(args)},
         )
-        for _ in range(self._pending + 1):
+        connection = bare.connection
+        connection.send_packed_command(
+            connection.pack_command("EVALSHA", self._shas[0], *acquire), check_health=False
+        )
+        for _ in range(bare.pending + 1):
             connection.read_response()
-        type(self)._pending = 0
+        bare.pending = 0
         self.request.wire_key = key
 
     def after_return(self, status: str, retval: Any, task_id: str, *args: Any) -> None:
-        connection = self._connection
+        connection = self._bare.connection
         key = self.request.wire_key
+        release = release_args(f"{key}:lock", task_id, 0)
         connection.send_packed_command(
-            connection.pack_command("EVALSHA", self._shas[1], 1, f"{key}:lock", task_id, 0),
-            check_health=False,
+            connection.pack_command("EVALSHA", self._shas[1], *release), check_health=False
         )
-        type(self)._pending += 1
+        self._bare.pending += 1
 
 
 @app.task(name=PLAIN, base=Task)  # type: ignore[untyped-decorator]
@@ -212,6 +228,28 @@ def same_wire(i: int) -> None:
     return None
 
 
+@app.task(name=NO_RESULT, base=Task, ignore_result=True)  # type: ignore[untyped-decorator]
+def no_result(i: int) -> None:
+    return None
+
+
+@app.task(name=COALESCE, base=SingletonTask, singleton_on_duplicate="coalesce")  # type: ignore[untyped-decorator]
+def coalesce(i: int) -> None:
+    return None
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=SCOPED, base=SingletonTask, singleton_scope="bench-scope", singleton_key_args=("i",)
+)
+def scoped(i: int) -> None:
+    return None
+
+
+@app.task(name=AT_PUBLISH, base=SingletonTask, singleton_lock_on="publish")  # type: ignore[untyped-decorator]
+def at_publish(i: int) -> None:
+    return None
+
+
 @app.task(  # type: ignore[untyped-decorator]
     name=HOLD, base=SingletonTask, singleton_key_args=("key",), singleton_ttl=30
 )
@@ -229,3 +267,6 @@ TASKS: dict[str, Any] = {
     "celery-singleton": celery_singleton,
     "celery-once": celery_once,
 }
+
+#: section 2c only: variants whose cost is counted, not timed, beside section 2's contenders
+COUNTED_ONLY: dict[str, Any] = {"SingletonTask with singleton_scope": scoped}

@@ -35,7 +35,12 @@ import redis
 from celery import Celery, Task
 
 from celery_singleton_lock import SingletonTask, signals
-from celery_singleton_lock.core.backend import renew_groups
+from celery_singleton_lock.core.backend import (
+    acquire_args,
+    release_args,
+    renew_args,
+    renew_groups,
+)
 from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.renewer import Renewer
@@ -156,13 +161,9 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
     store.acquire(keys, owner, 0, 30_000, meta)
     store.release(keys.lock, owner, 0)  # loads both scripts
     acq, rel = ACQUIRE.sha, RELEASE.sha
-    args: list[str | int] = [
-        owner,
-        0,
-        30_000,
-        store.fence_ttl_ms,
-        *[x for kv in meta.items() for x in kv],
-    ]
+    # the library's own argument lists (numkeys, KEYS, ARGV), as LockStore sends them
+    acquire = acquire_args(keys, owner, 0, 30_000, store.fence_ttl_ms, meta)
+    release = release_args(keys.lock, owner, 0)
     lean = client.register_script(LEAN_ACQUIRE)
     lean_meta = "hot.cycle|bench@localhost|12345"
     trivial = client.script_load("return 1")
@@ -188,11 +189,11 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
             loop(lambda: (client.evalsha(trivial, 0), client.evalsha(trivial, 0))),
             _nothing,
         ),
-        "2 EVALSHA of a trivial script, the cycle's 12 + 3 arguments": (
+        "2 EVALSHA of a trivial script, the cycle's arguments": (
             loop(
                 lambda: (
-                    client.evalsha(trivial3, 2, keys.lock, keys.fence, *args),
-                    client.evalsha(trivial, 1, keys.lock, owner, 0),
+                    client.evalsha(trivial3, *acquire),
+                    client.evalsha(trivial, *release),
                 )
             ),
             _nothing,
@@ -200,8 +201,8 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
         "acquire.lua + release.lua, raw evalsha": (
             loop(
                 lambda: (
-                    client.evalsha(acq, 2, keys.lock, keys.fence, *args),
-                    client.evalsha(rel, 1, keys.lock, owner, 0),
+                    client.evalsha(acq, *acquire),
+                    client.evalsha(rel, *release),
                 )
             ),
             _nothing,
@@ -210,7 +211,7 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
             loop(
                 lambda: (
                     lean(keys=[keys.lock, keys.fence], args=[owner, 0, 30_000, lean_meta]),
-                    client.evalsha(rel, 1, keys.lock, owner, 0),
+                    client.evalsha(rel, *release),
                 )
             ),
             _nothing,
@@ -448,9 +449,7 @@ def renewal(url: str, locks: int, rounds: int) -> Table:
         renewer.add(h)
     items = [h.as_item() for h in held]
     keys = [it.key for it in items]
-    args: list[Any] = [items[0].ttl_ms]
-    for it in items:
-        args += [it.owner, it.generation]
+    args: list[Any] = renew_args(items, range(len(items)))[1 + len(keys) :]  # renew.lua's ARGV
     lean = client.register_script(RENEW_LEAN)
     renew_lua = client.register_script(RENEW.text)  # as redis-py would call it
     compact_args: list[int | str] = [

@@ -18,6 +18,7 @@ from typing import cast
 import redis
 
 from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
+from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
@@ -34,6 +35,12 @@ RAW_PING_FLOOR = "two PINGs, bare connection"
 OURS = "celery-singleton-lock"
 #: the cycle as a SingletonTask worker runs it: the release rides in the next acquire
 OURS_DEFERRED = "celery-singleton-lock, release in next acquire"
+#: the same, for a task acked late: the release also records the run's completion (issue 17)
+OURS_COMPLETION = "celery-singleton-lock, release in next acquire + completion record"
+
+#: singleton_permits=N (issue 19): the cycle takes the last free slot while the others are held
+OURS_PERMITS_3 = "celery-singleton-lock, 3 permits (2 held)"
+OURS_PERMITS_10 = "celery-singleton-lock, 10 permits (9 held)"
 
 #: the lock ttl every contender uses (seconds)
 TTL_S = 30
@@ -57,10 +64,11 @@ def _ours(url: str) -> Cycle:
     return cycle
 
 
-def _ours_deferred(url: str) -> Cycle:
-    """As SingletonTask runs it: each acquire carries the previous run's release."""
+def _ours_deferred(url: str, ending: Ending | None = None) -> Cycle:
+    """As SingletonTask runs it: each acquire carries the previous run's release (and, with
+    ``ending``, the completion record that release writes; each acquire reads its own)."""
     store = LockStore(cast(redis.Redis, client_for(url)))
-    keys = lock_keys("bench:", "bench.cycle-deferred", b"a")
+    keys = lock_keys("bench:", f"bench.cycle-deferred-{ending is not None}", b"a")
     meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
     ttl_ms = TTL_S * 1000
     previous = [uuid.uuid4().hex]
@@ -68,12 +76,38 @@ def _ours_deferred(url: str) -> Cycle:
 
     def cycle() -> None:
         owner = uuid.uuid4().hex
-        released, outcome = store.acquire_after(
-            [(keys.lock, previous[0], 0, None)], keys, owner, 0, ttl_ms, meta
-        )
+        release = (keys.lock, previous[0], 0, None, ending or Ending())
+        released, outcome = store.acquire_after([release], keys, owner, 0, ttl_ms, meta)
         if type(outcome) is not Acquired or released != [ReleaseStatus.RELEASED]:
             raise AssertionError(f"ours (deferred): {released} {outcome}")
         previous[0] = owner
+
+    return cycle
+
+
+def _ours_completion(url: str) -> Cycle:
+    """:func:`_ours_deferred` with a completion record kept 60 s (a new key every cycle)."""
+    return _ours_deferred(url, Ending(completion_ttl_ms=60_000))
+
+
+def _ours_permits(url: str, permits: int) -> Cycle:
+    """:func:`_ours` on a key with ``permits`` slots, all but the last held by other runs:
+    each acquire reads every slot (acquire_permit.lua) before it takes the free one."""
+    store = LockStore(cast(redis.Redis, client_for(url)))
+    keys = lock_keys("bench:", f"bench.cycle-permits-{permits}", b"a").with_permits(permits)
+    meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
+    ttl_ms = TTL_S * 1000
+    for _ in range(permits - 1):  # held for the whole benchmark (its ttl is longer)
+        store.acquire(keys, uuid.uuid4().hex, 0, 3600_000, meta)
+    owner = uuid.uuid4().hex
+    last = keys.slot(permits)
+
+    def cycle() -> None:
+        outcome = store.acquire(keys, owner, 0, ttl_ms, meta)
+        if type(outcome) is not Acquired or outcome.slot != permits:
+            raise AssertionError(f"ours ({permits} permits): not acquired: {outcome}")
+        if store.release(last, owner, 0) is not ReleaseStatus.RELEASED:
+            raise AssertionError(f"ours ({permits} permits): not released")
 
     return cycle
 
@@ -178,6 +212,9 @@ def _raw_pings(url: str) -> Cycle:
 CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     OURS: _ours,
     OURS_DEFERRED: _ours_deferred,
+    OURS_COMPLETION: _ours_completion,
+    OURS_PERMITS_3: lambda url: _ours_permits(url, 3),
+    OURS_PERMITS_10: lambda url: _ours_permits(url, 10),
     "redis-py Lock": _redis_py,
     "python-redis-lock": _python_redis_lock,
     "celery-singleton backend": _celery_singleton,
@@ -191,6 +228,9 @@ CONTENDERS: dict[str, Callable[[str], Cycle]] = {
 ROUND_TRIPS = {
     OURS: "1 + 1 (EVALSHA, EVALSHA)",
     OURS_DEFERRED: "1 (pipeline: release EVALSHA + acquire EVALSHA)",
+    OURS_COMPLETION: "1 (the same two calls; the record is a SET inside the release)",
+    OURS_PERMITS_3: "1 + 1 (EVALSHA reading 3 slots, EVALSHA)",
+    OURS_PERMITS_10: "1 + 1 (EVALSHA reading 10 slots, EVALSHA)",
     "redis-py Lock": "1 + 1 (SET NX, EVALSHA)",
     "python-redis-lock": "2 + 1 (GET, SET NX, EVALSHA)",
     "celery-singleton backend": "1 + 1 (SET NX, DEL)",
@@ -253,6 +293,12 @@ def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[Cycl
         f"{paired_ratio(ours, samples[RAW_PING_FLOOR]):.2f}x two PINGs on a bare connection, "
         "the way the library sends its scripts; "
         f"{paired_ratio(samples[OURS_DEFERRED], floor):.2f}x with the release carried by "
-        "the next acquire, as SingletonTask does) and below every peer."
+        "the next acquire, as SingletonTask does) and below every peer. The completion record "
+        "of a task acked late costs "
+        f"{paired_ratio(samples[OURS_COMPLETION], samples[OURS_DEFERRED]):.2f}x that cycle "
+        "(a SET in the release, a GET in the acquire; no round trip added). With "
+        "singleton_permits an acquire reads every slot: 3 permits cost "
+        f"{paired_ratio(samples[OURS_PERMITS_3], ours):.2f}x the single lock's cycle, 10 "
+        f"permits {paired_ratio(samples[OURS_PERMITS_10], ours):.2f}x (still one round trip)."
     )
     return table, results

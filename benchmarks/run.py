@@ -33,7 +33,16 @@ from typing import Any
 from .report import Table
 from .server import PrivateRedis
 
-SECTIONS = ("lock", "throughput", "work", "renewal", "contention", "beat", "child_loss")
+SECTIONS = (
+    "lock",
+    "throughput",
+    "work",
+    "renewal",
+    "contention",
+    "beat",
+    "child_loss",
+    "rejections",
+)
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
 
@@ -56,6 +65,8 @@ class Sizes:
     beat_batch: int
     beat_rounds: int
     kills: int
+    flood: int
+    rejections: int
 
     def with_repeat(self, n: int) -> Sizes:
         return Sizes(
@@ -74,6 +85,8 @@ class Sizes:
             self.beat_batch,
             n,
             self.kills,
+            self.flood,
+            self.rejections,
         )
 
 
@@ -93,6 +106,8 @@ FULL = Sizes(
     beat_batch=1000,
     beat_rounds=10,
     kills=100,
+    flood=10_000,
+    rejections=2000,
 )
 
 QUICK = Sizes(
@@ -111,6 +126,8 @@ QUICK = Sizes(
     beat_batch=200,
     beat_rounds=4,
     kills=20,
+    flood=2000,
+    rejections=500,
 )
 
 
@@ -189,30 +206,20 @@ class Runner:
     def throughput(self) -> None:
         from . import throughput
 
+        sizes = self.sizes
         with PrivateRedis() as server:
-            table, series, dups = throughput.run(
-                server, self.sizes.tasks, self.sizes.task_repeats, self.sizes.dup_tasks
+            table, series, dups, floods = throughput.run(
+                server, sizes.tasks, sizes.task_repeats, sizes.dup_tasks, sizes.flood
             )
         self.results["throughput"] = series
         self.results["duplicates"] = (dups, series)
+        self.results["floods"] = floods
         self.show(table)
 
     def work(self) -> None:
-        # In a process of its own: bench_app's Celery app keeps the broker connections of
-        # section 2's server, and callgrind needs a fresh interpreter anyway.
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "work.json"
-            command = [sys.executable, "-m", "benchmarks.work", "--json", str(out)]
-            if self.instructions:
-                command.append("--instructions")
-            subprocess.run(
-                command,
-                cwd=Path(__file__).resolve().parents[1],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                timeout=3600,
-            )
-            self.show(Table(**json.loads(out.read_text())))
+        # callgrind needs a fresh interpreter anyway
+        extra = ["--instructions"] if self.instructions else []
+        self.show(_in_own_process("benchmarks.work", extra))
 
     def renewal(self) -> None:
         from . import renewal
@@ -244,6 +251,7 @@ class Runner:
             self.show(
                 throughput.duplicates_table(dups, series, sizes.dup_tasks, sizes.task_repeats)
             )
+            self.show(throughput.flood_table(self.results["floods"]))
 
     def beat(self) -> None:
         from . import beat
@@ -255,26 +263,27 @@ class Runner:
         self.show(table)
 
     def child_loss(self) -> None:
-        # In a process of its own, as section 2c: bench_app's Celery app keeps the broker
-        # connections of section 2's server.
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "child_loss.json"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.child_loss",
-                    "--kills",
-                    str(self.sizes.kills),
-                    "--json",
-                    str(out),
-                ],
-                cwd=Path(__file__).resolve().parents[1],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                timeout=3600,
-            )
-            self.show(Table(**json.loads(out.read_text())))
+        self.show(_in_own_process("benchmarks.child_loss", ["--kills", str(self.sizes.kills)]))
+
+    def rejections(self) -> None:
+        sizes = self.sizes
+        args = ["--calls", str(sizes.rejections), "--repeat", str(sizes.task_repeats)]
+        self.show(_in_own_process("benchmarks.rejections", args))
+
+
+def _in_own_process(module: str, args: list[str]) -> Table:
+    """Run a section's module in a process of its own and read back its table (``--json``):
+    bench_app's Celery app keeps the broker connections of section 2's server."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "table.json"
+        subprocess.run(
+            [sys.executable, "-m", module, *args, "--json", str(out)],
+            cwd=Path(__file__).resolve().parents[1],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=3600,
+        )
+        return Table(**json.loads(out.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:

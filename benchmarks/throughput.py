@@ -20,10 +20,12 @@ skips (a result marked skipped, the body never runs).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +40,17 @@ from .workers import BenchWorker
 #: commands the benchmark itself sends while measuring
 HARNESS_COMMANDS = STATS_COMMANDS | {"mget"}
 
-POOLS: tuple[tuple[str, int], ...] = (("solo", 1), ("prefork", 2))
+POOLS: tuple[tuple[str, int], ...] = (("solo", 1), ("threads", 2), ("prefork", 2))
 
 DUPLICATES = "SingletonTask, every delivery a duplicate (skipped)"
+COALESCED = "SingletonTask, coalesce: every delivery a duplicate (coalesced)"
+#: the duplicate rows of 4b: their task, taking turns with section 2's rounds
+DUPLICATE_ROWS = {DUPLICATES: "singleton", COALESCED: "coalesce"}
 DUP_KEYS = 10
+FLOOD = "SingletonTask, duplicates of one held key (all skipped)"
+FLOOR = "plain Task storing no result (floor: receive, run, ack)"
+#: The queue of the flood rows: filled while no worker consumes it, then drained at once.
+FLOOD_QUEUE = "bench-flood"
 
 
 @dataclass
@@ -127,6 +136,15 @@ def _wait_all(
             time.sleep(0.005)
 
 
+def _wait_drained(client: redis.Redis, timeout: float, worker: BenchWorker) -> None:
+    """Poll until the flood queue is empty and no message is left unacknowledged."""
+    deadline = time.monotonic() + timeout
+    while client.llen(FLOOD_QUEUE) or client.hlen("unacked"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{FLOOD_QUEUE} not drained after {timeout}s:\n{worker.log_tail()}")
+        time.sleep(0.005)
+
+
 def _batch(
     app: Any,
     task: Any,
@@ -153,8 +171,8 @@ def _batch(
 
 
 def run(
-    server: PrivateRedis, n: int, repeats: int, dup_n: int
-) -> tuple[Table, list[Series], list[Series]]:
+    server: PrivateRedis, n: int, repeats: int, dup_n: int, flood_n: int
+) -> tuple[Table, list[Series], list[Series], list[Flood]]:
     from . import bench_app
 
     app = bench_app.configure(server.url)
@@ -163,93 +181,138 @@ def run(
     counter = _Counter()
     series: list[Series] = []
     dup_series: list[Series] = []
-    names = list(bench_app.TASKS)
+    floods: list[Flood] = []
+    contenders = [*bench_app.TASKS, *DUPLICATE_ROWS]
     for pool, concurrency in POOLS:
         worker = BenchWorker(server.url, pool, concurrency)
         try:
             worker.wait_ready(app)
             label = pool if pool == "solo" else f"{pool} -c {concurrency}"
-            by_name = {name: Series(label, name) for name in names}
-            for name in names:  # warm up: imports, connections, scripts, renewer threads
-                base = counter.take(50)
-                _batch(
-                    app,
-                    bench_app.TASKS[name],
-                    _args_from(base),
-                    n=50,
-                    client=client,
-                    worker=worker,
-                )
-            for r in range(repeats):
-                shift = r % len(names)
-                for name in names[shift:] + names[:shift]:
-                    base = counter.take(n)
-                    by_name[name].batches.append(
-                        _batch(
-                            app,
-                            bench_app.TASKS[name],
-                            _args_from(base),
-                            n=n,
-                            client=client,
-                            worker=worker,
-                        )
-                    )
+            by_name = {name: Series(label, name) for name in contenders}
+            with (
+                _held_keys(app, counter, DUP_KEYS, bench_app.singleton) as dup_base,
+                _held_keys(app, counter, DUP_KEYS, bench_app.coalesce) as coalesce_base,
+            ):
+                bases = {DUPLICATES: dup_base, COALESCED: coalesce_base}
+
+                def batch(
+                    name: str, size: int, worker: BenchWorker = worker, bases: Any = bases
+                ) -> Batch:
+                    if name in DUPLICATE_ROWS:  # every delivery meets a held lock
+                        task = getattr(bench_app, DUPLICATE_ROWS[name])
+                        args_of = _cycling(bases[name], DUP_KEYS)
+                    else:
+                        task, args_of = bench_app.TASKS[name], _args_from(counter.take(size))
+                    return _batch(app, task, args_of, n=size, client=client, worker=worker)
+
+                for name in contenders:  # warm up: imports, connections, scripts, threads
+                    batch(name, 50)
+                for r in range(repeats):
+                    shift = r % len(contenders)
+                    for name in contenders[shift:] + contenders[:shift]:
+                        size = dup_n if name in DUPLICATE_ROWS else n
+                        by_name[name].batches.append(batch(name, size))
+                plain_args = _args_from(counter.take(flood_n))
+                for task, args_of, what in (
+                    (bench_app.plain, plain_args, "plain Task"),
+                    (bench_app.singleton, _cycling(dup_base, 1), FLOOD),
+                    (bench_app.no_result, _args_from(counter.take(flood_n)), FLOOR),
+                ):
+                    floods.append(_flood(app, label, task, args_of, flood_n, client, worker, what))
+            dup_series += [by_name.pop(name) for name in DUPLICATE_ROWS]
             series += by_name.values()
-            dup_series.append(
-                _duplicates(
-                    app,
-                    label,
-                    n=dup_n,
-                    repeats=repeats,
-                    client=client,
-                    worker=worker,
-                    counter=counter,
-                )
-            )
         finally:
             worker.close()
-    return _table(series, n, repeats), series, dup_series
+    return _table(series, n, repeats), series, dup_series, floods
 
 
-def _duplicates(
-    app: Any,
-    label: str,
-    *,
-    n: int,
-    repeats: int,
-    client: redis.Redis,
-    worker: BenchWorker,
-    counter: _Counter,
-) -> Series:
-    """Every delivery meets a held lock: the worker skips them all."""
-    from . import bench_app
+def _cycling(base: int, keys: int) -> Callable[[int], tuple[int]]:
+    """The i-th call's arguments cycle through ``keys`` held keys: ``(base + i % keys,)``."""
+    return lambda i: (base + i % keys,)
 
-    task = bench_app.singleton
+
+@contextlib.contextmanager
+def _held_keys(app: Any, counter: _Counter, count: int, task: Any) -> Iterator[int]:
+    """Hold the locks of ``task(base + k)`` for k < count, as another run would; yield
+    ``base``."""
     store = store_for(server_url(app))
-    base = counter.take(DUP_KEYS)
+    base = counter.take(count)
     holders = []
-    for k in range(DUP_KEYS):
+    for k in range(count):
         keys = task.singleton_keys((base + k,), {})
         owner = f"holder-{uuid.uuid4().hex}"
         store.acquire(keys, owner, 0, 600_000)
         holders.append((keys, owner))
-    out = Series(label, DUPLICATES)
     try:
-        for _ in range(repeats):
-            out.batches.append(
-                _batch(
-                    app,
-                    task,
-                    lambda i: (base + i % DUP_KEYS,),
-                    n=n,
-                    client=client,
-                    worker=worker,
-                )
-            )
+        yield base
     finally:
         for keys, owner in holders:
             store.release(keys.lock, owner, 0)
-    return out
+
+
+@dataclass
+class Flood:
+    """``n`` messages queued while nothing consumed them, then drained by one worker."""
+
+    pool: str
+    what: str
+    n: int
+    seconds: float
+    worker_cpu_s: float
+    rss_before: int
+    rss_peak: int
+    rss_after: int
+
+    @property
+    def rate(self) -> float:
+        return self.n / self.seconds
+
+
+def _flood(  # noqa: PLR0917 - where, what, and how many
+    app: Any,
+    pool: str,
+    task: Any,
+    args_of: Callable[[int], tuple[Any, ...]],
+    n: int,
+    client: redis.Redis,
+    worker: BenchWorker,
+    what: str,
+) -> Flood:
+    """Queue ``n`` calls on a queue the worker does not consume, then let it consume it; the
+    drain time runs from that moment to the last result; the worker's memory is sampled."""
+    ids = [uuid.uuid4().hex for _ in range(n)]
+    keys = [app.backend.get_key_for_task(tid).decode() for tid in ids]
+    for i, tid in enumerate(ids):
+        task.apply_async(args=args_of(i), task_id=tid, queue=FLOOD_QUEUE)
+    rss_before = worker.rss_bytes()
+    peak = [rss_before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], worker.rss_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    cpu0 = worker.cpu_seconds()
+    start = time.perf_counter()
+    app.control.add_consumer(FLOOD_QUEUE, destination=[worker.nodename], reply=True, timeout=5)
+    try:
+        if what == FLOOR:  # no results to poll: the queue and kombu's unacked hash drain
+            _wait_drained(client, timeout=60 + n / 20, worker=worker)
+        else:
+            _wait_all(client, keys, timeout=60 + n / 20, worker=worker)
+        seconds = time.perf_counter() - start
+        cpu = worker.cpu_seconds() - cpu0
+    finally:
+        done.set()
+        sampler.join()
+        app.control.cancel_consumer(
+            FLOOD_QUEUE, destination=[worker.nodename], reply=True, timeout=5
+        )
+    for first in range(0, n, 1000):
+        client.delete(*keys[first : first + 1000])
+    return Flood(pool, what, n, seconds, cpu, rss_before, peak[0], worker.rss_bytes())
 
 
 def server_url(app: Any) -> str:
@@ -297,15 +360,18 @@ def _table(series: list[Series], n: int, repeats: int) -> Table:
 
 
 def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: int) -> Table:
-    """Section 4, real-worker variant: deliveries that all meet a held lock and are skipped."""
+    """Section 4b: deliveries that all meet a held lock and are skipped, against plain runs of
+    the same rounds."""
     table = Table(
         f"4b. Contention through a real worker: every delivery a duplicate ({DUP_KEYS} keys held)",
         [
             "pool",
-            "duplicates skipped/s (median)",
+            "policy",
+            "duplicates handled/s (median)",
             "min-max",
             "vs plain tasks/s",
             "worker CPU µs/duplicate",
+            "vs a plain run's CPU",
             "Redis cmds/duplicate",
         ],
     )
@@ -313,15 +379,56 @@ def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: 
         plain = next(s for s in series if s.pool == d.pool and s.name == "plain Task")
         table.add(
             d.pool,
+            "coalesce" if d.name == COALESCED else "skip",
             d.rate,
             spread(d.rates),
-            f"{d.rate / plain.rate:.0%}",
+            f"{d.vs(plain):.2f}x",
             d.per_task(lambda b: b.worker_cpu_s * 1e6),
+            f"{d.cpu_vs(plain):.2f}x",
             d.per_task(lambda b: float(b.commands)),
         )
     table.notes.append(
         f"{repeats} batches of {n} SingletonTask deliveries whose keys are held by the "
-        "benchmark; each is skipped (result marked skipped, body not run). Includes publish, "
-        "broker, the acquire that finds the holder, the skip result and its write."
+        "benchmark, interleaved with section 2's rounds; each is skipped (result stored, body "
+        "not run), or under coalesce left as the held lock's follow-up (coalesce.lua, one more "
+        "round trip) and then ended as a skip; ratios are medians of per-round ratios against "
+        "plain Task in the same pool. "
+        "Targets: CPU at most 0.5x a plain run's, rate at least 2x."
+    )
+    return table
+
+
+def flood_table(floods: list[Flood]) -> Table:
+    """Section 4c: a queue full of duplicates of one key, drained by one worker."""
+    table = Table(
+        "4c. A flood: queued messages drained by one worker",
+        [
+            "pool",
+            "messages",
+            "drained/s",
+            "vs plain",
+            "worker CPU µs/message",
+            "RSS MB before",
+            "peak",
+            "after",
+        ],
+    )
+    mb = 1 / (1 << 20)
+    plain = {f.pool: f for f in floods if f.what == "plain Task"}
+    for f in floods:
+        table.add(
+            f.pool,
+            f"{f.n:,} {f.what}",
+            f.rate,
+            f"{f.rate / plain[f.pool].rate:.2f}x",
+            f.worker_cpu_s / f.n * 1e6,
+            f.rss_before * mb,
+            f.rss_peak * mb,
+            f.rss_after * mb,
+        )
+    table.notes.append(
+        "The messages are queued while the worker does not consume their queue, then it is told "
+        "to (add_consumer); from then to the last result. RSS: the worker and its children, "
+        "sampled every 50 ms. One flood per row."
     )
     return table

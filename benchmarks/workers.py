@@ -69,6 +69,19 @@ class BenchWorker(DevProcess):
     def log_tail(self, lines: int = 30) -> str:
         return super().log_tail(lines)
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the worker and its children, now (``/proc``)."""
+        total = 0
+        for pid in [self.pid, *children_of(self.pid, recursive=True)]:
+            try:
+                with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                    for line in fh:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
     def cpu_seconds(self) -> float:
         """User + system CPU of the worker and its children so far."""
         pids = [self.pid, *children_of(self.pid, recursive=True)]

@@ -24,10 +24,12 @@ from .errors import (
     SingletonError,
     SingletonKeyError,
 )
-from .task import LockHandle, SingletonTask, SkipInfo, skip_info
+from .skips import SkipInfo, skip_info
+from .task import LockHandle, SingletonTask
 from .worker import SingletonRequest
 
 if TYPE_CHECKING:
+    from .beat.django_beat import SingletonDatabaseScheduler
     from .beat.scheduler import SingletonScheduler, SingletonSchedulerMixin
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "LockHandle",
     "LockUnavailableError",
     "SingletonConfigError",
+    "SingletonDatabaseScheduler",
     "SingletonError",
     "SingletonKeyError",
     "SingletonRequest",
@@ -53,11 +56,12 @@ _hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock U
 
 del _hidden_settings, _worker
 
-_LAZY = frozenset({"SingletonScheduler", "SingletonSchedulerMixin"})
+_LAZY = frozenset({"SingletonDatabaseScheduler", "SingletonScheduler", "SingletonSchedulerMixin"})
 
 
 def __getattr__(name: str) -> Any:
-    """The scheduler is loaded when asked for: a worker need not import ``celery.beat``."""
+    """The schedulers are loaded when asked for: a worker need not import ``celery.beat``, nor
+    anything import Django unless it asks for ``SingletonDatabaseScheduler``."""
     if name in _LAZY:
         from . import beat
 

@@ -26,15 +26,17 @@ from .core._pid import current_pid
 from .core.admin import (
     ForceStatus,
     LockInfo,
+    Orphan,
     check_lock_key,
     force_release,
     iter_locks,
+    iter_orphans,
     read_lock,
     stale_reason,
     stats,
 )
 from .core.backend import REDIS_ERRORS, Client
-from .core.connection import client_for
+from .core.connection import client_for, store_for
 from .core.urls import redact_url, repr_without_password
 from .errors import SingletonConfigError
 
@@ -118,22 +120,44 @@ def _text(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-_COLUMNS = ("TASK", "HOLDER", "HOST", "PID", "AGE", "TTL", "TOKEN", "RENEWED", "ARGS", "KEY")
+_COLUMNS = (
+    "TASK",
+    "HOLDER",
+    "STATE",
+    "HOST",
+    "PID",
+    "AGE",
+    "TTL",
+    "TOKEN",
+    "RENEWED",
+    "PENDING",
+    "PERMIT",
+    "ARGS",
+    "KEY",
+)
 
 
 def _row(info: LockInfo) -> tuple[str, ...]:
     return (
         _text(info.task),
         _text(info.owner),
+        info.state,
         _text(info.host),
         _text(info.pid),
         _seconds(info.age_s),
         _seconds(info.ttl_s),
         _text(info.token),
-        _seconds(info.renewed_s),
+        "-" if info.ended_ms is not None else _seconds(info.renewed_s),
+        _pending(info),
+        _permit(info),
         _text(info.args),
         info.key,
     )
+
+
+def _permit(info: LockInfo) -> str:
+    """``2/3``: the slot a run holds of a key with 3 permits; ``-`` for a single lock."""
+    return "-" if info.permit is None else f"{info.permit}/{_text(info.permits)}"
 
 
 def _describe(info: LockInfo) -> str:
@@ -146,9 +170,30 @@ def _describe(info: LockInfo) -> str:
         f"age:       {_seconds(info.age_s)}",
         f"ttl:       {_seconds(info.ttl_s)} left of {_seconds(info.lease_s)}",
         f"token:     {_text(info.token)}",
-        f"renewed:   {_ago(info.renewed_s)}",
     ]
+    if info.permit is not None:
+        lines.append(
+            f"permit:    {info.permit} of {_text(info.permits)} (runs of this key at once)"
+        )
+    if info.ended_ms is None:
+        lines.append(f"renewed:   {_ago(info.renewed_s)}")
+        lines.append("state:     running")
+    else:  # an at-least window: nobody renews it, it expires at the window's end
+        ended_s = None if info.since_ms is None else (info.ended_ms - info.since_ms) / 1000
+        lines.append(
+            f"state:     window: the run ended {_seconds(ended_s)} after it started; the key "
+            f"stays blocked for {_seconds(info.ttl_s)} more"
+        )
+    if info.pending_follow_up is not None:
+        lines.append(f"pending:   {_pending(info)} (published when the run releases)")
     return "\n".join(lines)
+
+
+def _pending(info: LockInfo) -> str:
+    """The coalesced follow-up waiting beside the lock: ``<id> (<n> duplicates)``, else ``-``."""
+    if info.pending_follow_up is None:
+        return "-"
+    return f"{info.pending_follow_up} ({_text(info.pending_count)} duplicates)"
 
 
 @singleton.command(name="list")
@@ -208,6 +253,31 @@ def _operator() -> str:
     return f"{user}@{socket.gethostname()}:{current_pid()}"
 
 
+def _publish_pending(
+    target: _Target, key: str, task_name: str | None, pending: str | None, reason: str
+) -> bool:
+    """Publish the coalesced follow-up waiting beside a lock that is gone (coalesce.py); without
+    the task in this app, say where it stays. True when published."""
+    task = None if target.app is None else target.app.tasks.get(task_name or "")
+    if task is None:
+        click.echo(
+            f"{key}: its pending follow-up {pending} was left: task {task_name!r} is not in "
+            "this app (-A); the key's next run publishes it",
+            err=True,
+        )
+        return False
+    from .coalesce import publish_follow_up  # the Celery side, only when there is one
+
+    try:
+        follow_up = publish_follow_up(task, store_for(target.redis_url).run_script, key, reason)
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
+    if follow_up is None:
+        return False
+    click.echo(f"{key}: published its pending follow-up {follow_up}")
+    return True
+
+
 def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
     """Compare-and-delete ``info``'s lock; log and signal what happened."""
     try:
@@ -232,6 +302,8 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
             task=info.task,
             reason=reason,
         )
+        if info.pending_follow_up is not None:
+            _publish_pending(target, info.key, info.task, info.pending_follow_up, reason)
     elif status is ForceStatus.CHANGED:
         logger.warning(
             "singleton: force release skipped, the lock changed hands: key=%s owner=%s",
@@ -315,16 +387,38 @@ def purge(
         if reason is not None:
             chosen.append((info, reason))
             click.echo(f"{reason}\t" + "\t".join(_row(info)))
-    if not chosen:
+    orphans = [o for o in _orphans(target) if task is None or o.task == task]
+    for orphan in orphans:
+        click.echo(f"orphaned follow-up\t{orphan.follow_up}\t{orphan.task}\t{orphan.lock_key}")
+    if not chosen and not orphans:
         click.echo("nothing to purge")
         return
     if dry_run:
-        click.echo(f"{len(chosen)} lock(s) would be released (dry run)")
+        click.echo(
+            f"{len(chosen)} lock(s) would be released, {len(orphans)} orphaned follow-up(s) "
+            "published (dry run)"
+        )
         return
     if not yes:
-        click.confirm(f"Force-release these {len(chosen)} lock(s)?", abort=True)
+        click.confirm(
+            f"Force-release these {len(chosen)} lock(s), publish {len(orphans)} follow-up(s)?",
+            abort=True,
+        )
     released = sum(_force(target, info, reason) is ForceStatus.RELEASED for info, reason in chosen)
     click.echo(f"released {released} of {len(chosen)} lock(s)")
+    if orphans:
+        published = sum(
+            _publish_pending(target, o.lock_key, o.task, o.follow_up, "purge") for o in orphans
+        )
+        click.echo(f"published {published} of {len(orphans)} orphaned follow-up(s)")
+
+
+def _orphans(target: _Target) -> list[Orphan]:
+    """Pending follow-ups whose lock is gone (an expired lock nobody released)."""
+    try:
+        return list(iter_orphans(target.client, target.prefix))
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
 
 
 @singleton.command(name="stats")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .compat import legacy_options
-from .core.keys import check_prefix
+from .core.keys import MAX_PERMITS, check_prefix
 from .core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
     URL_KINDS,
@@ -30,22 +31,34 @@ from .core.urls import (
 from .errors import SingletonConfigError
 
 __all__ = [
+    "COMPLETION_MARGIN_S",
+    "DEFAULT_COMPLETION_TTL_S",
     "LOCK_ON",
     "POLICIES",
     "SETTINGS",
     "BeatOptions",
     "Options",
     "Setting",
+    "default_completion_ttl",
     "read_beat_options",
     "read_options",
     "resolve_redis_url",
 ]
 
-POLICIES = ("skip", "retry", "raise")
+POLICIES = ("skip", "retry", "raise", "coalesce")
 LOCK_ON = ("execute", "publish", "both")
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+#: Added to the broker's visibility timeout: a message left unacked is restored by a sweep
+#: that runs every few seconds, then waits in the queue behind others.
+COMPLETION_MARGIN_S = 300.0
+#: For brokers that redeliver when a connection is lost (RabbitMQ): the copy comes at once,
+#: unless it waits in a long queue.
+DEFAULT_COMPLETION_TTL_S = 3600.0
+#: kombu's default visibility timeouts, by transport
+_VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
 
 
 class ConfLike(Protocol):
@@ -66,6 +79,10 @@ def _non_negative(name: str, value: Any) -> float:
 
 def _optional_positive(name: str, value: Any) -> float | None:
     return None if value is None else _positive(name, value)
+
+
+def _optional_non_negative(name: str, value: Any) -> float | None:
+    return None if value is None else _non_negative(name, value)
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
@@ -98,6 +115,20 @@ def _key_args(name: str, value: Any) -> tuple[str, ...] | None:
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
         raise SingletonConfigError(f"{name} must be a sequence of argument names, got {value!r}")
     return tuple(value)
+
+
+def _scope(name: str, value: Any) -> str | None:
+    """A scope name: what the keys of its tasks show in place of the task name."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _SCOPE.fullmatch(value):
+        raise SingletonConfigError(
+            f"{name} must be a name of letters, digits, '_', '.' or '-' (at most 64), got {value!r}"
+        )
+    return value
+
+
+_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
@@ -139,6 +170,14 @@ def _non_negative_int(name: str, value: Any) -> int:
     return value
 
 
+def _permits(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERMITS:
+        raise SingletonConfigError(
+            f"{name} must be an integer from 1 to {MAX_PERMITS}, got {value!r}"
+        )
+    return value
+
+
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -166,6 +205,9 @@ class Setting:
     check: Callable[[str, Any], Any]
     doc: str
     task_option: bool = True
+    #: False: a task reads the option from its own attribute only, never from ``app.conf``
+    #: (whose key means something else there: ``lock_at_least`` is beat's app-wide)
+    app_fallback: bool = True
 
     @property
     def conf_key(self) -> str:
@@ -212,8 +254,10 @@ SETTINGS: dict[str, Setting] = {
             "skip",
             _choice(POLICIES),
             'What a duplicate run does: "skip" (finish at once, result marked skipped), '
-            '"retry" (requeue every `retry_countdown` seconds until it can run) or '
-            '"raise" (fail with DuplicateTaskError).',
+            '"retry" (requeue every `retry_countdown` seconds until it can run), '
+            '"raise" (fail with DuplicateTaskError) or "coalesce" (finish at once like a skip; '
+            "all duplicates met while one run holds the lock collapse into one follow-up run "
+            "with the latest duplicate's arguments, published when the lock is released).",
         ),
         Setting(
             "on_redis_error",
@@ -235,6 +279,23 @@ SETTINGS: dict[str, Setting] = {
             _key_fn,
             "A callable(args, kwargs) -> str giving the key's identity instead of the arguments.",
         ),
+        Setting(
+            "scope",
+            None,
+            _scope,
+            "A lock shared by several tasks: tasks naming the same scope and the same key "
+            "arguments exclude each other (their keys carry the scope instead of the task "
+            "name). Tasks sharing a scope must key on the same argument names, or all on a "
+            "`key` callable; a worker refuses to start otherwise.",
+        ),
+        Setting(
+            "permits",
+            1,
+            _permits,
+            "How many runs of one key may run at once (each holds a permit slot of its own: "
+            "renewed, released and fenced like a single lock); the next one meets "
+            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both".',
+        ),
         Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
         Setting(
             "retry_countdown",
@@ -248,6 +309,17 @@ SETTINGS: dict[str, Setting] = {
             _optional_positive,
             "Stop renewing a lock this many seconds after it was taken (a hung task then "
             "loses it after one more ttl). None: renew for as long as the task runs.",
+        ),
+        Setting(
+            "completion_ttl",
+            None,
+            _optional_non_negative,
+            "Seconds a finished run's completion is kept beside its lock: a redelivered copy "
+            "of its message (same task id and retries count) is then dropped, not run again. "
+            "0: record nothing. None: for tasks acked late, the broker's visibility_timeout + "
+            f"{COMPLETION_MARGIN_S:g} s with a Redis or SQS broker, else "
+            f"{DEFAULT_COMPLETION_TTL_S:g} s; 0 for tasks acked early (their message is acked "
+            "before the run, so it is not redelivered after it).",
         ),
         Setting(
             "lock_on",
@@ -287,9 +359,11 @@ SETTINGS: dict[str, Setting] = {
             "lock_at_least",
             0,
             _non_negative,
-            "Keep each scheduled run's claim at least this many seconds after it was "
-            "published (the claim is otherwise kept for two schedule periods).",
-            task_option=False,
+            "App-wide: keep each scheduled run's claim at least this many seconds after it was "
+            "published (the claim is otherwise kept for two schedule periods). As a task "
+            "option (read from the task only): keep the task's key blocked until this many "
+            "seconds after each run took its lock, on the Redis server's clock.",
+            app_fallback=False,
         ),
         Setting(
             "beat_lease",
@@ -357,6 +431,13 @@ class Options:
     max_hold: float | None
     lock_on: str = "execute"
     publish_ttl: float = 300.0
+    scope: str | None = None
+    permits: int = 1
+
+    #: None when read without a task (the banner): it depends on the task's acks_late
+    completion_ttl: float | None = None
+    #: the task's at-least window (0: none); never the app-wide (beat's) value
+    lock_at_least: float = 0.0
 
     @functools.cached_property
     def ttl_ms(self) -> int:
@@ -418,22 +499,58 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
                         "set; keep the new one"
                     )
                 value = legacy[setting.name]
-        if value is None:
+        if value is None and setting.app_fallback:
             value = conf.get(setting.conf_key)
             where = setting.conf_key
         if value is None:
             value = setting.default
         values[setting.name] = setting.check(where, value)
     values["redis_url"] = resolve_redis_url(conf)
+    if values["completion_ttl"] is None and task is not None:
+        values["completion_ttl"] = default_completion_ttl(conf, task)
     if values["key_args"] is not None and values["key"] is not None:
         raise SingletonConfigError(
             f"task {task_name}: set singleton_key_args or singleton_key, not both"
         )
+    if values["on_duplicate"] == "coalesce" and values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' needs "
+            "singleton_lock_on 'execute' (a duplicate is coalesced where it runs)"
+        )
+    if values["permits"] > 1:
+        _check_permits(task_name, values)
     return Options(**values)
 
 
-def describe(options: Options) -> Mapping[str, str]:
-    """The settings as shown in start-up banners (password hidden)."""
+def _where_policy(task_name: str | None) -> str:
+    return "app settings" if task_name is None else f"task {task_name}"
+
+
+def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
+    """Refuse what permits > 1 does not support: Redlock, publish-time dedup, coalesce."""
+    where = "singleton_permits" if task_name is None else f"task {task_name}: singleton_permits"
+    if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
+        raise SingletonConfigError(
+            f"{where} > 1 is not supported with a redis+redlock:// URL (a permit slot would "
+            "need a majority of its own on every master); use 1 permit, or one server, "
+            "Sentinel or Cluster"
+        )
+    if values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f'{where} > 1 needs singleton_lock_on "execute": a queued marker stands for one '
+            f"run, got lock_on {values['lock_on']!r}"
+        )
+    if values["on_duplicate"] == "coalesce":
+        raise SingletonConfigError(
+            f"{where} > 1 does not go with singleton_on_duplicate 'coalesce' (a follow-up "
+            "waits beside one lock, not beside N slots)"
+        )
+
+
+def describe(options: Options, conf: ConfLike | None = None) -> Mapping[str, str]:
+    """The settings as shown in start-up banners (password hidden); ``conf`` gives the broker
+    the default ``completion_ttl`` is derived from."""
+    conf = {} if conf is None else conf
     return {
         "redis": redact_url(options.redis_url),
         "prefix": options.key_prefix,
@@ -444,4 +561,43 @@ def describe(options: Options) -> Mapping[str, str]:
         "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
         "lock_on": options.lock_on,
         "publish_ttl": f"{options.publish_ttl:g}s",
+        "completion_ttl": (
+            f"{options.completion_ttl:g}s"
+            if options.completion_ttl is not None
+            else f"acks_late tasks: {describe_default_completion_ttl(conf)}"
+        ),
     }
+
+
+def _broker_visibility(conf: ConfLike) -> float | None:
+    """The broker's visibility timeout (Redis, SQS), or None for a broker without one."""
+    broker = conf.get("broker_url")
+    scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
+    scheme = scheme.split("+", 1)[0]
+    if scheme not in _VISIBILITY_DEFAULTS:
+        return None
+    options = conf.get("broker_transport_options") or {}
+    value = options.get("visibility_timeout") if isinstance(options, Mapping) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return _VISIBILITY_DEFAULTS[scheme]
+
+
+def default_completion_ttl(conf: ConfLike, task: object) -> float:
+    """``completion_ttl`` when not set: 0 for a task acked early; else the broker's visibility
+    timeout + :data:`COMPLETION_MARGIN_S`, or :data:`DEFAULT_COMPLETION_TTL_S`."""
+    acks_late = getattr(task, "acks_late", None)
+    if acks_late is None:
+        acks_late = conf.get("task_acks_late")
+    if not acks_late:
+        return 0.0
+    visibility = _broker_visibility(conf)
+    return DEFAULT_COMPLETION_TTL_S if visibility is None else visibility + COMPLETION_MARGIN_S
+
+
+def describe_default_completion_ttl(conf: ConfLike) -> str:
+    """The default ``completion_ttl`` of a task acked late, as the banner shows it."""
+    visibility = _broker_visibility(conf)
+    if visibility is None:
+        return f"{DEFAULT_COMPLETION_TTL_S:g}s"
+    return f"{visibility + COMPLETION_MARGIN_S:g}s (visibility_timeout + {COMPLETION_MARGIN_S:g}s)"

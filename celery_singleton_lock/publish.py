@@ -13,12 +13,14 @@ The marker never outlives its message for long:
   (``task_revoked``, worker.py);
 - a publish that fails deletes it at once;
 - a duplicate that finds a marker whose task has a ready result (SUCCESS, FAILURE, REVOKED)
-  takes it over (a second round trip, only then);
+  takes it over. Asking the result backend is a second round trip; its answer "not finished"
+  is trusted for :data:`UNFINISHED_TRUST_S` per task id in this process, so a burst of
+  duplicates of one queued call costs one round trip each;
 - otherwise (a purged queue, a message lost by the broker) it expires after
   ``singleton_publish_ttl`` seconds, counted from the message's countdown or eta.
 
 The task (task.py) decides when to mark, publish and forget; this module does it over plain
-values (the keys, the client, the ttl) and never imports the task.
+values (the keys, the store's script call, the ttl) and never imports the task.
 
 Every delete is compare-and-delete on the task id. The lock on the worker still guards every
 run, so a lapsed or lost marker can at worst let a second message through, which the worker
@@ -38,6 +40,8 @@ frozen in the canvas the caller waits on, so none may be replaced by another mes
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -50,13 +54,14 @@ from kombu.exceptions import DecodeError
 
 from . import signals
 from .core import _wire
-from .core._wire import as_text
-from .core.backend import Client
+from .core._wire import Script, as_text
 from .core.keys import LockKeys, queued_key
 from .errors import DuplicateTaskError, SingletonKeyError
 
 __all__ = [
+    "UNFINISHED",
     "Queued",
+    "Unfinished",
     "always_published",
     "delivered_arguments",
     "finished",
@@ -124,29 +129,76 @@ def finished(backend: Any, task_id: str) -> bool:
         return False
 
 
-def mark_queued(
-    client: Client,
+#: Seconds the result backend's "not finished" for a queued marker's task is trusted.
+UNFINISHED_TRUST_S = 1.0
+
+
+class Unfinished:
+    """Task ids the result backend said were not finished, each trusted for ``trust_s``
+    (at most ``size`` of them, the oldest forgotten first)."""
+
+    def __init__(
+        self,
+        trust_s: float = UNFINISHED_TRUST_S,
+        clock: Callable[[], float] = time.monotonic,
+        size: int = 1024,
+    ) -> None:
+        self.trust_s = trust_s
+        self.clock = clock
+        self.size = size
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    def trusted(self, task_id: str) -> bool:
+        """Whether ``task_id`` was found not finished less than ``trust_s`` ago."""
+        until = self._until.get(task_id)
+        return until is not None and self.clock() < until
+
+    def remember(self, task_id: str) -> None:
+        self._until[task_id] = self.clock() + self.trust_s
+        self._until.move_to_end(task_id)
+        while len(self._until) > self.size:
+            self._until.popitem(last=False)
+
+
+#: This process's answers (the publishing process: a web worker, a beat, a task's body).
+UNFINISHED = Unfinished()
+
+
+#: How a script reaches the records beside the locks: ``LockBackend.run_script``.
+RunScript = Callable[[Script, Sequence[Any]], Any]
+
+
+def mark_queued(  # noqa: PLR0917 - where, who, how long, and how to tell a stale marker
+    run: RunScript,
     keys: LockKeys,
     task_id: str,
     ttl_ms: int,
     is_finished: Callable[[str], bool],
+    unfinished: Unfinished | None = None,
 ) -> Queued | None:
     """Mark ``task_id`` queued under ``keys`` unless the lock is held or an identical call is
     queued; None when marked (publish it), else what was found. A marker whose task
-    ``is_finished`` is taken over (a second round trip, only then). Raises Redis's errors."""
+    ``is_finished`` is taken over (a second round trip, only then; see :class:`Unfinished`).
+    Raises Redis's errors."""
     marker = queued_key(keys.lock)
-    reply = _wire.evalsha(client, PUBLISH, [2, keys.lock, marker, task_id, ttl_ms, ""])
-    if reply[0] == 0 and as_text(reply[2]) == "queued" and is_finished(as_text(reply[1])):
-        args = [2, keys.lock, marker, task_id, ttl_ms, as_text(reply[1])]
-        reply = _wire.evalsha(client, PUBLISH, args)
+    reply = run(PUBLISH, [2, keys.lock, marker, task_id, ttl_ms, ""])
+    if reply[0] == 0 and as_text(reply[2]) == "queued":
+        holder = as_text(reply[1])
+        unfinished = unfinished or UNFINISHED
+        if not unfinished.trusted(holder):
+            if is_finished(holder):
+                args = [2, keys.lock, marker, task_id, ttl_ms, holder]
+                reply = run(PUBLISH, args)
+            else:
+                unfinished.remember(holder)
     if reply[0] == 1:
         return None
     return Queued(as_text(reply[1]), as_text(reply[2]))
 
 
-def forget_queued(client: Client, lock_key: str, task_id: str) -> None:
+def forget_queued(run: RunScript, lock_key: str, task_id: str) -> None:
     """Delete the queued marker of ``lock_key`` if it still names ``task_id``."""
-    _wire.evalsha(client, UNQUEUE, [1, queued_key(lock_key), task_id])
+    run(UNQUEUE, [1, queued_key(lock_key), task_id])
 
 
 def delivered_arguments(
@@ -166,6 +218,8 @@ def delivered_arguments(
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if dump_pydantic is not None and serializer != "pickle":
         args, kwargs = dump_pydantic(args, kwargs)
+    if _unchanged_by_any_serializer(args, kwargs):
+        return args, kwargs
     dumps, loads = serialization.dumps, serialization.loads
     content_type, encoding, data = dumps((args, kwargs), serializer)  # type: ignore[no-untyped-call]
     try:
@@ -175,6 +229,21 @@ def delivered_arguments(
             f"the {serializer} serializer cannot bring these arguments to a worker: {exc}"
         ) from exc
     return args, kwargs
+
+
+#: Types whose values every serializer Celery ships (json, msgpack, yaml, pickle) brings back
+#: as they went (ints within 64 bits: msgpack refuses larger ones).
+_STABLE_TYPES = frozenset({str, int, float, bool, type(None)})
+_INT64 = range(-(2**63), 2**63)
+
+
+def _unchanged_by_any_serializer(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the arguments are plain scalars (most calls): no round trip needed."""
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind not in _STABLE_TYPES or (kind is int and value not in _INT64):
+            return False
+    return True
 
 
 def not_published(  # noqa: PLR0917 - who, what, and what was found

@@ -33,6 +33,7 @@ __all__ = [
     "lock_released",
     "lock_renewed_late",
     "lock_unavailable",
+    "redelivery_dropped",
 ]
 
 lock_acquired = Signal(name="singleton_lock_acquired")
@@ -46,3 +47,4 @@ duplicate_skipped = Signal(name="singleton_duplicate_skipped")
 duplicate_retried = Signal(name="singleton_duplicate_retried")
 duplicate_raised = Signal(name="singleton_duplicate_raised")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
+redelivery_dropped = Signal(name="singleton_redelivery_dropped")

@@ -18,25 +18,41 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task, states
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Retry
 from celery.result import EagerResult
+from celery.utils.log import get_task_logger
 from kombu.utils.uuid import uuid
 
 from . import signals
+from .canvas import store_skip
+from .coalesce import call_record, publish_follow_up
+from .completion import drop_completed, ending_for
 from .config import Options, read_options
 from .core._pid import current_pid
-from .core.backend import REDIS_ERRORS, Acquired, Contended, ReleaseStatus
+from .core.backend import (
+    REDIS_ERRORS,
+    Acquired,
+    Completed,
+    Contended,
+    ReleaseStatus,
+    release_lost_slot,
+)
 from .core.connection import renewer_for, store_for
-from .core.keys import LockKeys, args_preview, derive_keys
+from .core.keys import LockKeys, args_preview, derive_keys, scope_key_names
+from .core.pending import leave_pending
 from .core.renewer import HeldLock, Renewer
-from .errors import DuplicateTaskError, LockUnavailableError, SingletonKeyError
+from .errors import (
+    DuplicateTaskError,
+    LockUnavailableError,
+    SingletonConfigError,
+    SingletonKeyError,
+)
 from .events import configure_renewer, on_released
 from .publish import (
     always_published,
@@ -47,18 +63,27 @@ from .publish import (
     marker_ttl_ms,
     not_published,
 )
+from .skips import Skipped, skip_marker
+from .tracing import FirstTry, Tracer, take_first_try, trace_run
 
-__all__ = ["LockHandle", "SingletonTask", "SkipInfo", "skip_info"]
+__all__ = ["LockHandle", "SingletonTask"]
 
-logger = logging.getLogger(__name__)
-
-#: Key of the result a skipped duplicate stores (its value is True).
-SKIP_MARKER = "__singleton_skipped__"
+# A Celery task logger named after this module (a child of ``celery.task``): in a worker its
+# lines go through Celery's task handler, so ``worker_task_log_format``'s %(task_name)s and
+# %(task_id)s name the run that logged them. The package's logger exists first: one created
+# after this would take this logger back under it (logging's placeholder fix-up).
+logging.getLogger(__package__)
+logger = get_task_logger(__name__)
 
 #: Pauses (seconds) between the tries of a message whose lock is held by the run that published
 #: it (a chain step, a link callback); after them it is requeued like a redelivered message.
 PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
+
+#: Message header of a duplicate requeued to wait for its lock: ``[first requeue, retries]``,
+#: the wall clock (epoch s) of its first requeue and its retries count then. The run that
+#: finally takes the lock reports the wait (``lock_acquired``'s ``waited``).
+WAITING_HEADER = "singleton_waiting_since"
 
 #: What a failed marker delete raises: logged, and the marker expires in its ttl.
 _FORGET_ERRORS: tuple[type[Exception], ...] = (LockUnavailableError, *REDIS_ERRORS)
@@ -116,32 +141,6 @@ class LockHandle:
 NOT_HELD = LockHandle()
 
 
-class _Skipped(Ignore):  # type: ignore[misc]
-    """Ignore that carries the skip marker, so an eager run can return it as its result."""
-
-    def __init__(self, marker: Mapping[str, Any]) -> None:
-        super().__init__(dict(marker))  # args = (marker,): pickles from a pool child
-        self.marker = dict(marker)
-
-
-@dataclass(frozen=True)
-class SkipInfo:
-    """Why a duplicate was skipped: its lock key and the task id holding it."""
-
-    key: str
-    holder: str
-    task_id: str
-
-
-def skip_info(value: Any) -> SkipInfo | None:
-    """The :class:`SkipInfo` when ``value`` (a result or an AsyncResult) is a skipped duplicate."""
-    if hasattr(value, "ready") and hasattr(value, "result"):
-        value = value.result if value.ready() else None
-    if isinstance(value, Mapping) and value.get(SKIP_MARKER) is True:
-        return SkipInfo(str(value["key"]), str(value["holder"]), str(value["task_id"]))
-    return None
-
-
 class SingletonTask(Task):  # type: ignore[misc]
     """A Celery task that never runs twice at once for the same logical arguments.
 
@@ -149,8 +148,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     default in docs/configuration.md): ``singleton_on_duplicate``,
     ``singleton_on_redis_error``, ``singleton_key_args``, ``singleton_key``,
     ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``,
-    ``singleton_lock_on``, ``singleton_publish_ttl``. The option spellings of celery-singleton
-    and celery-once are read too, with a DeprecationWarning (compat.py).
+    ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``;
+    ``singleton_lock_at_least`` is read from the task only. The option spellings of
+    celery-singleton and celery-once are read too, with a DeprecationWarning (compat.py).
     """
 
     singleton_on_duplicate: ClassVar[str | None] = None
@@ -162,12 +162,27 @@ class SingletonTask(Task):  # type: ignore[misc]
     singleton_max_hold: ClassVar[float | None] = None
     singleton_lock_on: ClassVar[str | None] = None
     singleton_publish_ttl: ClassVar[float | None] = None
+    singleton_completion_ttl: ClassVar[float | None] = None
+    singleton_lock_at_least: ClassVar[float | None] = None
 
     #: Celery's worker-side request class for this task: tells the worker's main process which
     #: generation a lost child held (worker.py). A custom one must subclass it.
     Request = "celery_singleton_lock.worker:SingletonRequest"
 
     _singleton_opts: Options | None = None
+
+    # The function a worker runs each message through (Celery's ``build_tracer``), wrapped so
+    # that the lock is taken before it and a skipped duplicate ends without it (tracing.py).
+    @property
+    def __trace__(self) -> Tracer | None:
+        tracer: Tracer | None = self.__dict__.get("_singleton_tracer")
+        return tracer
+
+    @__trace__.setter
+    def __trace__(self, celery_trace: Tracer | None) -> None:
+        self.__dict__["_singleton_tracer"] = (
+            None if celery_trace is None else partial(trace_run, self, celery_trace)
+        )
 
     @staticmethod
     def _singleton_sleep(seconds: float) -> None:
@@ -194,23 +209,40 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> LockKeys:
         """The lock keys for a call with these arguments."""
         opts = self.singleton_options()
-        return derive_keys(
-            opts.key_prefix, self.name, self.run, args or (), kwargs or {}, opts.key_args, opts.key
+        if opts.scope is None:
+            name, key_args = self.name, opts.key_args
+        else:  # the scope's name, and argument names in one order for all its tasks
+            name, key_args = opts.scope, self._singleton_scope_names()
+        keys = derive_keys(
+            opts.key_prefix, name, self.run, args or (), kwargs or {}, key_args, opts.key
         )
+        return keys.with_permits(opts.permits)
+
+    def _singleton_scope_names(self) -> tuple[str, ...] | None:
+        """The sorted argument names this task keys on in its scope (None with a key callable)."""
+        names: tuple[str, ...] | None = self.__dict__.get("_singleton_scope_key_names")
+        if names is None and self.singleton_options().key is None:
+            names = scope_key_names(self.run, self.singleton_options().key_args)
+            self.__dict__["_singleton_scope_key_names"] = names
+        return names
 
     # -- Celery hooks -----------------------------------------------------------------------
 
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Take the lock, or deal with the duplicate by policy, before the body runs."""
         super().before_start(task_id, args, kwargs)
-        try:  # the keys are derived once per run: the lock, its marker, its release
-            keys = self.singleton_keys(args, kwargs)
-        except SingletonKeyError as exc:
-            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+        first = take_first_try(task_id)  # a worker run: acquired before Celery's tracer
+        if first is not None:
+            keys = first.keys
+        else:  # the keys are derived once per run: the lock, its marker, its release
+            try:
+                keys = self.singleton_keys(args, kwargs)
+            except SingletonKeyError as exc:
+                raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
         try:
             try:
-                self._singleton_acquire(task_id, keys, args, kwargs)
-            except _Skipped as skip:
+                self._singleton_acquire(task_id, keys, args, kwargs, first)
+            except Skipped as skip:
                 marker = skip.marker
             else:
                 return
@@ -219,7 +251,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._singleton_forget_queued(task_id, keys, "start")
         # Raised here, not where the skip was decided: Celery snapshots and formats the
         # traceback of an Ignore twice, and each frame in it costs (docs/performance.md).
-        raise _Skipped(marker) from None
+        raise Skipped(marker) from None
 
     def apply_async(
         self,
@@ -236,7 +268,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def apply(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS)."""
         result = super().apply(*args, **kwargs)
-        if result.state == states.IGNORED and isinstance(result.result, _Skipped):
+        if result.state == states.IGNORED and isinstance(result.result, Skipped):
             return EagerResult(result.id, result.result.marker, states.SUCCESS, name=self.name)
         return result
 
@@ -299,8 +331,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
         ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
         try:
-            client = store_for(opts.redis_url).client
-            found = mark_queued(client, keys, task_id, ttl_ms, partial(finished, self.backend))
+            run = store_for(opts.redis_url).run_script
+            found = mark_queued(run, keys, task_id, ttl_ms, partial(finished, self.backend))
         except REDIS_ERRORS as exc:
             logger.warning(
                 "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
@@ -308,6 +340,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 task_id,
                 keys.lock,
                 exc,
+                extra=_about(self.name, task_id),
             )
             return send(args, kwargs, task_id, **options)
         if found is None:
@@ -323,7 +356,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Drop this call's queued marker if it still names ``task_id``; on failure log (the
         marker then expires in its ttl)."""
         try:
-            forget_queued(store_for(self.singleton_options().redis_url).client, keys.lock, task_id)
+            forget_queued(
+                store_for(self.singleton_options().redis_url).run_script, keys.lock, task_id
+            )
         except _FORGET_ERRORS as exc:
             self._singleton_marker_left(reason, task_id, exc)
 
@@ -334,6 +369,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.name,
             task_id,
             exc,
+            extra=_about(self.name, task_id),
         )
 
     def singleton_forget_for(
@@ -349,30 +385,76 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- acquire ------------------------------------------------------------------------------
 
+    def _singleton_try_acquire(
+        self,
+        task_id: str,
+        keys: LockKeys,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        generation: int,
+        hostname: str | None,
+        renewer: Renewer,
+    ) -> Acquired | Contended:
+        """One acquire as ``task_id`` of ``generation``: the run's one blocking round trip."""
+        meta = self._singleton_meta(args, kwargs, hostname)
+        return renewer.acquire(keys, task_id, generation, self.singleton_options().ttl_ms, meta)
+
+    def _singleton_renewer(self) -> Renewer:
+        """This process's renewer for the task's lock store (it takes, renews and releases)."""
+        return renewer_for(self.singleton_options().redis_url, configure_renewer)
+
+    def _singleton_meta(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], hostname: str | None
+    ) -> dict[str, str]:
+        """What the lock hash tells about its holder (``celery singleton show``)."""
+        return {
+            "task": self.name,
+            "host": str(hostname or socket.gethostname()),
+            "pid": str(current_pid()),
+            "args": args_preview(args, kwargs),
+        }
+
     def _singleton_acquire(
-        self, task_id: str, keys: LockKeys, args: Sequence[Any], kwargs: Mapping[str, Any]
+        self,
+        task_id: str,
+        keys: LockKeys,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        first: FirstTry | None = None,
     ) -> None:
         opts = self.singleton_options()
         request = self.request
         generation = int(request.retries or 0)
-        renewer = renewer_for(opts.redis_url, configure_renewer)
-        meta = {
-            "task": self.name,
-            "host": str(request.hostname or socket.gethostname()),
-            "pid": str(current_pid()),
-            "args": args_preview(args, kwargs),
-        }
+        renewer = self._singleton_renewer() if first is None else first.renewer
         try:
-            outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+            if first is None:
+                outcome = self._singleton_try_acquire(
+                    task_id,
+                    keys,
+                    args,
+                    kwargs,
+                    generation=generation,
+                    hostname=request.hostname,
+                    renewer=renewer,
+                )
+            elif isinstance(first.outcome, LockUnavailableError):
+                raise first.outcome
+            else:
+                outcome = first.outcome
             if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
+                meta = self._singleton_meta(args, kwargs, request.hostname)
                 outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
         except LockUnavailableError as exc:
             self._singleton_redis_down(opts, keys, task_id, exc)
             return
+        if isinstance(outcome, Completed):  # this message already ran to its end
+            drop_completed(self, keys.lock, outcome, task_id)
         if isinstance(outcome, Contended):
             self._singleton_duplicate(opts, keys, outcome, task_id)
+        key = keys.slot(outcome.slot)  # the lock itself, or the permit slot taken
         held = HeldLock(
-            key=keys.lock,
+            key=key,
             owner=task_id,
             generation=generation,
             ttl_ms=opts.ttl_ms,
@@ -381,22 +463,24 @@ class SingletonTask(Task):  # type: ignore[misc]
             max_hold_s=opts.max_hold,
             context=self,
         )
-        request._singleton_handle = LockHandle(keys.lock, task_id, held, outcome.reentered, renewer)
+        request._singleton_handle = LockHandle(key, task_id, held, outcome.reentered, renewer)
+        waited = _waited(request)
         renewer.add(held)
         logger.debug(
             "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
             self.name,
             task_id,
-            keys.lock,
+            key,
             outcome.token,
             outcome.reentered,
         )
         signals.lock_acquired.send(
             sender=self,
-            key=keys.lock,
+            key=key,
             task_id=task_id,
             token=outcome.token,
             reentered=outcome.reentered,
+            waited=waited,
         )
 
     def _singleton_wait_for_parent(
@@ -479,26 +563,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                 countdown=opts.retry_countdown,
             )
             self._singleton_requeue(opts.retry_countdown, error)
-        if policy == "skip":
-            logger.info(
-                "singleton: duplicate skipped: %s[%s] key=%s holder=%s",
-                self.name,
-                task_id,
-                keys.lock,
-                held.holder,
+        if policy == "coalesce":
+            wait = self._singleton_coalesce(
+                keys, held.holder, task_id, request.args or (), request.kwargs or {}, request
             )
-            marker = {
-                SKIP_MARKER: True,
-                "key": keys.lock,
-                "holder": held.holder,
-                "task_id": task_id,
-            }
-            if not request.is_eager or self.app.conf.task_store_eager_result:
-                self.backend.mark_as_done(task_id, marker, request=request)
-            signals.duplicate_skipped.send(
-                sender=self, key=keys.lock, task_id=task_id, holder=held.holder
-            )
-            raise _Skipped(marker)
+            if wait is not None:
+                self._singleton_requeue(wait, error)
+        if policy in ("skip", "coalesce"):
+            marker = self._singleton_store_skip(keys, held.holder, task_id, request)
+            self._singleton_report_skip(keys, held.holder, task_id)
+            raise Skipped(marker)
         logger.info(
             "singleton: duplicate raised: %s[%s] key=%s holder=%s",
             self.name,
@@ -510,6 +584,130 @@ class SingletonTask(Task):  # type: ignore[misc]
             sender=self, key=keys.lock, task_id=task_id, holder=held.holder
         )
         raise error
+
+    def _singleton_skips(
+        self, outcome: Acquired | Contended | LockUnavailableError, task_id: str, parent: Any
+    ) -> bool:
+        """Whether a worker's first acquire ends the run as a skipped duplicate at once: held
+        by another run (not this message's earlier delivery, nor the run that published it)
+        under the skip policy."""
+        return (
+            isinstance(outcome, Contended)
+            and outcome.holder not in (task_id, parent)
+            and self.singleton_options().on_duplicate in ("skip", "coalesce")
+        )
+
+    def _singleton_coalesce(  # noqa: PLR0917 - the duplicate's call, and where it is kept
+        self,
+        keys: LockKeys,
+        holder: str,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        request: Any,
+    ) -> float | None:
+        """Leave this duplicate's call as the lock's pending follow-up (coalesce.py) while
+        ``holder`` still holds it; the follow-up's id goes on ``request`` for the marker.
+
+        None when left; else the countdown to requeue the duplicate after, never dropping it:
+        the holder let go meanwhile (at once, or after an at-least window's end: it then takes
+        the lock or meets its new holder), or Redis failed (``retry_countdown``)."""
+        try:
+            left = leave_pending(
+                store_for(self.singleton_options().redis_url).run_script,
+                keys.lock,
+                holder,
+                uuid(),
+                call_record(self, request, args, kwargs),
+            )
+        except _FORGET_ERRORS as exc:
+            logger.warning(
+                "singleton: could not coalesce duplicate, requeued: %s[%s] key=%s: %s",
+                self.name,
+                task_id,
+                keys.lock,
+                exc,
+            )
+            return self.singleton_options().retry_countdown
+        if left.follow_up is None:
+            logger.info(
+                "singleton: holder let go before coalescing, requeued: %s[%s] key=%s holder=%s",
+                self.name,
+                task_id,
+                keys.lock,
+                holder,
+            )
+            return max(left.pttl_ms, 0) / 1000 if left.finished else 0.0
+        if isinstance(request, dict):
+            request["_singleton_follow_up"] = left.follow_up
+        else:
+            request._singleton_follow_up = left.follow_up
+        return None
+
+    def _singleton_store_skip(
+        self, keys: LockKeys, holder: str, task_id: str, request: Any
+    ) -> dict[str, Any]:
+        """Store a skipped duplicate's result (SUCCESS, the skip marker) and return it; so is
+        that of each canvas task that will not run after it (canvas.py)."""
+        marker = skip_marker(
+            keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
+        )
+        if not request.is_eager or self.app.conf.task_store_eager_result:
+            stopped = store_skip(self.backend, task_id, marker, request)
+            if stopped:
+                logger.info(
+                    "singleton: skipped duplicate stops its canvas, %d later tasks marked "
+                    "skipped: %s[%s] key=%s holder=%s",
+                    stopped,
+                    self.name,
+                    task_id,
+                    keys.lock,
+                    holder,
+                )
+        return marker
+
+    def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
+        """The skip's one log line and its signal."""
+        follow_up = getattr(self.request, "_singleton_follow_up", None)
+        if follow_up is not None:
+            logger.info(
+                "singleton: duplicate coalesced: %s[%s] key=%s holder=%s follow_up=%s",
+                self.name,
+                task_id,
+                keys.lock,
+                holder,
+                follow_up,
+            )
+            signals.duplicate_skipped.send(
+                sender=self, key=keys.lock, task_id=task_id, holder=holder, follow_up=follow_up
+            )
+            return
+        logger.info(
+            "singleton: duplicate skipped: %s[%s] key=%s holder=%s",
+            self.name,
+            task_id,
+            keys.lock,
+            holder,
+        )
+        signals.duplicate_skipped.send(sender=self, key=keys.lock, task_id=task_id, holder=holder)
+
+    def _singleton_abandon(
+        self, keys: LockKeys, task_id: str, generation: int, slot: int = 1
+    ) -> None:
+        """Release a lock (permit ``slot``) taken for a run that Celery's tracer ended before
+        ``before_start``."""
+        key = keys.slot(slot)
+        try:
+            store_for(self.singleton_options().redis_url).release(key, task_id, generation)
+        except LockUnavailableError as exc:
+            logger.warning(
+                "singleton: could not release lock of a run that did not start, "
+                "it expires in its ttl: %s[%s] key=%s: %s",
+                self.name,
+                task_id,
+                key,
+                exc,
+            )
 
     def _singleton_redis_down(
         self, opts: Options, keys: LockKeys, task_id: str, error: LockUnavailableError
@@ -544,7 +742,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
-        signature = self.signature_from_request(request, countdown=countdown)
+        options: dict[str, Any] = {"countdown": countdown}
+        if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
+            since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
+            options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}
+        signature = self.signature_from_request(request, **options)
         try:
             signature.apply_async()
         except Exception as exc:  # the broker is down too: fail loudly, never run unguarded
@@ -593,10 +795,35 @@ class SingletonTask(Task):  # type: ignore[misc]
             renewer.remove(held)
             return
         handle._held = None
+        opts = self.singleton_options()
+        held.ending = ending_for(opts.completion_ttl, opts.lock_at_least, state)
+        if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
+            on_released(held, renewer.release_now(held), state)
+            self._singleton_follow_up(held.key, state)
+            return
         if not self.request.is_eager:
             renewer.release_later(held, state)
             return
         on_released(held, renewer.release_now(held), state)
+
+    def _singleton_follow_up(self, lock_key: str, reason: str) -> None:
+        """Publish the lock's pending follow-up, if it has one and no run holds it
+        (coalesce.py); only under the coalesce policy."""
+        if self.singleton_options().on_duplicate != "coalesce":
+            return
+        try:
+            publish_follow_up(
+                self, store_for(self.singleton_options().redis_url).run_script, lock_key, reason
+            )
+        except _FORGET_ERRORS as exc:
+            logger.warning(
+                "singleton: could not take coalesced follow-up, it waits for the next release "
+                "or purge: %s key=%s: %s",
+                self.name,
+                lock_key,
+                exc,
+                extra=_about(self.name, ""),
+            )
 
     def singleton_release_for(
         self,
@@ -613,8 +840,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         try:
             keys = self.singleton_keys(args, kwargs)
-            status = store_for(self.singleton_options().redis_url).release_lost(
-                keys.lock, task_id, generation
+            opts = self.singleton_options()
+            key, status = release_lost_slot(
+                store_for(opts.redis_url),
+                keys,
+                task_id,
+                generation,
+                round(opts.lock_at_least * 1000),
             )
         except (SingletonKeyError, LockUnavailableError) as exc:
             logger.warning(
@@ -623,6 +855,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self.name,
                 task_id,
                 exc,
+                extra=_about(self.name, task_id),
             )
             return None
         if status is ReleaseStatus.RELEASED:
@@ -631,9 +864,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 reason,
                 self.name,
                 task_id,
-                keys.lock,
+                key,
+                extra=_about(self.name, task_id),
             )
-            signals.lock_released.send(sender=self, key=keys.lock, task_id=task_id, reason=reason)
+            signals.lock_released.send(sender=self, key=key, task_id=task_id, reason=reason)
         elif status is not ReleaseStatus.NOT_HELD:
             handed_over = status is ReleaseStatus.HANDED_OVER
             logger.info(
@@ -642,9 +876,58 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "handed over to its retry" if handed_over else "held by another run",
                 self.name,
                 task_id,
-                keys.lock,
+                key,
+                extra=_about(self.name, task_id),
             )
+        if status in (ReleaseStatus.RELEASED, ReleaseStatus.NOT_HELD):  # or it expired
+            self._singleton_follow_up(keys.lock, reason)
         return status
+
+
+def _waiting_since(request: Any) -> list[float] | None:
+    """This delivery's :data:`WAITING_HEADER`, if it is a requeued duplicate of this retry."""
+    value = request.get(WAITING_HEADER)
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    try:
+        since, retries = float(value[0]), int(value[1])
+    except (TypeError, ValueError):  # not ours: never fail a run over a header
+        return None
+    if retries != int(request.retries or 0):  # a later self.retry() carried it along
+        return None
+    return [since, retries]
+
+
+def _waited(request: Any) -> float | None:
+    """Seconds since this message was first requeued to wait for its lock, or None."""
+    since = _waiting_since(request)
+    return None if since is None else max(0.0, time.time() - since[0])
+
+
+def _about(name: str, task_id: str) -> dict[str, str]:
+    """``extra`` of a line logged outside the run it is about (the worker's main process, a
+    publisher): Celery's task formatter fills %(task_name)s and %(task_id)s from the current
+    run, and from these when there is none."""
+    return {"task_name": name, "task_id": task_id}
+
+
+def check_scopes(tasks: Iterable[SingletonTask]) -> None:
+    """Raise :class:`SingletonConfigError` unless the tasks sharing a scope all key on the same
+    argument names, or all on a ``singleton_key`` callable (checked at worker start)."""
+    scopes: dict[str, dict[str, tuple[str, ...] | None]] = {}
+    for task in tasks:
+        scope = task.singleton_options().scope
+        if scope is not None:
+            scopes.setdefault(scope, {})[task.name] = task._singleton_scope_names()
+    for scope, members in sorted(scopes.items()):
+        if len(set(members.values())) > 1:
+            keyed = "; ".join(
+                f"{name} on {'a key callable' if names is None else ', '.join(names)}"
+                for name, names in sorted(members.items())
+            )
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must key on the same argument names: {keyed}"
+            )
 
 
 def _retry_delay(eta: datetime | None, countdown: float | None, default: float | None) -> float:

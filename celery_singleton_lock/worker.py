@@ -58,7 +58,7 @@ from .core.connection import flush_releases
 from .core.keys import check_key_args
 from .errors import SingletonConfigError
 from .reaper import ChildReaper
-from .task import SingletonTask
+from .task import SingletonTask, check_scopes
 
 __all__ = ["SingletonRequest"]
 
@@ -227,6 +227,7 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
             warnings.simplefilter("always", DeprecationWarning)
             for task in tasks:
                 check_key_args(task.run, task.singleton_options().key_args)
+            check_scopes(tasks)
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
     for warning in caught:  # Python hides DeprecationWarnings in a worker: log them
@@ -248,7 +249,17 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
 
 def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
     """The ``[singleton]`` block of the start-up banner: app-wide settings and the tasks."""
-    settings = describe(read_options(conf))
+    settings = dict(describe(read_options(conf), conf))
+    windows = [
+        f"{t.name}={t.singleton_options().lock_at_least:g}s"
+        for t in tasks
+        if t.singleton_options().lock_at_least
+    ]
+    if windows:
+        settings["lock_at_least"] = ", ".join(windows)
+    permits = [f"{t.name}={t.singleton_options().permits}" for t in tasks]
+    if any(t.singleton_options().permits > 1 for t in tasks):
+        settings["permits"] = ", ".join(p for p in permits if not p.endswith("=1"))
     lines = ["", "[singleton]"]
     lines += [f"  .> {name + ':':<17}{value}" for name, value in settings.items()]
     lines.append(f"  .> {'tasks:':<17}{', '.join(t.name for t in tasks)}")

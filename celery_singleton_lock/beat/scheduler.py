@@ -51,6 +51,9 @@ ERROR_RETRY_S = 1.0
 LEASE_TRUSTED = 0.9
 #: At start-up, how many recent runs of each entry are checked for a claim left pending.
 RECENT_RUNS_MAX = 32
+#: The period a schedule that runs once (a clocked time) counts as, to keep its run's claim:
+#: an instance that learns late that the run happened must still find it claimed.
+ONCE_PERIOD_S = 7 * 86400.0
 
 
 def _is_interval(sched: object) -> bool:
@@ -80,7 +83,8 @@ class SingletonSchedulerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._singleton: _BeatState | None = None
-        self._aligned_last: dict[str, int] = {}
+        #: per interval entry: its interval and the last slot this instance saw begin
+        self._aligned_last: dict[str, tuple[float, int]] = {}
         self._due_slot: dict[str, int] = {}
         #: runs to claim again at a monotonic time: their claimer may have died, or Redis failed
         self._rechecks: dict[_Run, float] = {}
@@ -135,22 +139,47 @@ class SingletonSchedulerMixin:
     # -- the schedule ----------------------------------------------------------------------
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
-        """Interval entries are due at epoch-aligned slots; others as Celery decides."""
+        """Interval entries are due at epoch-aligned slots; others as Celery decides.
+
+        Either way the entry's own ``is_due`` runs: an entry class that checks more than its
+        schedule (django-celery-beat's ``ModelEntry``: enabled, ``start_time``, ``expires``,
+        ``one_off``) still decides those. For an interval entry its schedule is stood in for,
+        for that call only, by one that answers on the epoch grid.
+        """
         sched = entry.schedule
         if not _is_interval(sched):
             state: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
             return state
+        entry.schedule = _AlignedInterval(self, entry, sched)
+        try:
+            aligned: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
+        finally:
+            entry.schedule = sched
+        return aligned
+
+    def singleton_not_before(self, entry: ScheduleEntry) -> datetime | None:
+        """The first instant a run of ``entry`` may be due at (an interval run's slot may not
+        start before it), or None. The database scheduler gives the entry's ``start_time``."""
+        return None
+
+    def _interval_due(
+        self, entry: ScheduleEntry, sched: Any, last_run_at: datetime | None
+    ) -> tuple[bool, float]:
+        """Whether a new epoch-aligned slot of interval entry ``entry`` has begun."""
         interval = sched.run_every.total_seconds()
         now = self.singleton_clock()
         slot = interval_slot(interval, now)
-        last = self._aligned_last.get(entry.name)
-        if last is None:
-            last_run = entry.last_run_at
-            last = slot if last_run is None else min(slot, _slot_of(interval, last_run))
-            self._aligned_last[entry.name] = last
+        seen = self._aligned_last.get(entry.name)
+        if seen is None or seen[0] != interval:  # new to this instance, or its interval changed
+            last = slot if last_run_at is None else min(slot, _slot_of(interval, last_run_at))
+        else:
+            last = seen[1]
+        not_before = self.singleton_not_before(entry)
+        if not_before is not None and slot_start(interval, slot) < _aware(not_before):
+            last = max(last, slot)  # this slot began before the entry's start: not its run
         due = slot > last
+        self._aligned_last[entry.name] = (interval, slot if due else last)
         if due:
-            self._aligned_last[entry.name] = slot
             self._due_slot[entry.name] = slot
         next_in = slot_start(interval, slot + 1).timestamp() - now
         return schedstate(due, max(next_in, 0.0))  # type: ignore[no-any-return]
@@ -177,14 +206,13 @@ class SingletonSchedulerMixin:
     ) -> Any:
         """Publish ``entry``'s due run if this instance claims it first."""
         state = self._singleton_state()
+        run = self._run(entry, state.opts)  # of the entry as it was due, before reserve()
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
             return None
-        return self._claim_and_publish(
-            state, entry, self._run(entry, state.opts), producer, **kwargs
-        )
+        return self._claim_and_publish(state, entry, run, producer, **kwargs)
 
     def close(self) -> None:
         """Give up the leader lease (if held) so a standby takes over at once."""
@@ -237,7 +265,7 @@ class SingletonSchedulerMixin:
             )
             self._recheck_later(run, 0.0)
             return None
-        labelled = copy.copy(entry)
+        labelled = _shallow_copy(entry)
         labelled.options = copy.deepcopy(entry.options)
         labelled.options.setdefault("headers", {}).update(
             {RUN_HEADER: f"{entry.name}@{run.run}", CLAIM_HEADER: key, KEEP_HEADER: run.keep_ms}
@@ -316,8 +344,25 @@ class SingletonSchedulerMixin:
                 )
                 self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
 
+    def singleton_once(self, entry: ScheduleEntry) -> datetime | None:
+        """For an entry that runs only once: an instant naming that one run, else None.
+
+        Such a run is claimed under ``once-<that instant>`` instead of its nominal time, so
+        an instance that fires it later (it learnt late that it ran) finds it claimed. The
+        database scheduler names a one-off entry's run by the ``last_run_at`` it had before it
+        ran, which every instance reads alike from the database.
+        """
+        return None
+
     def _run(self, entry: ScheduleEntry, opts: BeatOptions) -> _Run:
         """``entry``'s due run: its nominal run id and claim key."""
+        once = self.singleton_once(entry)
+        if once is not None:
+            self._due_slot.pop(entry.name, None)
+            run = f"once-{run_id(_aware(once))}"
+            keep = max(opts.lock_at_least, 2 * ONCE_PERIOD_S + 2 * opts.skew + 60)
+            key = run_claim_key(opts.key_prefix, entry.name, run)
+            return _Run(entry.name, run, key, round(keep * 1000))
         sched = entry.schedule
         if _is_interval(sched):
             interval = sched.run_every.total_seconds()
@@ -342,9 +387,12 @@ class SingletonSchedulerMixin:
             period = sched.run_every.total_seconds()
         elif isinstance(sched, solar):  # the nearest event to a second earlier is this one
             period = 86400.0
-        else:
+        else:  # a schedule that runs once (a clocked one) has no previous run
             previous = nominal_run(sched, nominal - timedelta(seconds=1))
-            period = (nominal - previous).total_seconds() if previous else 7 * 86400
+            if previous is None or previous >= nominal:
+                period = ONCE_PERIOD_S
+            else:
+                period = (nominal - previous).total_seconds()
         keep = max(opts.lock_at_least, 2 * period + 2 * opts.skew + 60)
         run = run_id(nominal)
         key = run_claim_key(opts.key_prefix, entry.name, run)
@@ -434,10 +482,42 @@ class _BeatState:
         self.lead_confirmed, self.renew_at = now, now + self.opts.lease / 3
 
 
+def _shallow_copy(entry: ScheduleEntry) -> ScheduleEntry:
+    """A shallow copy of ``entry``, its attributes shared.
+
+    Not ``copy.copy``: that goes through ``ScheduleEntry.__reduce__``, which calls the class with
+    ScheduleEntry's own arguments, and an entry class with another signature (django-celery-beat's
+    ``ModelEntry(model, app)``) fails there with a TypeError, so no run would be published.
+    """
+    clone: ScheduleEntry = object.__new__(type(entry))
+    clone.__dict__.update(entry.__dict__)
+    return clone
+
+
+def _aware(when: datetime) -> datetime:
+    """``when``, a naive one taken as UTC (as Celery's ``maybe_make_aware`` does)."""
+    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when
+
+
 def _slot_of(interval: float, when: datetime) -> int:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return interval_slot(interval, when.timestamp())
+    return interval_slot(interval, _aware(when).timestamp())
+
+
+class _AlignedInterval:
+    """An interval schedule answering ``is_due`` on the epoch grid, for one entry and one call.
+
+    Stands in for the entry's schedule while the entry's own ``is_due`` runs, so what the entry
+    checks besides its schedule still counts (see :meth:`SingletonSchedulerMixin.is_due`).
+    """
+
+    def __init__(self, scheduler: SingletonSchedulerMixin, entry: ScheduleEntry, sched: Any):
+        self._scheduler, self._entry, self._sched = scheduler, entry, sched
+
+    def is_due(self, last_run_at: datetime | None) -> tuple[bool, float]:
+        return self._scheduler._interval_due(self._entry, self._sched, last_run_at)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sched, name)
 
 
 def _quietly(fn: Callable[[str], object], key: str) -> None:

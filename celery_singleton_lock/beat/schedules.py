@@ -40,6 +40,10 @@ Solar (:class:`celery.schedules.solar`)
     the event (the minute after the previous anti-transit) before it is rounded down to the
     whole second: instances on the same ephem version get the same float, not merely a close one.
 
+Clocked (django-celery-beat's ``clocked``, recognised by its aware ``clocked_time``)
+    Runs once, at ``clocked_time``: that instant is the nominal time, whenever an instance fires
+    it (an instance that loads the entry later fires it late, under the same claim).
+
 Cost: a crontab whose run is the current minute is answered at once; otherwise the search steps
 back one real minute at a time, up to ``lookback`` (figures: docs/performance.md, "Figures
 behind the code").
@@ -314,6 +318,8 @@ def nominal_run(
       the schedule's timezone (see the module docstring for DST); None if there is none.
     - :class:`~celery.schedules.solar`: the event nearest to ``now`` within
       :data:`SOLAR_WINDOW`, rounded down to the whole second; None if there is none.
+    - a schedule that runs once at its aware ``clocked_time`` (django-celery-beat's
+      ``clocked``): that instant, to the millisecond, whatever ``now`` is.
     - anything else: None.
 
     ``now`` must be aware (any timezone); naive raises ValueError.
@@ -327,7 +333,16 @@ def nominal_run(
         return _solar_nominal(sched, now_utc)
     if isinstance(sched, schedule):
         return _interval_nominal(sched, now_utc)
-    return None
+    return _clocked_nominal(sched)
+
+
+def _clocked_nominal(sched: Any) -> datetime | None:
+    """The ``clocked_time`` of a run-once schedule (duck-typed: no django import here)."""
+    clocked_time = getattr(sched, "clocked_time", None)
+    if not isinstance(clocked_time, datetime) or clocked_time.utcoffset() is None:
+        return None
+    at = clocked_time.astimezone(timezone.utc)
+    return at - timedelta(microseconds=at.microsecond % 1000)
 
 
 def recent_runs(sched: BaseSchedule, now: datetime, since: datetime, limit: int) -> list[datetime]:

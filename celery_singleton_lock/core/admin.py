@@ -1,7 +1,7 @@
 """Look at and clean up the locks in Redis: the core of the ``celery singleton`` command.
 
 Knows nothing of Celery: every function takes a redis-py client (``redis.Redis`` or
-``RedisCluster``) and the key prefix. Locks are found with ``SCAN MATCH <prefix>{*}:lock``
+``RedisCluster``) and the key prefix. Locks are found with ``SCAN MATCH <prefix>{*}:lock*``
 (never ``KEYS``), read in batches with one pipeline per batch, so it is safe on a big
 database: a batch costs one SCAN page and one round trip. Only lock keys of this library under
 the prefix are ever read or released (:func:`celery_singleton_lock.core.keys.lock_key_problem`):
@@ -25,7 +25,15 @@ hash field            meaning
 ``host``              the holder's worker node name (``name@host``)
 ``pid``               pid of the process running the task
 ``args``              a short preview of the arguments (``repr``, cut)
+``ended``             only in an at-least window: when the run ended, ms since the epoch; the
+                      key then expires at the window's end (core/completion.py)
+``permit``            only in a permit slot (``<lock key>:<i>``, ``singleton_permits`` > 1):
+                      the slot ``i``, 1 to ``permits``
+``permits``           ... and how many runs of the key may hold a slot at once
 ====================  =====================================================================
+
+A lock with ``ended`` is shown as state ``window`` (its run finished; the key stays blocked
+until it expires), any other as ``running``.
 """
 
 from __future__ import annotations
@@ -33,25 +41,31 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _wire
 from ._wire import as_text
 from .backend import Client
+from .completion import ENDED_FIELD
 from .keys import check_prefix, lock_key_problem, safe_name
+from .pending import PENDING_SUFFIX, lock_key_of, pending_key
 
 __all__ = [
     "ForceStatus",
     "LockInfo",
+    "Orphan",
     "Stats",
     "check_lock_key",
     "force_release",
     "iter_locks",
+    "iter_orphans",
     "lock_pattern",
     "read_lock",
     "stale_reason",
     "stats",
 ]
+
+T = TypeVar("T")
 
 #: Keys asked for per SCAN page, and read per pipeline.
 BATCH = 500
@@ -90,10 +104,26 @@ class LockInfo:
     #: lock handed over to a retry is stretched over the countdown). None without a ttl field
     #: or without an expiry
     renewed_s: float | None
+    #: only in an at-least window: when the run ended, ms since the epoch (server clock)
+    ended_ms: int | None = None
+    #: under the coalesce policy: the task id of the follow-up waiting beside the lock
+    #: (core/pending.py), and how many duplicates it collapses
+    pending_follow_up: str | None = None
+    pending_count: int | None = None
+    #: a slot of a key taken with ``singleton_permits`` > 1: which one (1 to ``permits``)
+    permit: int | None = None
+    #: ... and how many runs the key admits at once; both None for a single lock
+    permits: int | None = None
+
+    @property
+    def state(self) -> str:
+        """``"window"``: the run finished and the key is held for its at-least window (it
+        expires by itself, nobody renews it); ``"running"``: a run holds it."""
+        return "running" if self.ended_ms is None else "window"
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-friendly dict."""
-        return asdict(self)
+        """The fields as a JSON-friendly dict, and the ``state``."""
+        return {**asdict(self), "state": self.state}
 
 
 def lock_pattern(prefix: str, task: str | None = None) -> str:
@@ -105,7 +135,7 @@ def lock_pattern(prefix: str, task: str | None = None) -> str:
     """
     check_prefix(prefix)
     name = "*" if task is None else f"{safe_name(task)}:*"
-    return f"{prefix}{{{name}}}:lock"
+    return f"{prefix}{{{name}}}:lock*"  # and the permit slots, ``:lock:<i>``
 
 
 def check_lock_key(key: str, prefix: str) -> None:
@@ -130,7 +160,14 @@ def _task_from_key(key: str, prefix: str) -> str | None:
     return None
 
 
-def _info(key: str, fields: dict[str, str], pttl: int, now_ms: int, prefix: str) -> LockInfo:
+def _info(  # noqa: PLR0917 - what one pipeline read of a lock gives
+    key: str,
+    fields: dict[str, str],
+    pttl: int,
+    now_ms: int,
+    prefix: str,
+    pending: Sequence[Any] = (None, None),
+) -> LockInfo:
     since = _int(fields.get("since"))
     lease = _int(fields.get("ttl"))
     return LockInfo(
@@ -147,6 +184,11 @@ def _info(key: str, fields: dict[str, str], pttl: int, now_ms: int, prefix: str)
         ttl_s=None if pttl < 0 else pttl / 1000,
         lease_s=None if lease is None else lease / 1000,
         renewed_s=None if lease is None or pttl < 0 else (lease - pttl) / 1000,
+        ended_ms=_int(fields.get(ENDED_FIELD)),
+        pending_follow_up=None if pending[0] is None else as_text(pending[0]),
+        pending_count=None if pending[1] is None else int(pending[1]),
+        permit=_int(fields.get("permit")),
+        permits=_int(fields.get("permits")),
     )
 
 
@@ -156,20 +198,24 @@ def _server_ms(client: Client) -> int:
 
 
 def _read_batch(client: Client, keys: Sequence[str], prefix: str) -> list[LockInfo]:
-    """HGETALL and PTTL of every key in one pipeline; keys gone or not hashes are dropped."""
+    """HGETALL and PTTL of every key, and its pending follow-up's id and count (coalesce), in one
+    pipeline; keys gone or not hashes are dropped."""
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.hgetall(key)
         pipe.pttl(key)
+        pipe.hmget(pending_key(key), "id", "count")
     replies: list[Any] = pipe.execute(raise_on_error=False)
     now_ms = _server_ms(client)
     found: list[LockInfo] = []
     for index, key in enumerate(keys):
-        raw, pttl = replies[2 * index], replies[2 * index + 1]
+        raw, pttl, pending = replies[3 * index : 3 * index + 3]
         if isinstance(raw, Exception) or isinstance(pttl, Exception) or not raw:
             continue  # expired since the SCAN, or not a lock hash
         fields = {as_text(k): as_text(v) for k, v in raw.items()}
-        found.append(_info(key, fields, int(pttl), now_ms, prefix))
+        if isinstance(pending, Exception):
+            pending = (None, None)
+        found.append(_info(key, fields, int(pttl), now_ms, prefix, pending))
     return found
 
 
@@ -182,10 +228,10 @@ def _scan(client: Client, pattern: str, count: int) -> Iterator[str]:
             yield key
 
 
-def _batches(keys: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for key in keys:
-        batch.append(key)
+def _batches(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
         if len(batch) >= size:
             yield batch
             batch = []
@@ -213,6 +259,35 @@ def iter_locks(
                 yield info
 
 
+@dataclass(frozen=True)
+class Orphan:
+    """A pending follow-up (coalesce) whose lock is gone: its holder's node died and the lock
+    expired, and no later run of the key came to publish it."""
+
+    lock_key: str
+    task: str | None
+    follow_up: str | None
+
+
+def iter_orphans(client: Client, prefix: str, batch: int = BATCH) -> Iterator[Orphan]:
+    """Every pending record under ``prefix`` whose lock key does not exist (read ``batch`` at a
+    time; records beside keys that are not lock keys of this library are skipped)."""
+    pairs = ((key, lock_key_of(key)) for key in _scan(client, f"{prefix}*{PENDING_SUFFIX}", batch))
+    records = ((key, lock) for key, lock in pairs if lock_key_problem(prefix, lock) is None)
+    for chunk in _batches(records, batch):
+        pipe = client.pipeline(transaction=False)
+        for key, lock in chunk:
+            pipe.exists(lock)
+            pipe.hmget(key, "task", "id")
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        for index, (_key, lock) in enumerate(chunk):
+            exists, fields = replies[2 * index], replies[2 * index + 1]
+            if isinstance(exists, Exception) or isinstance(fields, Exception) or exists:
+                continue
+            task, follow_up = (None if v is None else as_text(v) for v in fields)
+            yield Orphan(lock, task, follow_up)
+
+
 def read_lock(client: Client, key: str, prefix: str) -> LockInfo | None:
     """The lock at ``key``, or None when it is not held; ValueError (before any read) when
     ``key`` is not a lock key under ``prefix`` (:func:`check_lock_key`)."""
@@ -238,6 +313,7 @@ def stale_reason(info: LockInfo, live_hosts: Callable[[], set[str] | None]) -> s
     - ``no owner``: a hash without an owner is not a lock anybody holds;
     - ``no ttl``: the key never expires (the library always sets one: it was written or
       changed by hand, or by a foreign tool);
+    - an at-least window is never stale: its run has ended, and it expires at its end;
     - ``holder down``: its ``host`` is a worker node name (``name@host``) that is not among
       ``live_hosts()`` (the nodes that answered a ping); None from ``live_hosts`` means
       "unknown", and then no lock is stale for that reason.
@@ -248,6 +324,8 @@ def stale_reason(info: LockInfo, live_hosts: Callable[[], set[str] | None]) -> s
         return "no owner"
     if info.ttl_s is None:
         return "no ttl"
+    if info.ended_ms is not None:
+        return None
     if info.host and "@" in info.host:
         hosts = live_hosts()
         if hosts is not None and info.host not in hosts:

@@ -25,7 +25,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from ..errors import LockUnavailableError
-from ._wire import as_text, bulk
+from ._wire import Script, as_text, bulk
+from .completion import Ending, done_key
 from .keys import LockKeys
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "REDIS_ERRORS",
     "Acquired",
     "Client",
+    "Completed",
     "Contended",
     "LockBackend",
     "ReleaseItem",
@@ -40,12 +42,16 @@ __all__ = [
     "RenewItem",
     "RenewStatus",
     "SequentialReleases",
+    "release_lost_slot",
 ]
 
 #: What a store accepts as a client: one server (or a Sentinel's master) or a cluster.
 Client: TypeAlias = "redis.Redis | RedisCluster"
-#: One lock to release: ``(key, owner, generation or None for any, fencing token or None)``.
-ReleaseItem: TypeAlias = "tuple[str, str, int | None, int | None]"
+#: One lock to release: ``(key, owner, generation or None for any, fencing token or None)``,
+#: and what the run's end leaves behind (:class:`~.completion.Ending`; none when left out).
+ReleaseItem: TypeAlias = (
+    "tuple[str, str, int | None, int | None] | tuple[str, str, int | None, int | None, Ending]"
+)
 #: Errors that mean "Redis could not be asked" (redis-py's cluster errors are not RedisErrors).
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
@@ -65,16 +71,30 @@ class Acquired:
     token: int
     reentered: bool
     replicas: int | None = None
+    #: the permit slot taken (1 to ``LockKeys.permits``): the run holds ``keys.slot(slot)``
+    slot: int = 1
 
 
 @dataclass(frozen=True)
 class Contended:
-    """Another owner (or another run of the same generation) holds the lock."""
+    """Another owner (or another run of the same generation) holds the lock.
+
+    ``finished``: the holder's run has ended and the key is held for its at-least window
+    (:mod:`.completion`), which ends in ``pttl_ms``.
+    """
 
     holder: str
     holder_generation: int
     holder_token: int | None
     pttl_ms: int
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class Completed(Contended):
+    """The owner's message already ran to its end: its completion record names generation
+    ``holder_generation`` (not smaller than the one asking), kept ``pttl_ms`` more. Nothing was
+    written. A :class:`Contended` (the lock was not taken) whose holder is the owner itself."""
 
 
 @dataclass(frozen=True)
@@ -149,20 +169,35 @@ class LockBackend(Protocol):
         """Renew every item still held by its owner, generation and token; never shortens."""
 
     def release(
-        self, key: str, owner: str, generation: int | None, token: int | None = None
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> ReleaseStatus:
-        """Delete ``key`` if ``owner`` holds it (any generation / token when None)."""
+        """Delete ``key`` if ``owner`` holds it (any generation / token when None); leave what
+        ``ending`` says behind (:mod:`.completion`)."""
 
-    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
-        """Delete ``key`` for a holder whose process is gone, unless it was handed over."""
+    def release_lost(
+        self, key: str, owner: str, generation: int, at_least_ms: int = 0
+    ) -> ReleaseStatus:
+        """Delete ``key`` for a holder whose process is gone, unless it was handed over; keep
+        it as an at-least window when ``at_least_ms`` says so."""
 
     def release_many(
         self, items: Sequence[ReleaseItem]
     ) -> list[ReleaseStatus | LockUnavailableError]:
         """Release each item, owner-checked; its status or the error that kept it."""
 
-    def release_ahead(
-        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    def release_ahead(  # noqa: PLR0917 - release's arguments, and the tag
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        tag: Any,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> bool:
         """Write a release now and read its reply later; False (nothing sent) if it cannot."""
 
@@ -183,6 +218,11 @@ class LockBackend(Protocol):
     def holder(self, key: str) -> dict[str, str]:
         """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
 
+    def run_script(self, lua: Script, args: Sequence[Any]) -> Any:
+        """One call of a package script (``_wire.script``) on the records beside the locks
+        (publish-time markers): where :attr:`client` sends them, on the store's own connection
+        when it has one. Raises Redis's errors."""
+
 
 class SequentialReleases:
     """The release batching of a store that cannot write ahead: one release after another.
@@ -192,8 +232,14 @@ class SequentialReleases:
     first. Needs ``acquire`` and ``release``.
     """
 
-    def release_ahead(
-        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    def release_ahead(  # noqa: PLR0917 - release's arguments, and the tag
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        tag: Any,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> bool:
         check_owner(owner, 0 if generation is None else generation)
         return False
@@ -204,12 +250,11 @@ class SequentialReleases:
     def release_many(
         self: LockBackend, items: Sequence[ReleaseItem]
     ) -> list[ReleaseStatus | LockUnavailableError]:
-        for _key, owner, generation, _token in items:
-            check_owner(owner, 0 if generation is None else generation)
+        check_releases(items)
         outcomes: list[ReleaseStatus | LockUnavailableError] = []
-        for key, owner, generation, token in items:
+        for item in items:
             try:
-                outcomes.append(self.release(key, owner, generation, token))
+                outcomes.append(self.release(*item))
             except LockUnavailableError as exc:
                 outcomes.append(exc)
         return outcomes
@@ -227,6 +272,23 @@ class SequentialReleases:
         return released, self.acquire(keys, owner, generation, ttl_ms, meta)
 
 
+def release_lost_slot(
+    store: LockBackend, keys: LockKeys, owner: str, generation: int, at_least_ms: int
+) -> tuple[str, ReleaseStatus]:
+    """``release_lost`` of the slot ``owner``'s lost run held: the lock itself for one permit;
+    with more, each slot in turn (owner-checked: the others are left alone) until the one it
+    held. The key it found (or the lock's), and the status: ``TAKEN`` when no slot is the
+    run's but another run holds one."""
+    status = ReleaseStatus.NOT_HELD
+    for key in keys.slots:
+        found = store.release_lost(key, owner, generation, at_least_ms)
+        if found in (ReleaseStatus.RELEASED, ReleaseStatus.HANDED_OVER):
+            return key, found
+        if found is ReleaseStatus.TAKEN:
+            status = found
+    return keys.lock, status
+
+
 # -- the lock scripts' arguments and replies ------------------------------------------------------
 
 
@@ -235,6 +297,12 @@ def check_owner(owner: str, generation: int) -> None:
         raise ValueError("owner must be a non-empty string")
     if generation < 0:
         raise ValueError(f"generation must be >= 0, got {generation!r}")
+
+
+def check_releases(items: Sequence[ReleaseItem]) -> None:
+    """Each release's owner and generation (see :func:`check_owner`)."""
+    for item in items:
+        check_owner(item[1], 0 if item[2] is None else item[2])
 
 
 def check_ttl(ttl_ms: int) -> None:
@@ -251,36 +319,52 @@ def acquire_args(  # noqa: PLR0917 - acquire.lua's KEYS and ARGV, in order
     meta: Mapping[str, str] | None,
 ) -> list[Any]:
     """numkeys, KEYS and ARGV of acquire.lua."""
-    args: list[Any] = [2, keys.lock, keys.fence, owner, generation, ttl_ms, fence_ttl_ms]
+    done = done_key(keys.lock, owner)
+    args: list[Any] = [3, keys.lock, keys.fence, done, owner, generation, ttl_ms, fence_ttl_ms]
     if meta:
         for item in meta.items():
             args += item
     return args
 
 
-def acquire_outcome(reply: Any, replicas: int | None) -> Acquired | Contended:
+def acquire_outcome(reply: Any, replicas: int | None, owner: str = "") -> Acquired | Contended:
+    """acquire.lua's reply: taken, held (by whom), or ``owner``'s message already completed."""
     if reply[0] == 1:
-        return Acquired(token=int(reply[1]), reentered=bool(reply[2]), replicas=replicas)
+        slot = int(reply[3]) if len(reply) > 3 else 1
+        return Acquired(int(reply[1]), bool(reply[2]), replicas, slot)
+    if reply[0] == 2:
+        return Completed(owner, int(reply[1]), None, int(reply[2]))
     holder_token = None if reply[3] is None else int(reply[3])
-    return Contended(as_text(reply[1]), int(reply[2]), holder_token, int(reply[4]))
+    finished = len(reply) > 5 and reply[5] == 1
+    return Contended(as_text(reply[1]), int(reply[2]), holder_token, int(reply[4]), finished)
 
 
 def release_args(
-    key: str, owner: str, generation: int | None, token: int | None = None
+    key: str,
+    owner: str,
+    generation: int | None,
+    token: int | None = None,
+    ending: Ending | None = None,
 ) -> list[Any]:
-    """numkeys, KEYS and ARGV of release.lua."""
+    """numkeys, KEYS and ARGV of release.lua (``ReleaseItem`` order). Without a completion
+    to record the record's key is the lock's own (declared, never touched): a key that is not a
+    lock key of this library then needs no record key of its slot on a cluster."""
+    keep = ending is not None and ending.completion_ttl_ms > 0
     return [
-        1,
+        2,
         key,
+        done_key(key, owner) if keep else key,
         owner,
         "" if generation is None else generation,
         "" if token is None else token,
+        0 if ending is None else ending.completion_ttl_ms,
+        0 if ending is None else ending.at_least_ms,
     ]
 
 
-def release_lost_args(key: str, owner: str, generation: int) -> list[Any]:
+def release_lost_args(key: str, owner: str, generation: int, at_least_ms: int = 0) -> list[Any]:
     """numkeys, KEYS and ARGV of release_lost.lua."""
-    return [1, key, owner, generation]
+    return [1, key, owner, generation, at_least_ms]
 
 
 def release_outcome(

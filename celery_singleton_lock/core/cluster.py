@@ -29,7 +29,7 @@ from .backend import (
     renew_args,
     renew_groups,
 )
-from .store import RENEW, ScriptStore, acquire_and_wait
+from .store import RENEW, AcquireCall, ScriptStore, acquire_and_wait
 
 __all__ = ["ClusterStore"]
 
@@ -72,9 +72,9 @@ class ClusterStore(SequentialReleases, ScriptStore):
     def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
         return _wire.evalsha(self.client, lua, args)
 
-    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
+    def _acquire_waiting(self, key: str, call: AcquireCall) -> tuple[Any, int]:
         try:
-            return acquire_and_wait(self._node(key), args, self.wait_replicas, self.wait_timeout_ms)
+            return acquire_and_wait(self._node(key), call, self.wait_replicas, self.wait_timeout_ms)
         except redis.ResponseError as exc:
             if str(exc).startswith(("MOVED", "ASK")):
                 self._refresh_slots()  # the script did not run; the next try goes to the owner

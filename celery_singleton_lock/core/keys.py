@@ -102,10 +102,14 @@ _UNSAFE_NAME_CHARS = re.compile(f"[^{_SAFE_NAME_CHARS}]")
 _DIGEST_BYTES = 16
 _LOCK_SUFFIX = ":lock"
 #: What follows the prefix in every key :func:`lock_keys` gives: ``{<safe name>:<digest>}:lock``
+#: (a permit slot of a lock taken with permits > 1 adds ``:<slot>``: ``...:lock:2``)
 _LOCK_TAIL = re.compile(
     rf"\{{[{_SAFE_NAME_CHARS}]{{0,{MAX_NAME_CHARS}}}:[0-9a-f]{{{2 * _DIGEST_BYTES}}}\}}"
     + re.escape(_LOCK_SUFFIX)
+    + r"(?::[1-9][0-9]{0,3})?"
 )
+#: Most permits one key may have (``singleton_permits``): an acquire reads every slot
+MAX_PERMITS = 1000
 _FORBIDDEN_PREFIX_CHARS = frozenset("{}*?[]\\")
 _MAX_PATH_IN_MESSAGE = 200
 
@@ -491,6 +495,15 @@ def check_key_args(func: Callable[..., Any], key_args: Sequence[str] | None) -> 
     _key_arg_names(func, _shape(func, SingletonConfigError).signature, key_args)
 
 
+def scope_key_names(func: Callable[..., Any], key_args: Sequence[str] | None) -> tuple[str, ...]:
+    """The argument names a task of a scope keys on, sorted: its ``key_args``, else all its
+    parameters. Tasks of one scope must have the same (the worker checks at start), so equal
+    values of them give one key whatever each function's parameter order."""
+    signature = _shape(func, SingletonConfigError).signature
+    names = _key_arg_names(func, signature, key_args)
+    return tuple(sorted(names if names is not None else signature.parameters))
+
+
 def bind_arguments(
     func: Callable[..., Any],
     args: Sequence[Any],
@@ -542,10 +555,36 @@ def safe_name(task_name: str) -> str:
 
 @dataclass(frozen=True)
 class LockKeys:
-    """The Redis keys of one lock; both share the hash tag ``{name:digest}``."""
+    """The Redis keys of one lock; both share the hash tag ``{name:digest}``.
+
+    ``permits`` > 1: up to that many runs hold the key at once, each in a slot of its own
+    (:meth:`slot`: ``{prefix}{tag}:lock:<i>``, an ordinary lock), all fenced by one counter.
+    """
 
     lock: str
     fence: str
+    permits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.permits <= MAX_PERMITS:
+            raise ValueError(f"permits must be 1 to {MAX_PERMITS}, got {self.permits!r}")
+
+    def slot(self, index: int) -> str:
+        """The key of permit slot ``index`` (1 to ``permits``); the lock itself for 1 permit."""
+        if self.permits == 1:
+            return self.lock
+        if not 1 <= index <= self.permits:
+            raise ValueError(f"slot must be 1 to {self.permits}, got {index!r}")
+        return f"{self.lock}:{index}"
+
+    @property
+    def slots(self) -> list[str]:
+        """The key of every slot a run may hold: ``[lock]`` for 1 permit."""
+        return [self.slot(index) for index in range(1, self.permits + 1)]
+
+    def with_permits(self, permits: int) -> LockKeys:
+        """These keys, with ``permits`` slots."""
+        return self if permits == self.permits else LockKeys(self.lock, self.fence, permits)
 
 
 def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:

@@ -41,7 +41,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -51,6 +51,7 @@ from ._fanout import DEFAULT_MASTER_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, Failed, Fa
 from .backend import (
     FENCE_TTL_MS,
     Acquired,
+    Completed,
     Contended,
     ReleaseStatus,
     RenewItem,
@@ -59,6 +60,7 @@ from .backend import (
     check_owner,
     check_ttl,
 )
+from .completion import Ending
 from .keys import LockKeys
 from .store import LockStore
 
@@ -206,6 +208,8 @@ class RedlockStore(SequentialReleases):
         """
         check_owner(owner, generation)
         check_ttl(ttl_ms)
+        if keys.permits != 1:  # config.py refuses singleton_permits > 1 with redlock URLs
+            raise ValueError("Redlock locks have one permit: permits > 1 is not supported")
         drift_ms = self.drift_ms(ttl_ms)
         if ttl_ms <= drift_ms:
             raise ValueError(f"ttl_ms {ttl_ms} leaves no validity after the drift {drift_ms} ms")
@@ -254,6 +258,13 @@ class RedlockStore(SequentialReleases):
             else:
                 refused[i] = (outcome, counter)
         answered = len(granted) + len(refused)
+        completed = [c for c, _ in refused.values() if isinstance(c, Completed)]
+        if completed:
+            # the message ran to its end: one master's record is proof (only a finished run
+            # writes it); nothing to take
+            if granted or len(refused) < len(self.stores):
+                self._release_everywhere(keys.lock, owner, generation)
+            return max(completed, key=lambda c: c.holder_generation)
 
         if len(granted) >= self.quorum:
             # 2. the final token
@@ -400,10 +411,16 @@ class RedlockStore(SequentialReleases):
     # -- release ------------------------------------------------------------------------------
 
     def release(
-        self, key: str, owner: str, generation: int | None, token: int | None = None
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> ReleaseStatus:
         """Release on every master, owner-checked (any generation when ``generation`` is None,
-        any token when ``token`` is None).
+        any token when ``token`` is None); each master records what ``ending`` says (its own
+        completion record and at-least window, on its own clock).
 
         ``RELEASED`` if any master released it. Otherwise, with fewer than a majority
         answering, :class:`LockUnavailableError`; else ``TAKEN`` if any master holds it for
@@ -411,15 +428,23 @@ class RedlockStore(SequentialReleases):
         """
         check_owner(owner, 0 if generation is None else generation)
         return self._release_on_each(
-            lambda store: store.release(key, owner, generation, token), key, owner, generation
+            lambda store: store.release(key, owner, generation, token, ending),
+            key,
+            owner,
+            generation,
         )
 
-    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+    def release_lost(
+        self, key: str, owner: str, generation: int, at_least_ms: int = 0
+    ) -> ReleaseStatus:
         """:meth:`LockStore.release_lost` on every master, combined as :meth:`release` does;
         ``HANDED_OVER`` (before ``TAKEN``) when a master kept it as handed over to a retry."""
         check_owner(owner, generation)
         return self._release_on_each(
-            lambda store: store.release_lost(key, owner, generation), key, owner, generation
+            lambda store: store.release_lost(key, owner, generation, at_least_ms),
+            key,
+            owner,
+            generation,
         )
 
     def _release_on_each(
@@ -473,6 +498,11 @@ class RedlockStore(SequentialReleases):
                 key=key,
             )
         return {}
+
+    def run_script(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
+        """One call of a package script on the first master, where :attr:`client` keeps the
+        records beside the locks (publish-time markers)."""
+        return self.stores[0].run_script(lua, args)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -531,4 +561,5 @@ def _most_common_holder(refusals: Sequence[Contended]) -> Contended:
         holder_generation=generation,
         holder_token=max(tokens) if tokens else None,
         pttl_ms=max(c.pttl_ms for c in same),
+        finished=any(c.finished for c in same),
     )

@@ -38,6 +38,7 @@ from .backend import (
     RenewItem,
     RenewStatus,
 )
+from .completion import Ending
 from .keys import LockKeys
 
 __all__ = ["HeldLock", "Renewer", "release_items"]
@@ -50,7 +51,9 @@ class HeldLock:
     """A lock this process holds and renews, as seen by the run that took it.
 
     ``context`` is whatever the caller wants handed back to its callbacks (the task). ``key``,
-    ``owner``, ``generation`` and ``ttl_ms`` never change once it is made.
+    ``owner``, ``generation`` and ``ttl_ms`` never change once it is made. ``ending`` is what
+    its release leaves behind (a completion record, an at-least window: core/completion.py);
+    the caller sets it when the run ends, before it releases.
     """
 
     key: str
@@ -63,6 +66,7 @@ class HeldLock:
     lost: bool = False
     renewals: int = 0
     context: Any = field(default=None, repr=False)
+    ending: Ending | None = field(default=None, repr=False)
     next_due: float = field(default=0.0, repr=False)
     #: seconds between renewals: a third of the ttl
     interval: float = field(default=0.0, init=False, repr=False)
@@ -244,7 +248,11 @@ class Renewer:
         error that kept it (the lock then expires after its ttl)."""
         self.remove(held)
         try:
-            return self.store.release(held.key, held.owner, held.generation, held.token)
+            if not held.ending:  # a store written before endings existed is called as before
+                return self.store.release(held.key, held.owner, held.generation, held.token)
+            return self.store.release(
+                held.key, held.owner, held.generation, held.token, held.ending
+            )
         except LockUnavailableError as exc:
             return exc
 
@@ -263,7 +271,9 @@ class Renewer:
         with self._mutex:
             self._held.discard(held)
         tag = (held, reason)
-        if self.store.release_ahead(held.key, held.owner, held.generation, tag, held.token):
+        if self.store.release_ahead(
+            held.key, held.owner, held.generation, tag, held.token, held.ending or None
+        ):
             return
         now = self.clock()
         with self._mutex:
@@ -443,5 +453,10 @@ class Renewer:
 
 def release_items(taken: list[tuple[HeldLock, str]]) -> list[ReleaseItem]:
     """Each queued release as ``LockBackend.release_many`` takes it: its run's lock, owner,
-    generation and fencing token."""
-    return [(held.key, held.owner, held.generation, held.token) for held, _ in taken]
+    generation, fencing token and what its end leaves behind."""
+    return [
+        (held.key, held.owner, held.generation, held.token, held.ending)
+        if held.ending
+        else (held.key, held.owner, held.generation, held.token)
+        for held, _ in taken
+    ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import redis
 
@@ -31,6 +31,7 @@ from .backend import (
     acquire_args,
     acquire_outcome,
     check_owner,
+    check_releases,
     check_ttl,
     fill_failures,
     release_args,
@@ -38,6 +39,7 @@ from .backend import (
     release_outcome,
     renew_groups,
 )
+from .completion import Ending, done_key
 from .keys import LockKeys
 from .sendahead import SendAhead
 
@@ -46,6 +48,7 @@ __all__ = ["LockStore", "ScriptStore"]
 logger = logging.getLogger(__name__)
 
 ACQUIRE = _wire.script("acquire.lua")
+ACQUIRE_PERMIT = _wire.script("acquire_permit.lua")
 RENEW = _wire.script("renew.lua")
 RELEASE = _wire.script("release.lua")
 RELEASE_LOST = _wire.script("release_lost.lua")
@@ -108,27 +111,41 @@ class ScriptStore:
             ) from exc
 
     def release(
-        self, key: str, owner: str, generation: int | None, token: int | None = None
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> ReleaseStatus:
         """Delete ``key`` if ``owner`` holds it (any generation when ``generation`` is None), with
-        the fencing token ``token`` (any token when None: see :class:`RenewItem`)."""
+        the fencing token ``token`` (any token when None: see :class:`RenewItem`). ``ending``:
+        the completion record and at-least window a finished run leaves (core/completion.py)."""
         check_owner(owner, 0 if generation is None else generation)
-        return self._release(RELEASE, release_args(key, owner, generation, token), key, owner)
+        args = release_args(key, owner, generation, token, ending)
+        return self._release(RELEASE, args, key, owner)
 
-    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
+    def release_lost(
+        self, key: str, owner: str, generation: int, at_least_ms: int = 0
+    ) -> ReleaseStatus:
         """Delete ``key`` for a holder whose process is gone, unless it was handed over.
 
         Only if ``owner`` holds it with ``generation``, and not while its expiry is stretched
-        past its ttl (a hand-over to a retry, which takes it over): ``HANDED_OVER`` then.
+        past its ttl (a hand-over to a retry, which takes it over): ``HANDED_OVER`` then. With
+        ``at_least_ms`` the lock stays as an at-least window (core/completion.py).
         """
         check_owner(owner, generation)
-        args = release_lost_args(key, owner, generation)
+        args = release_lost_args(key, owner, generation, at_least_ms)
         return self._release(RELEASE_LOST, args, key, owner)
 
     def holder(self, key: str) -> dict[str, str]:
         """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
         items = self.client.hgetall(key).items()
         return {_wire.as_text(k): _wire.as_text(v) for k, v in items}
+
+    def run_script(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
+        """One call of a package script beside the locks (see ``LockBackend.run_script``)."""
+        return self._call(lua, args)
 
     # -- Redis round trips --------------------------------------------------------------
 
@@ -148,11 +165,11 @@ class ScriptStore:
         ttl_ms: int,
         meta: Mapping[str, str] | None,
     ) -> Acquired | Contended:
-        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
+        call = acquire_call(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
         if not self.wait_replicas:
-            return acquire_outcome(self._call(ACQUIRE, args), None)
-        reply, replicas = self._acquire_waiting(keys.lock, args)
-        outcome = acquire_outcome(reply, replicas)
+            return acquire_outcome(self._call(*call), None, owner)
+        reply, replicas = self._acquire_waiting(keys.lock, call)
+        outcome = acquire_outcome(reply, replicas, owner)
         if replicas < self.wait_replicas:
             logger.warning(
                 "singleton: only %d of %d replicas acknowledged the lock within %dms: "
@@ -174,8 +191,9 @@ class ScriptStore:
     def _do_renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
         raise NotImplementedError
 
-    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
-        """acquire.lua and ``WAIT`` (:func:`acquire_and_wait`) on the server holding ``key``."""
+    def _acquire_waiting(self, key: str, call: AcquireCall) -> tuple[Any, int]:
+        """The acquire script and ``WAIT`` (:func:`acquire_and_wait`) on the server holding
+        ``key``."""
         raise NotImplementedError
 
 
@@ -205,8 +223,14 @@ class LockStore(ScriptStore):
         """The server's client (a Sentinel's: it follows the master)."""
         return self._client
 
-    def release_ahead(
-        self, key: str, owner: str, generation: int | None, tag: Any, token: int | None = None
+    def release_ahead(  # noqa: PLR0917 - release's arguments, and the tag
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        tag: Any,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> bool:
         """Write the release of ``key`` now; its reply is read later, ``tag`` with it.
 
@@ -220,7 +244,8 @@ class LockStore(ScriptStore):
         if ahead is None:
             return False
         try:
-            ahead.send(RELEASE, release_args(key, owner, generation, token), (key, owner, tag))
+            args = release_args(key, owner, generation, token, ending)
+            ahead.send(RELEASE, args, (key, owner, tag))
         except REDIS_ERRORS:
             return False
         return True
@@ -241,8 +266,7 @@ class LockStore(ScriptStore):
         """Release several ``(key, owner, generation, token)`` locks, each owner-checked, in one
         pipeline. Each item gets its status, or the error that kept it from being released
         (the lock then expires after its ttl)."""
-        for _key, owner, generation, _token in items:
-            check_owner(owner, 0 if generation is None else generation)
+        check_releases(items)
         if not items:
             return []
         try:
@@ -275,11 +299,9 @@ class LockStore(ScriptStore):
             return self.release_many(releases), self.acquire(keys, owner, generation, ttl_ms, meta)
         check_owner(owner, generation)
         check_ttl(ttl_ms)
-        for _key, owner_, gen, _token in releases:
-            check_owner(owner_, 0 if gen is None else gen)
+        check_releases(releases)
         calls = [(RELEASE, release_args(*item)) for item in releases]
-        args = acquire_args(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
-        calls.append((ACQUIRE, args))
+        calls.append(acquire_call(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta))
         try:
             replies = self._ahead.call(calls)
         except REDIS_ERRORS as exc:
@@ -294,7 +316,7 @@ class LockStore(ScriptStore):
         outcomes = [
             release_outcome(item, r) for item, r in zip(releases, replies[:-1], strict=True)
         ]
-        return outcomes, acquire_outcome(reply, None)
+        return outcomes, acquire_outcome(reply, None, owner)
 
     def holder(self, key: str) -> dict[str, str]:
         """The lock's hash (owner, gen, token, since, ttl, metadata); empty when free."""
@@ -303,8 +325,8 @@ class LockStore(ScriptStore):
 
     # -- Redis round trips --------------------------------------------------------------
 
-    def _acquire_waiting(self, key: str, args: list[Any]) -> tuple[Any, int]:
-        return acquire_and_wait(self.client, args, self.wait_replicas, self.wait_timeout_ms)
+    def _acquire_waiting(self, key: str, call: AcquireCall) -> tuple[Any, int]:
+        return acquire_and_wait(self.client, call, self.wait_replicas, self.wait_timeout_ms)
 
     def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:
         """One script call: on the send-ahead connection when the store has one (after the
@@ -331,13 +353,40 @@ class LockStore(ScriptStore):
         return statuses
 
 
+#: One acquire: the script (acquire.lua, or acquire_permit.lua for permits > 1) and its args.
+AcquireCall: TypeAlias = "tuple[_wire.Script, list[Any]]"
+
+
+def acquire_call(  # noqa: PLR0917 - acquire's arguments
+    keys: LockKeys,
+    owner: str,
+    generation: int,
+    ttl_ms: int,
+    fence_ttl_ms: int,
+    meta: Mapping[str, str] | None,
+) -> AcquireCall:
+    """The script call taking ``keys``: acquire.lua for one permit; acquire_permit.lua, which
+    takes a free slot of ``keys.permits`` in the same one call, for more."""
+    args = acquire_args(keys, owner, generation, ttl_ms, fence_ttl_ms, meta)
+    if keys.permits == 1:
+        return ACQUIRE, args
+    slots = keys.slots  # the same ARGV; KEYS: the record, the counter, the slots
+    return ACQUIRE_PERMIT, [
+        len(slots) + 2,
+        done_key(keys.lock, owner),
+        keys.fence,
+        *slots,
+        *args[4:],
+    ]
+
+
 def acquire_and_wait(
-    node: redis.Redis, args: list[Any], replicas: int, timeout_ms: int
+    node: redis.Redis, call: AcquireCall, replicas: int, timeout_ms: int
 ) -> tuple[Any, int]:
-    """acquire.lua and ``WAIT`` in one pipeline on the server holding the lock (``WAIT``
+    """The acquire script and ``WAIT`` in one pipeline on the server holding the lock (``WAIT``
     counts the writes of its own connection): the reply, and how many replicas acknowledged.
     Raises the script's error (``MOVED`` on a cluster whose slot map is stale)."""
-    replies = _wire.pipeline_then(node, (ACQUIRE, args), ("WAIT", replicas, timeout_ms))
+    replies = _wire.pipeline_then(node, call, ("WAIT", replicas, timeout_ms))
     reply, acknowledged = replies
     if isinstance(reply, Exception):
         raise reply

@@ -39,8 +39,30 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
             "singleton_redis_url",
             "redis://:***@127.0.0.1:notaport/0",
         ),
+        (  # a third task of the scope, keyed on (region, tenant) where the others key on tenant
+            {"SINGLETON_TEST_BAD_SCOPE": "1"},
+            "scope 'tenant-sync'",
+            "t.tenant_bad on region, tenant",
+        ),
+        (  # tasks with singleton_permits=2 and 3 over Redlock (never connected to)
+            {
+                "SINGLETON_TEST_LOCK_URL": "redis+redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0",
+                "SINGLETON_TEST_PERMITS": "1",
+            },
+            "singleton_permits",
+            "redis+redlock://",
+        ),
     ],
-    ids=["ttl-zero", "ttl-negative", "policy", "on-redis-error", "url-scheme", "url-port"],
+    ids=[
+        "ttl-zero",
+        "ttl-negative",
+        "policy",
+        "on-redis-error",
+        "url-scheme",
+        "url-port",
+        "scope",
+        "permits-redlock",
+    ],
 )
 def test_worker_refuses_to_start(
     worker_factory: WorkerFactory, env: dict[str, str], setting: str, shown: str

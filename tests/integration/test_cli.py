@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from celery_singleton_lock.core.admin import (
     stats,
 )
 from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.waiting import wait_for
@@ -230,6 +232,15 @@ def test_cli_release_asks_first(redis_client: redis.Redis, redis_url: str, key_p
 _APP_FIELDS = {b"name": b"alice", b"email": b"alice@example.com", b"plan": b"pro"}
 
 
+@pytest.fixture
+def foreign(redis_client: redis.Redis, key_prefix: str) -> Iterator[list[str]]:
+    """The foreign keys below, deleted at teardown (one lies outside ``key_prefix``, so the
+    prefix cleanup would miss it)."""
+    keys = _plant_foreign(redis_client, key_prefix)
+    yield keys
+    redis_client.delete(*keys)
+
+
 def _plant_foreign(client: redis.Redis, key_prefix: str) -> list[str]:
     """Plant an application's hash at every key the CLI (prefix ``{key_prefix}lock:``) must never
     read or delete: outside the prefix, or under it without the shape of a lock key. Most match
@@ -258,11 +269,10 @@ def _plant_foreign(client: redis.Redis, key_prefix: str) -> list[str]:
 
 
 def test_release_and_show_refuse_keys_that_are_not_locks_of_the_library(
-    redis_client: redis.Redis, redis_url: str, key_prefix: str
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, foreign: list[str]
 ) -> None:
     """show and release name the key and why, exit 2, and never read or delete a foreign hash."""
     lock_prefix = f"{key_prefix}lock:"
-    foreign = _plant_foreign(redis_client, key_prefix)
     runner = CliRunner()
     base = ["--url", redis_url, "--prefix", lock_prefix]
     for key in foreign:
@@ -285,11 +295,11 @@ def test_release_and_show_refuse_keys_that_are_not_locks_of_the_library(
 
 
 def test_purge_list_and_stats_pass_over_keys_that_are_not_locks(
-    redis_client: redis.Redis, redis_url: str, key_prefix: str
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, foreign: list[str]
 ) -> None:
     """Keys that match SCAN's glob but are not lock keys are never listed, counted or purged."""
     lock_prefix = f"{key_prefix}lock:"
-    foreign = _plant_foreign(redis_client, key_prefix)  # no owner: "stale" if taken for locks
+    # the foreign keys have no owner: "stale" if taken for locks
     stale = _plant(redis_client, lock_prefix, "t.a", b"stale", "w1@h")
     redis_client.persist(stale)  # no ttl: stale
     held = _plant(redis_client, lock_prefix, "t.a", b"held", "w1@h")
@@ -311,3 +321,75 @@ def test_purge_list_and_stats_pass_over_keys_that_are_not_locks(
     assert redis_client.exists(held) == 0
     for key in foreign:
         assert redis_client.hgetall(key) == _APP_FIELDS, key
+
+
+def test_list_and_show_tell_a_pending_follow_up(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """A lock with a coalesced follow-up waiting beside it (core/pending.py) shows its id and
+    how many duplicates it collapses; a lock without one shows none."""
+    busy = _plant(redis_client, key_prefix, "t.a", b"busy", "w1@h")
+    quiet = _plant(redis_client, key_prefix, "t.a", b"quiet", "w1@h")
+    run = LockStore(redis_client).run_script
+    for n in range(3):  # a burst of three duplicates: one follow-up, the latest call
+        left = leave_pending(run, busy, "owner-busy", "follow-up-1", {"call": f"c{n}"})
+        assert left.follow_up == "follow-up-1"
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", key_prefix]
+    shown = runner.invoke(singleton, [*base, "show", busy])
+    assert shown.exit_code == 0, shown.output
+    assert "pending:   follow-up-1 (3 duplicates)" in shown.output
+    assert "pending:" not in runner.invoke(singleton, [*base, "show", quiet]).output
+    listed = runner.invoke(singleton, [*base, "list", "--json"])
+    by_key = {lock["key"]: lock for lock in json.loads(listed.output)}
+    assert (by_key[busy]["pending_follow_up"], by_key[busy]["pending_count"]) == ("follow-up-1", 3)
+    assert by_key[quiet]["pending_follow_up"] is None
+    table = runner.invoke(singleton, [*base, "list"]).output.splitlines()
+    assert table[0].split("\t")[9] == "PENDING"
+    rows = {row.split("\t")[-1]: row.split("\t") for row in table[1:]}
+    assert rows[busy][9] == "follow-up-1 (3 duplicates)"
+    assert rows[quiet][9] == "-"
+
+
+def _plant_pending(client: redis.Redis, key_prefix: str, ident: bytes, follow_up: str) -> str:
+    """A t.hold lock of a dead holder with a coalesced call ``t.hold(key=ident)`` left beside
+    it as ``follow_up``; return the lock's key."""
+    key = _plant(client, f"{key_prefix}lock:", "t.hold", ident, "w-gone@nowhere")
+    body = json.dumps([[], {"key": ident.decode(), "seconds": 0}])
+    call = {"task": "t.hold", "body": body, "ctype": "application/json", "cenc": "utf-8"}
+    run = LockStore(client).run_script
+    assert leave_pending(run, key, f"owner-{ident.decode()}", follow_up, call).count == 1
+    return key
+
+
+def test_release_publishes_the_pending_follow_up_of_the_lock_it_frees(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """`celery -A app singleton release` of a lock with a coalesced follow-up waiting beside it
+    publishes that follow-up once (the key's owner is gone: nobody else would, for 24 h)."""
+    key = _plant_pending(redis_client, key_prefix, b"coalesced", "follow-up-2")
+    released = _celery(redis_url, key_prefix, "release", key, "--yes")
+    assert released.returncode == 0, released.stderr
+    assert f"{key}: published its pending follow-up follow-up-2" in released.stdout
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 1  # the follow-up, waiting for a worker
+
+
+def test_purge_publishes_a_follow_up_whose_lock_expired(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A holder's node died, its lock expired with a coalesced follow-up beside it, and no later
+    run of the key came: `purge` finds the orphaned record and publishes it once."""
+    key = _plant_pending(redis_client, key_prefix, b"expired", "follow-up-3")
+    redis_client.delete(key)  # the lock expired
+    dry = _celery(redis_url, key_prefix, "purge", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"orphaned follow-up\tfollow-up-3\tt.hold\t{key}" in dry.stdout
+    assert "1 orphaned follow-up(s) published (dry run)" in dry.stdout
+    purged = _celery(redis_url, key_prefix, "purge", "--yes")
+    assert purged.returncode == 0, purged.stderr
+    assert "published 1 of 1 orphaned follow-up(s)" in purged.stdout
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 1
+    again = _celery(redis_url, key_prefix, "purge", "--yes")
+    assert "nothing to purge" in again.stdout

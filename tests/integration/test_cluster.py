@@ -31,6 +31,7 @@ from celery_singleton_lock.core.backend import (
     ReleaseStatus,
     RenewItem,
     RenewStatus,
+    release_lost_slot,
 )
 from celery_singleton_lock.core.cluster import ClusterStore
 from celery_singleton_lock.core.compare_delete import native_command
@@ -259,6 +260,31 @@ def test_fence_counter_and_contention(store: ClusterStore) -> None:
     assert retried.reentered
     assert retried.token > handed_over.token
     assert store.release(k.lock, "a", 1) is ReleaseStatus.RELEASED
+
+
+@pytest.mark.parametrize("wait", ["", "?wait_replicas=1&wait_timeout=0.05"])
+def test_permit_slots_on_a_cluster(cluster: Cluster, wait: str) -> None:
+    """The slots of a key with permits share its cluster slot: one script call takes one,
+    with or without WAIT; the main process's search finds a lost run's slot."""
+    store = store_for(cluster.url + wait)
+    try:
+        k = many_keys(1)[0].with_permits(3)
+        client = cluster_client(store)
+        assert {client.keyslot(key) for key in [k.lock, k.fence, *k.slots]} == {
+            client.keyslot(k.lock)
+        }
+        taken = [store.acquire(k, owner, 0, TTL_MS) for owner in ("a", "b", "c")]
+        assert [t.slot for t in taken if isinstance(t, Acquired)] == [1, 2, 3]
+        held = store.acquire(k, "d", 0, TTL_MS)
+        assert isinstance(held, Contended)
+        assert release_lost_slot(store, k, "b", 0, 0) == (k.slot(2), ReleaseStatus.RELEASED)
+        again = store.acquire(k, "d", 0, TTL_MS)
+        assert isinstance(again, Acquired)
+        assert again.slot == 2
+        for owner, slot in (("a", 1), ("d", 2), ("c", 3)):
+            assert store.release(k.slot(slot), owner, 0) is ReleaseStatus.RELEASED
+    finally:
+        store.client.close()
 
 
 def test_run_claims_on_a_cluster(cluster: Cluster) -> None:

@@ -15,9 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow(seconds=26)
+@pytest.mark.slow(seconds=50)
 def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> None:
-    """A 12 s demo with a beat and a worker SIGKILLed: 0 overlaps, 0 missed, each run once."""
+    """A 12 s demo with a beat and a worker SIGKILLed: 0 overlaps, 0 missed, each run once, and
+    every entry of the schedule ran, the crontab one too (the window grows to take in the next
+    minute: 12 to about 63 s)."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DEMO_REDIS_URL")}
     env["PYTHONUNBUFFERED"] = "1"
     chart, numbers = tmp_path / "timeline.svg", tmp_path / "report.json"
@@ -53,6 +55,14 @@ def test_demo_runs_each_scheduled_run_once_without_overlap(tmp_path: Path) -> No
         )
         # every scheduled run executed, or skipped while the previous run still held the lock
         assert entry["runs_executed"] + entry["scheduled_runs_skipped"] == entry["runs_scheduled"]
+    # the report has one entry per entry of the schedule (examples/demo_app.py's SCHEDULE)
+    assert set(report["entries"]) >= {"short", "long", "cron"}, report["entries"].keys()
+    for name, entry in report["entries"].items():
+        assert entry["runs_executed"] >= 1, (name, output)  # every entry ran in the window
+        assert entry["runs_scheduled"] >= 1, (name, output)
+    assert report["entries"]["cron"]["schedule"] == "crontab()", output
+    assert 12 <= report["window_seconds"] <= 12 + 60 + 5, report["window_seconds"]
+    assert "no run due in this window" not in output, output
     assert report["entries"]["short"]["runs_executed"] >= 3, output
     assert report["entries"]["long"]["runs_executed"] >= 1, output
     assert min(report["entries"]["long"]["renewals"]) >= 2, output  # runs 3 s on a 1 s ttl

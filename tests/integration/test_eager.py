@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.core.connection import store_for
@@ -94,3 +94,15 @@ def test_isolated_locks_deletes_its_keys_and_restores_the_prefix(
     assert not redis_client.exists(lock)
     assert eager_app.tasks["e.hold"].singleton_options().key_prefix == "outer:"
     assert request.config.pluginmanager.hasplugin("celery_singleton_lock")
+
+
+def test_eager_chain_goes_on_past_a_skipped_step(eager_app: Celery, singleton_locks: str) -> None:
+    """Eager canvas is run by Celery step by step (no worker, no message): a skipped step's
+    result is its marker, and the chain goes on after it (docs/configuration.md, "Canvas")."""
+    hold = eager_app.tasks["e.hold"]
+    lock = _hold_elsewhere(hold, "busy")
+    last = chain(hold.si("a"), hold.si("busy"), hold.si("c")).apply_async()
+    skipped = last.parent
+    assert skip_info(skipped) == SkipInfo(key=lock, holder="other-run", task_id=skipped.id)
+    assert skip_info(last) is None
+    assert isinstance(last.get()["token"], int)

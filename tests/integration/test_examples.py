@@ -37,11 +37,13 @@ def running() -> Iterator[Any]:
     """Runs an example's app in an in-process worker (threads pool) for the test's duration.
 
     Celery's test worker sets up logging for the whole process (the root logger's level and a
-    stderr handler); both are put back afterwards, so later tests still see warnings.
+    stderr handler, and the ``celery.task`` logger that task loggers, the library's
+    ``celery_singleton_lock.task`` among them, hang from: its level, handlers and propagation);
+    all are put back afterwards, so later tests still see warnings.
     """
     stack: list[Any] = []
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
+    loggers = [logging.getLogger(), logging.getLogger("celery.task")]
+    saved = [(lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
 
     def run(app: Any) -> None:
         context = start_worker(app, pool="threads", concurrency=2, perform_ping_check=False)
@@ -52,8 +54,10 @@ def running() -> Iterator[Any]:
     for context, app in reversed(stack):
         context.__exit__(None, None, None)
         app.close()
-    root.setLevel(level)
-    root.handlers[:] = handlers
+    for lg, (level, handlers, propagate) in zip(loggers, saved, strict=True):
+        lg.setLevel(level)
+        lg.handlers[:] = handlers
+        lg.propagate = propagate
 
 
 def wait_for_lock(redis_url: str, prefix: str) -> list[bytes]:

@@ -13,7 +13,9 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.keys import derive_keys
-from tests.support.basic_app import SINGLETON_APP, close_app, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
+from tests.support.history import load_history
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 
 NAMES = ("t.key_lambda", "t.key_inline", "t.key_attribute", "t.key_static")
@@ -93,7 +95,7 @@ def test_a_callable_that_cannot_take_args_and_kwargs_is_refused_when_read() -> N
 
 @pytest.mark.slow(seconds=7)
 def test_key_callables_run_on_a_real_worker(
-    worker_factory: WorkerFactory, redis_url: str, key_prefix: str
+    worker_factory: WorkerFactory, redis_url: str, key_prefix: str, redis_client: Any
 ) -> None:
     """On a real worker each spelling runs (no TypeError) and keys on the account alone: a second
     call for the same account while the first runs is skipped, another account runs."""
@@ -105,6 +107,15 @@ def test_key_callables_run_on_a_real_worker(
             first = app.send_task(name, (7, 1.5), {"note": "first"})
             other = app.send_task(name, (8,), {"note": "other"})
             assert other.get(timeout=20)["token"] > 0, name
+            wait_for(  # the first call holds its lock (a loaded machine may start it late)
+                lambda: any(
+                    e.key == "account-7:first" and e.end_us is None
+                    for e in load_history(redis_client, history_key(key_prefix))
+                ),
+                10,
+                f"{name}: the first call running",
+                worker,
+            )
             duplicate = app.send_task(name, (7,), {"note": "duplicate"})
             assert skip_info(duplicate.get(timeout=20)) is not None, name
             assert first.get(timeout=20)["token"] > 0, name

@@ -1,6 +1,7 @@
 """Load with random kills (issue 4): 3 worker nodes x 4 prefork processes, 3 active beats,
 20 lock keys, tasks longer than their ttl, a steady feed of duplicate calls, and SIGKILLs of
-pool children, whole nodes and beats, each replaced.
+pool children, whole nodes and beats, each replaced; and (issue 17) a node SIGKILLed right after
+a run's body, before its ack: no message that finished runs again.
 
 ``SINGLETON_LOAD_SECONDS`` sets the duration (default 180), ``SINGLETON_LOAD_SEED`` the random
 seed (printed, and in every failure message). The figures go to
@@ -26,6 +27,7 @@ from tests.support.workers import WorkerFactory
 LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "180"))
 SEED = int(os.environ.get("SINGLETON_LOAD_SEED", "20240611"))
 NODES, CONCURRENCY, BEATS, KEYS = 3, 4, 3, 20
+KILL_KINDS = ["child", "node", "beat", "after-body"]
 #: the broker restores a killed node's unacked messages after this many seconds
 VISIBILITY_S = 8.0
 #: no kill in the last seconds, so that the last node's messages come back before the end
@@ -82,9 +84,14 @@ def test_load_with_random_kills_no_overlap_no_stuck_lock(
         sends += 1
         if time.time() >= next_kill and time.time() < quiet:
             if not kinds:
-                kinds = rng.sample(["child", "node", "beat"], 3)
+                kinds = rng.sample(KILL_KINDS, len(KILL_KINDS))
             kind = kinds.pop()
-            {"child": rig.kill_child, "node": rig.kill_node, "beat": rig.kill_beat}[kind]()
+            {
+                "child": rig.kill_child,
+                "node": rig.kill_node,
+                "beat": rig.kill_beat,
+                "after-body": rig.kill_after_body,
+            }[kind]()
             next_kill = time.time() + rng.uniform(8, 16)
         next_send = next_phase(time.time())
 
@@ -101,6 +108,7 @@ def test_load_with_random_kills_no_overlap_no_stuck_lock(
         overlaps=report.overlaps,
         stuck_locks=len(report.stuck_locks),
         lost_runs=report.lost_runs,
+        run_twice=len(report.run_twice),
     )
     print(
         f"load summary: seed={SEED} seconds={LOAD_SECONDS:g} lock_runs={len(load_runs)} "
@@ -109,7 +117,9 @@ def test_load_with_random_kills_no_overlap_no_stuck_lock(
         f"scheduled_runs={len(report.beat.fired)} fired_twice={len(report.beat.fired_twice)} "
         f"beat_lost={report.beat.lost_count} lost_runs={report.lost_runs} "
         f"broker_drops={report.broker_drops} stuck_locks={len(report.stuck_locks)} "
+        f"run_twice={len(report.run_twice)} finished_twice={len(report.finished_twice)} "
         f"kills: child={killed['child']} node={killed['node']} beat={killed['beat']} "
+        f"after-body={killed['after-body']} "
         f"wall={time.monotonic() - started:.0f}s"
     )
 
@@ -124,6 +134,7 @@ def test_load_with_random_kills_no_overlap_no_stuck_lock(
     assert not report.unexplained_calls, detail
     assert not report.unexplained_runs, detail
     assert not report.stuck_locks, detail
+    assert not report.run_twice, f"messages run again after they finished\n{detail}"
     # the load was real: every key ran, the locks were contended and the kills happened
     assert len({e.key for e in load_runs}) == KEYS, detail
     assert len(load_runs) >= LOAD_SECONDS, detail
@@ -131,4 +142,4 @@ def test_load_with_random_kills_no_overlap_no_stuck_lock(
     assert retried >= len(load_runs) / 10, f"{retried} duplicates retried: too little contention"
     assert report.kills, detail
     if LOAD_SECONDS >= 60:
-        assert set(killed) == {"child", "node", "beat"}, detail
+        assert set(killed) == set(KILL_KINDS), detail

@@ -1,9 +1,15 @@
-"""`pip install celery-singleton-lock` alone runs the README's example: a fresh venv, no extras.
+"""The package as users install it: a bare install, and the oldest and newest dependencies.
 
-The wheel of this checkout is built, installed with no extras (its dependencies from the package
-registry) into a venv of its own, and the README's "Ten lines" example, taken from README.md,
-runs there against a private Redis: a real ``celery worker`` and the caller both use the fresh
-venv's python, and see neither this checkout nor the test run's virtualenv.
+- `pip install celery-singleton-lock` alone runs the README's example: the wheel of this checkout
+  is built, installed with no extras (its dependencies from the package registry) into a venv of
+  its own, and the README's "Ten lines" example, taken from README.md, runs there against a
+  private Redis: a real ``celery worker`` and the caller both use the fresh venv's python, and
+  see neither this checkout nor the test run's virtualenv.
+- The lower bounds in pyproject.toml work: a fresh venv with every direct dependency pinned to
+  its lower bound (``celery[redis]==5.3.5`` ...; the rest resolved by pip), and one with the
+  newest of everything, each run :data:`SMOKE`, a subset of this suite, on real workers and
+  beats. Both run on every Python version the classifiers name (and fail for one that has no
+  interpreter here): the classifiers claim only what is tested.
 """
 
 from __future__ import annotations
@@ -11,13 +17,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import redis
+import tomllib
+from packaging.requirements import Requirement
 
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
@@ -37,11 +47,13 @@ def readme_example() -> str:
     return found.group(1)
 
 
-def run(args: list[str], what: str, timeout: float) -> None:
-    """Run ``args`` to completion (without PYTHONPATH); fail with its output unless it exits 0."""
+def run(args: list[str], what: str, timeout: float, cwd: Path | None = None) -> str:
+    """Run ``args`` to completion (without PYTHONPATH); fail with its output unless it exits 0.
+    Return the output (stdout and stderr)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run(
         args,
+        cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -51,24 +63,40 @@ def run(args: list[str], what: str, timeout: float) -> None:
         check=False,
     )
     assert proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{proc.stdout}"
+    return proc.stdout
+
+
+PIP = ("-m", "pip", "--disable-pip-version-check")
 
 
 @pytest.fixture(scope="module")
-def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new venv holding the wheel of this checkout, installed with no extras."""
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout."""
     wheels = tmp_path_factory.mktemp("wheel")
-    pip = ["-m", "pip", "--disable-pip-version-check"]
     run(
-        [sys.executable, *pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)],
+        [sys.executable, *PIP, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)],
         "building the wheel",
         timeout=300,
     )
-    (wheel,) = wheels.glob("celery_singleton_lock-*.whl")
-    venv = tmp_path_factory.mktemp("venv")
-    run([sys.executable, "-m", "venv", str(venv)], "python -m venv", timeout=120)
-    python = venv / "bin" / "python"
-    run([str(python), *pip, "install", str(wheel)], "pip install <wheel>", timeout=300)
-    return venv
+    (built,) = wheels.glob("celery_singleton_lock-*.whl")
+    return built
+
+
+def new_venv(python: str, where: Path, *requirements: str) -> Path:
+    """A new venv at ``where`` made by ``python``, with ``requirements`` pip-installed."""
+    run([python, "-m", "venv", str(where)], f"{python} -m venv", timeout=120)
+    run(
+        [str(where / "bin" / "python"), *PIP, "install", *requirements],
+        f"pip install {' '.join(requirements)}",
+        timeout=300,
+    )
+    return where
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """A new venv holding the wheel of this checkout, installed with no extras."""
+    return new_venv(sys.executable, tmp_path_factory.mktemp("venv"), str(wheel))
 
 
 @pytest.mark.slow(seconds=11)
@@ -159,3 +187,159 @@ def test_readme_example_runs_from_a_bare_install(
     finally:
         client.close()
         workers.close()
+
+
+# -- the oldest and the newest dependencies, on every classified Python -------------------------
+
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+
+#: The suite's smoke subset for other dependency versions, one or two tests per part: the three
+#: duplicate policies and their signals, a lock taken away from its run, and a hand-over to
+#: self.retry() on real workers; eager mode; the command on a live worker; the metrics and the
+#: dashboard; the task logger; a pool child's lock released by the main process; beats claiming
+#: and publishing runs.
+SMOKE = (
+    "tests/integration/test_policies.py::test_signals_for_skip_raise_and_retry",
+    "tests/integration/test_policies.py::test_lock_taken_by_another_owner_is_reported_lost",
+    "tests/integration/test_eager.py",
+    "tests/integration/test_cli.py::test_list_purge_and_release_on_a_live_worker",
+    "tests/integration/test_metrics.py",
+    "tests/integration/test_task_logs.py",
+    "tests/integration/test_release_paths.py::test_retry_hands_the_lock_over",
+    "tests/integration/test_release_paths.py::test_child_sigkill_released_by_main_process",
+    "tests/integration/test_beat.py::test_banner_shows_mode_redis_without_password_and_prefix",
+    "tests/integration/test_beat.py::test_run_claimed_by_a_dead_claimer_is_published_late_not_lost",
+)
+
+#: Warnings of old dependencies that the smoke run lets pass (the suite turns warnings into
+#: errors): kombu before 5.7 passes redis-py a command name that redis-py 5.3+ deprecates, and
+#: an old Celery's result backend leaves a socket to the garbage collector.
+SMOKE_WARNINGS = (
+    "ignore:Call to 'get_connection' function with deprecated usage:DeprecationWarning",
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+)
+
+
+def lower_bounds() -> list[str]:
+    """Every direct dependency pinned to its lower bound (``>=``) in pyproject.toml."""
+    pins = []
+    for spec in PYPROJECT["project"]["dependencies"]:
+        requirement = Requirement(spec)
+        (low,) = [s.version for s in requirement.specifier if s.operator == ">="] or [None]
+        assert low is not None, f"{spec}: no lower bound (>=) to test"
+        extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+        pins.append(f"{requirement.name}{extras}=={low}")
+    return pins
+
+
+def classified_pythons() -> list[str]:
+    """The X.Y of every "Programming Language :: Python :: X.Y" classifier."""
+    prefix = "Programming Language :: Python :: "
+    versions = [
+        c.removeprefix(prefix)
+        for c in PYPROJECT["project"]["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: \d+\.\d+", c)
+    ]
+    assert versions, "pyproject.toml classifies no Python version"
+    return versions
+
+
+def interpreter(version: str) -> str:
+    """This interpreter if it is ``version``, else ``python<version>`` on PATH (or fail)."""
+    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    if found is None:
+        pytest.fail(f"Python {version} is classified in pyproject.toml, but no python{version}")
+    return found
+
+
+def test_lower_bounds_are_read_from_pyproject() -> None:
+    """The pins name every direct dependency, and the classifiers a Python the suite can run."""
+    pins = lower_bounds()
+    names = {Requirement(pin).name for pin in pins}
+    assert names == {"celery", "kombu", "redis", "hiredis"}, pins
+    assert all("==" in pin for pin in pins)
+    low = Requirement(next(p for p in pins if p.startswith("celery"))).specifier
+    assert low.contains("5.3.5"), pins
+    required = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    for version in classified_pythons():
+        assert tuple(map(int, version.split("."))) >= tuple(map(int, required.split("."))), version
+
+
+DRY_RUN = (sys.executable, *PIP, "install", "--dry-run", "--ignore-installed", "-q", "--report")
+#: The packages compared to decide whether the suite's own venv has the newest releases.
+RUNTIME = ("celery", "kombu", "redis", "hiredis", "billiard", "vine", "amqp")
+
+
+def newest_versions(requirement: str, report: Path) -> dict[str, str]:
+    """The versions of :data:`RUNTIME` that pip would install for ``requirement`` in a new
+    venv today (``pip install --dry-run --ignore-installed --report``)."""
+    run(
+        [*DRY_RUN, str(report), requirement],
+        f"pip install --dry-run {requirement}",
+        timeout=300,
+    )
+    found = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    return {name: found[name] for name in RUNTIME}
+
+
+def installed(python: Path, *names: str) -> dict[str, str]:
+    """Installed version of each of ``names`` in the venv of ``python``."""
+    code = (
+        "import importlib.metadata as m, json, sys; "
+        "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+    )
+    out = subprocess.run(
+        [str(python), "-c", code, *names], capture_output=True, text=True, check=True, timeout=60
+    )
+    return dict(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("python_version", classified_pythons())
+@pytest.mark.parametrize(
+    "deps",
+    [  # newest: a dry run when this suite's venv has the newest (a fresh one has)
+        pytest.param("lowest", marks=pytest.mark.slow(seconds=100)),
+        pytest.param("newest", marks=pytest.mark.slow(seconds=20)),
+    ],
+)
+def test_smoke_on_oldest_and_newest_dependencies(
+    wheel: Path, tmp_path: Path, deps: str, python_version: str
+) -> None:
+    """A fresh venv with the direct dependencies at their lower bounds (``lowest``: exactly the
+    versions pyproject.toml claims) or at their newest (``newest``, whatever the registry has
+    today), the test extra, and :data:`SMOKE` run there on real workers and beats. The run's
+    versions are printed.
+
+    ``newest`` on this interpreter first asks pip what a new venv would get today: when this
+    suite's own venv has exactly those releases (a fresh CI machine's has), the whole suite is
+    the newest check and nothing more is built; when it is behind (``.venv`` is kept between
+    runs and only reinstalled when pyproject.toml changes), the smoke subset runs on today's."""
+    pins = lower_bounds() if deps == "lowest" else []
+    python_path = interpreter(python_version)
+    if deps == "newest" and python_path == sys.executable:
+        newest = newest_versions(f"{wheel}[test]", tmp_path / "newest.json")
+        here = {name: metadata.version(name) for name in newest}
+        print(f"newest on Python {python_version}: {newest}; this suite's: {here}")
+        if here == newest:
+            return  # this very suite runs on the newest: nothing more to build
+    venv = new_venv(python_path, tmp_path / "venv", f"{wheel}[test]", *pins)
+    python = venv / "bin" / "python"
+    versions = installed(python, "celery", "kombu", "redis", "hiredis", "billiard")
+    print(f"{deps} on Python {python_version}: {versions}")
+    for pin in pins:  # pip installed exactly the lower bounds
+        requirement = Requirement(pin)
+        assert requirement.specifier.contains(versions[requirement.name]), (pin, versions)
+    warnings = [arg for w in SMOKE_WARNINGS for arg in ("-W", w)]
+    options = ["-n", "0", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner")]
+    output = run(
+        [str(python), "-m", "pytest", *options, *warnings, *SMOKE],
+        f"the smoke subset on {deps} dependencies {versions}",
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    assert re.search(r"\d+ passed", output), output[-2000:]

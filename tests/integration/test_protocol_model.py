@@ -11,7 +11,10 @@ main process, publishers and an operator would:
 - renew (``Renewer.run_due``), and a renewal that was on the wire when the lock was handed over;
 - end a run: release now, release deferred (written ahead on one server, queued for the
   renewer thread on a store that cannot write ahead), the retry hand-over, the loss of its pool
-  child (the main process's ``release_lost``);
+  child (the main process's ``release_lost``); a release may record the message's completion
+  and keep the key for an at-least window (issue 17);
+- redeliver a message whose run finished (it must be dropped: ``Completed``), a renewal that
+  lands on a window (it must not extend it);
 - a lock that expires, an operator's force release (``celery singleton release``);
 
 and checks each outcome against a small reference model of what Redis must hold. After every
@@ -52,11 +55,13 @@ from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.admin import force_release, read_lock
 from celery_singleton_lock.core.backend import (
     Acquired,
+    Completed,
     Contended,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
+from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
@@ -69,6 +74,14 @@ EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))
 STEPS = int(os.environ.get("SINGLETON_MODEL_STEPS", "30"))
 #: How much a lock's PTTL may fall between two reads of one step (the step's own time).
 SLACK_MS = 2_000
+#: completion records and at-least windows outlive every example unless expired by a rule
+KEEP_MS = 120_000
+ENDINGS = [
+    None,
+    Ending(completion_ttl_ms=KEEP_MS),
+    Ending(at_least_ms=KEEP_MS),
+    Ending(completion_ttl_ms=KEEP_MS, at_least_ms=KEEP_MS),
+]
 
 
 @dataclass
@@ -143,14 +156,21 @@ class ProtocolModel(RuleBasedStateMachine):
         #: owner, generation and fencing token of each key's lock in Redis
         self.holder: dict[str, tuple[str, int, int] | None] = dict.fromkeys(KEYS)
         self.stretched: dict[str, bool] = dict.fromkeys(KEYS, False)
+        #: the key's lock is an at-least window: its run ended, the hash stays until it expires
+        self.window: dict[str, bool] = dict.fromkeys(KEYS, False)
+        #: completion records: task id -> the largest generation of it that finished
+        self.done: dict[str, int] = {}
+        #: messages whose run finished with a completion record (a copy of one is dropped)
+        self.finished: list[Message] = []
         self.marker: dict[str, str | None] = dict.fromkeys(KEYS)
         self.last_token: dict[str, int] = dict.fromkeys(KEYS, 0)
         self.queue: list[Message] = []
         self.runs: list[Run] = []
         #: releases written ahead whose reply is unread: Redis may or may not have run them yet
         self.unsettled: set[str] = set()
-        #: releases queued for the renewer thread, not sent yet: key and the run's ident
-        self.pending: list[tuple[str, tuple[str, int, int]]] = []
+        #: releases queued for the renewer thread, not sent yet: key, the run's ident and
+        #: whether it leaves a window
+        self.pending: list[tuple[str, tuple[str, int, int], bool]] = []
         # -- keys that are not the library's: never touched ---------------------------------
         self.foreign = {
             f"{self.namespace}app:user:1000": {"owner": "", "token": "", "name": "Ada"},
@@ -174,15 +194,32 @@ class ProtocolModel(RuleBasedStateMachine):
 
     def settle_all(self) -> None:
         """What a round trip on the acquire connection or a flush makes certain."""
-        for key, ident in self.pending:
-            if self.holder[key] == ident:
-                self.holder[key] = None
-                self.stretched[key] = False
+        for key, ident, window in self.pending:
+            if self.holder[key] == ident and not self.window[key]:
+                self.end_lock(key, window)
         self.pending.clear()
         self.unsettled.clear()
 
     def holds(self, run: Run) -> bool:
-        return self.holder[run.message.key] == run.ident
+        key = run.message.key
+        return self.holder[key] == run.ident and not self.window[key]
+
+    def end_lock(self, key: str, window: bool) -> None:
+        """The lock of ``key`` released: gone, or kept as an at-least window."""
+        if window:
+            self.window[key] = True
+        else:
+            self.holder[key] = None
+        self.stretched[key] = False
+
+    def finish(self, run: Run, ending: Ending | None) -> bool:
+        """A run ends with ``ending``: its completion is recorded whatever its lock's state;
+        whether its release leaves a window."""
+        if ending is not None and ending.completion_ttl_ms:
+            task_id, generation = run.owner
+            self.done[task_id] = max(self.done.get(task_id, -1), generation)
+            self.finished.append(run.message)
+        return ending is not None and bool(ending.at_least_ms)
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -241,9 +278,17 @@ class ProtocolModel(RuleBasedStateMachine):
         self.task._singleton_forget_queued(message.task_id, keys, "start")
         if self.marker[key] == message.task_id:
             self.marker[key] = None
+        if self.done.get(message.task_id, -1) >= message.generation:
+            assert isinstance(outcome, Completed), (outcome, message, self.done)
+            assert outcome.holder == message.task_id
+            self.queue.remove(message)  # dropped: the message already ran to its end
+            return
         holder = self.holder[key]
-        takes_over = holder is not None and (  # acquire looks at owner and generation only
-            holder[0] == message.task_id and message.generation > holder[1]
+        takes_over = (  # acquire looks at owner and generation only; a window is never entered
+            holder is not None
+            and not self.window[key]
+            and holder[0] == message.task_id
+            and message.generation > holder[1]
         )
         if holder is None or takes_over:
             assert isinstance(outcome, Acquired), (outcome, holder, message)
@@ -260,7 +305,9 @@ class ProtocolModel(RuleBasedStateMachine):
             self.queue.remove(message)
             return
         assert isinstance(outcome, Contended), (outcome, holder, message)
+        assert not isinstance(outcome, Completed), (outcome, message)
         assert (outcome.holder, outcome.holder_generation) == holder[:2]
+        assert outcome.finished == self.window[key], (outcome, self.window[key])
         if outcome.holder not in (message.task_id, message.parent):
             self.queue.remove(message)  # a duplicate: skipped (or retried later: the same)
 
@@ -301,11 +348,13 @@ class ProtocolModel(RuleBasedStateMachine):
     def release_now(self, data: st.DataObject) -> None:
         """The run ends and releases in its own round trip (eager runs)."""
         run = data.draw(st.sampled_from(self.runs))
+        ending = data.draw(st.sampled_from(ENDINGS))
         self.renewer.remove(run.held)
-        status = self.store.release(run.held.key, *run.ident)
+        status = self.store.release(run.held.key, *run.ident, ending)
         if self.kind == "write-ahead":
             self.settle_all()  # the call went after the releases written ahead
-        self.assert_release(status, run.message.key, run.ident)
+        window = self.finish(run, ending)
+        self.assert_release(status, run.message.key, run.ident, window=window)
         self.runs.remove(run)
 
     @precondition(lambda self: self.runs)
@@ -314,14 +363,15 @@ class ProtocolModel(RuleBasedStateMachine):
         """The run ends; task_postrun releases off its critical path (Renewer.release_later)."""
         run = data.draw(st.sampled_from(self.runs))
         key = run.message.key
+        run.held.ending = data.draw(st.sampled_from(ENDINGS))
+        window = self.finish(run, run.held.ending)
         self.renewer.release_later(run.held, "SUCCESS")
         if self.kind == "write-ahead":  # written now; Redis runs it before the next acquire
             if self.holds(run):
-                self.holder[key] = None
-                self.stretched[key] = False
+                self.end_lock(key, window)
             self.unsettled.add(key)
         else:  # queued until the thread or the next acquire sends it
-            self.pending.append((key, run.ident))
+            self.pending.append((key, run.ident, window))
         self.runs.remove(run)
 
     @rule()
@@ -357,8 +407,9 @@ class ProtocolModel(RuleBasedStateMachine):
         """The pool child dies (a run, or one that just called retry()): the main process
         releases that generation only, and leaves a lock handed over to a retry alone."""
         choices: list[Any] = list(self.runs)
-        choices += [(k, self.holder[k]) for k in KEYS if self.stretched[k]]
+        choices += [(k, self.holder[k]) for k in KEYS if self.stretched[k] or self.window[k]]
         chosen = data.draw(st.sampled_from(choices))
+        at_least = data.draw(st.sampled_from([0, KEEP_MS]))
         if isinstance(chosen, Run):
             self.renewer.remove(chosen.held)
             key, owner = chosen.message.key, chosen.ident
@@ -367,18 +418,25 @@ class ProtocolModel(RuleBasedStateMachine):
             key, owner = chosen
         if key in self.unsettled:
             self.collect()
-        status = self.store.release_lost(self.lock(key), *owner[:2])
+        status = self.store.release_lost(self.lock(key), *owner[:2], at_least)
         if self.kind == "write-ahead":
             self.settle_all()
-        self.assert_release(status, key, owner, lost=True)
+        self.assert_release(status, key, owner, lost=True, window=bool(at_least))
 
     def assert_release(
-        self, status: ReleaseStatus, key: str, ident: tuple[str, int, int], *, lost: bool = False
+        self,
+        status: ReleaseStatus,
+        key: str,
+        ident: tuple[str, int, int],
+        *,
+        lost: bool = False,
+        window: bool = False,
     ) -> None:
         """A run's release matches owner, generation and token; the main process's release of a
-        lost run (which cannot know the token) owner and generation, and spares a hand-over."""
+        lost run (which cannot know the token) owner and generation, and spares a hand-over. A
+        window is held by no run: no release touches it. ``window``: the release keeps one."""
         holder = self.holder[key]
-        if holder is None:
+        if holder is None or self.window[key]:
             assert status is ReleaseStatus.NOT_HELD, (status, key)
         elif holder[: 2 if lost else 3] != ident[: 2 if lost else 3]:
             assert status is ReleaseStatus.TAKEN, (status, key)
@@ -386,8 +444,27 @@ class ProtocolModel(RuleBasedStateMachine):
             assert status is ReleaseStatus.HANDED_OVER, (status, key)
         else:
             assert status is ReleaseStatus.RELEASED, (status, key)
-            self.holder[key] = None
-            self.stretched[key] = False
+            self.end_lock(key, window)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data())
+    def redeliver_a_finished_message(self, data: st.DataObject) -> None:
+        """The broker delivers a message again after its run finished (a worker killed between
+        the body and the ack, a visibility timeout): it must be dropped when it starts."""
+        message = data.draw(st.sampled_from(self.finished))
+        self.queue.append(Message(message.task_id, message.key, message.generation, message.parent))
+
+    @precondition(lambda self: any(self.window[k] and k not in self.unsettled for k in KEYS))
+    @rule(data=st.data())
+    def renewal_lands_on_a_window(self, data: st.DataObject) -> None:
+        """A renewal of the finished run that was on the wire when its release made the window:
+        the window is not the run's lock any more, and is never extended."""
+        key = data.draw(st.sampled_from([k for k in KEYS if self.window[k]]))
+        owner, generation, token = self.holder[key] or ("", 0, 0)
+        before = self.client.pttl(self.lock(key))
+        item = RenewItem(self.lock(key), owner, generation, KEEP_MS * 2, token)
+        assert self.store.renew([item]) == [RenewStatus.GONE]
+        assert self.client.pttl(self.lock(key)) <= before
 
     # -- outside events -----------------------------------------------------------------------
 
@@ -402,7 +479,7 @@ class ProtocolModel(RuleBasedStateMachine):
         while self.client.exists(lock) and time.monotonic() < deadline:
             time.sleep(0.002)
         assert not self.client.exists(lock)
-        self.holder[key], self.stretched[key] = None, False
+        self.holder[key], self.stretched[key], self.window[key] = None, False, False
 
     @precondition(lambda self: any(self.holder[k] and k not in self.unsettled for k in KEYS))
     @rule(data=st.data())
@@ -413,8 +490,9 @@ class ProtocolModel(RuleBasedStateMachine):
         info = read_lock(self.client, self.lock(key), self.prefix)
         assert info is not None
         assert (info.owner, info.generation, info.token) == self.holder[key]
+        assert info.state == ("window" if self.window[key] else "running")
         force_release(self.client, info)
-        self.holder[key], self.stretched[key] = None, False
+        self.holder[key], self.stretched[key], self.window[key] = None, False, False
         for foreign in self.foreign:
             with pytest.raises(ValueError, match="is "):
                 read_lock(self.client, foreign, self.prefix)
@@ -464,9 +542,18 @@ class ProtocolModel(RuleBasedStateMachine):
             self.client.close()
             self.store.client.close()
 
+    def expire_windows(self) -> None:
+        """Every settled at-least window ends now (as if its time had passed)."""
+        for key in KEYS:
+            if self.window[key] and key not in self.unsettled:
+                self.client.delete(self.lock(key))
+                self.holder[key], self.window[key] = None, False
+
     def drain(self) -> None:
-        """End every run, then start every message (ending each run it starts), until none."""
+        """End every run, then start every message (ending each run it starts), until none.
+        Windows are expired first (they would hold their keys for KEEP_MS)."""
         for _ in range(100):
+            self.expire_windows()
             for run in list(self.runs):
                 self.renewer.remove(run.held)
                 self.store.release(run.held.key, *run.ident)
@@ -475,6 +562,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 self.runs.remove(run)
             self.renewer.flush_releases()
             self.settle_all()
+            self.expire_windows()  # a release just settled may have left one
             if not self.queue:
                 return
             for message in list(self.queue):
@@ -484,7 +572,10 @@ class ProtocolModel(RuleBasedStateMachine):
                 if isinstance(outcome, Acquired):
                     self.store.release(keys.lock, message.task_id, message.generation, None)
                     self.queue.remove(message)
-                elif outcome.holder not in (message.task_id, message.parent):
+                elif isinstance(outcome, Completed) or outcome.holder not in (
+                    message.task_id,
+                    message.parent,
+                ):
                     self.queue.remove(message)
         raise AssertionError(f"messages still waiting: {self.queue}")
 

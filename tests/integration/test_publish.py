@@ -13,7 +13,7 @@ from celery import Celery, group
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
-from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
+from celery_singleton_lock import DuplicateTaskError, SingletonTask, publish, signals, skip_info
 from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
@@ -157,18 +157,33 @@ def test_purged_message_blocks_the_key_no_longer_than_the_marker_ttl(
 
 
 def test_marker_of_a_finished_task_is_taken_over(
-    client: tuple[Celery, Any], redis_client: redis.Redis, key_prefix: str
+    client: tuple[Celery, Any],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A duplicate whose marker names a task with a ready result publishes at once."""
+    """A duplicate whose marker names a task with a ready result publishes at once, once the
+    backend's last "not finished" for that task is older than publish.UNFINISHED_TRUST_S."""
+    now = [0.0]
+    unfinished = publish.Unfinished(trust_s=1.0, clock=lambda: now[0])
+    monkeypatch.setattr(publish, "UNFINISHED", unfinished)
     app, task = client
+    asked: list[str] = []
+    get_state = app.backend.get_state
+    monkeypatch.setattr(app.backend, "get_state", lambda tid: asked.append(tid) or get_state(tid))
     first = task.delay("f")
     app.control.purge()
     assert task.delay("f").id == first.id
+    assert task.delay("f").id == first.id
+    assert asked == [first.id]  # the second duplicate trusted the first's answer
     with warnings.catch_warnings():  # celery's redis backend calls the deprecated setex
         warnings.simplefilter("ignore", DeprecationWarning)
         app.backend.mark_as_revoked(first.id, "test")
+    assert task.delay("f").id == first.id  # within the trust: still turned away
+    now[0] += 1.0
     taken = task.delay("f")
     assert taken.id != first.id
+    assert asked == [first.id, first.id]
     assert redis_client.get(_marker(key_prefix, "f")) == taken.id.encode()
 
 

@@ -10,6 +10,7 @@ import redis
 
 from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.backend import Acquired, ReleaseStatus, SequentialReleases
+from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
@@ -151,12 +152,19 @@ class _QueueOnly(SequentialReleases):
         return self.inner.renew(items)
 
     def release(
-        self, key: str, owner: str, generation: int | None, token: int | None = None
+        self,
+        key: str,
+        owner: str,
+        generation: int | None,
+        token: int | None = None,
+        ending: Ending | None = None,
     ) -> ReleaseStatus:
-        return self.inner.release(key, owner, generation, token)
+        return self.inner.release(key, owner, generation, token, ending)
 
-    def release_lost(self, key: str, owner: str, generation: int) -> ReleaseStatus:
-        return self.inner.release_lost(key, owner, generation)
+    def release_lost(
+        self, key: str, owner: str, generation: int, at_least_ms: int = 0
+    ) -> ReleaseStatus:
+        return self.inner.release_lost(key, owner, generation, at_least_ms)
 
     def holder(self, key: str) -> dict[str, str]:
         return self.inner.holder(key)

@@ -27,6 +27,7 @@ from celery_singleton_lock.core.backend import (
     ReleaseStatus,
     RenewItem,
     RenewStatus,
+    acquire_args,
 )
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
@@ -137,7 +138,7 @@ def acquire_unreplicated(client: redis.Redis, keys: LockKeys, owner: str, ttl_ms
     its fencing counter but sends neither to the replica. Returns the token.
     """
     text = "redis.set_repl(redis.REPL_NONE)\n" + script("acquire.lua").text
-    reply = client.eval(text, 2, keys.lock, keys.fence, owner, 0, ttl_ms, FENCE_TTL_MS)
+    reply = client.eval(text, *acquire_args(keys, owner, 0, ttl_ms, FENCE_TTL_MS, None))
     assert reply[0] == 1, reply
     return int(reply[1])
 

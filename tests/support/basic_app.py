@@ -5,7 +5,8 @@ Configured from the environment so a worker subprocess and the test share one pr
 - ``SINGLETON_TEST_REDIS_URL``: broker and result backend (default ``redis://127.0.0.1:6379/0``);
 - ``SINGLETON_TEST_PREFIX``: prefix of every broker and result key (kombu's and celery's
   ``global_keyprefix`` transport option), and of the history list;
-- ``SINGLETON_TEST_QUEUE``: the default queue name.
+- ``SINGLETON_TEST_QUEUE``: the default queue name;
+- ``SINGLETON_TEST_TASK_LOG_FORMAT``: the worker's ``worker_task_log_format``, when set.
 
 Run a worker with ``celery -A tests.support.basic_app worker``; build the same app in the test
 process with :func:`make_app` and the same three values.
@@ -78,6 +79,9 @@ def make_app(
         worker_hijack_root_logger=False,
         worker_prefetch_multiplier=1,
     )
+    task_log_format = os.environ.get("SINGLETON_TEST_TASK_LOG_FORMAT")
+    if task_log_format:
+        app.conf.worker_task_log_format = task_log_format
     app.conf.singleton_test_prefix = prefix
     app.conf.singleton_test_redis_url = redis_url
 
@@ -105,6 +109,12 @@ def close_app(app: Celery) -> None:
     gc.collect()
     backend = app._backend  # None when this thread never used a backend: nothing to close
     if backend is not None:
+        # Results still waited on (a group's or a chord's members, read without the pub/sub
+        # channel) are held by the backend; freed after the channel is closed, each would
+        # unsubscribe through a new connection that nobody closes.
+        for waiters in [*getattr(backend, "_pending_results", ((),))[0].values()]:
+            for result in list(waiters.values()):
+                backend.remove_pending_result(result)
         consumer = getattr(backend, "result_consumer", None)
         if consumer is not None:
             consumer.stop()

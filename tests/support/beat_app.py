@@ -89,12 +89,22 @@ if os.environ.get("SINGLETON_TEST_VISIBILITY"):
     app.conf.task_reject_on_worker_lost = True
 
 if os.environ.get("SINGLETON_TEST_LOAD_KEYS"):
+    import signal
     import time
 
-    from celery.signals import task_prerun
+    from celery.signals import task_postrun, task_prerun
 
     from celery_singleton_lock import SingletonTask
-    from tests.support.chaos import done_key, load_key, load_key_name, sent_key
+    from tests.support.chaos import (
+        done_key,
+        ended_runs_key,
+        finished_runs_key,
+        kill_after_body_key,
+        load_key,
+        load_key_name,
+        reruns_key,
+        sent_key,
+    )
     from tests.support.history import beat_runs_key, record_beat_run
 
     LOAD_KEYS = int(os.environ["SINGLETON_TEST_LOAD_KEYS"])
@@ -132,6 +142,8 @@ if os.environ.get("SINGLETON_TEST_LOAD_KEYS"):
         """Hold the lock of ``key`` for ``seconds``; recorded as ``load:<key>``."""
         client = _client(app.conf.singleton_test_redis_url)
         prefix = app.conf.singleton_test_prefix
+        if client.hexists(ended_runs_key(prefix), str(self.request.id)):
+            client.sadd(reruns_key(prefix), str(self.request.id))  # ran again after it ended
         token = self.singleton.fencing_token
         exec_id = record_start(
             client,
@@ -144,7 +156,22 @@ if os.environ.get("SINGLETON_TEST_LOAD_KEYS"):
         time.sleep(seconds)
         record_end(client, history_key(prefix), exec_id)
         client.sadd(done_key(prefix), str(self.request.id))
+        client.hincrby(finished_runs_key(prefix), str(self.request.id), 1)
         return int(token)
+
+    @task_postrun.connect(weak=False)  # after the library's own (connected at its import)
+    def _after_load(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+        """A b.load run ended and the library released (and recorded its completion): noted in
+        ``ended_runs_key``. The node named in ``kill_after_body_key`` then dies as a whole,
+        before the message is acked."""
+        if getattr(sender, "name", None) != "b.load" or kwargs.get("state") != "SUCCESS":
+            return
+        client = _client(app.conf.singleton_test_redis_url)
+        client.hset(ended_runs_key(app.conf.singleton_test_prefix), str(task_id), 1)
+        flag = kill_after_body_key(app.conf.singleton_test_prefix)
+        hostname = str(sender.request.hostname)
+        if client.get(flag) == hostname.encode() and client.delete(flag):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     @app.task(bind=True, name="b.fanout")
     def fanout(self: Any, entry: str) -> str:

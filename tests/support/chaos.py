@@ -82,6 +82,27 @@ def load_key(key: str) -> str:
     return f"load:{key}"
 
 
+def finished_runs_key(prefix: str) -> str:
+    """Hash of the finished runs of each ``b.load`` task id (a message must finish once)."""
+    return f"{prefix}finished-runs"
+
+
+def ended_runs_key(prefix: str) -> str:
+    """Hash of the ``b.load`` task ids whose run ended: its task_postrun (and the library's
+    release, which records the completion) went through."""
+    return f"{prefix}ended-runs"
+
+
+def reruns_key(prefix: str) -> str:
+    """Set of the ``b.load`` task ids that started again after a run of theirs had ended."""
+    return f"{prefix}reruns"
+
+
+def kill_after_body_key(prefix: str) -> str:
+    """The node name whose next finished ``b.load`` run SIGKILLs the whole node (beat_app)."""
+    return f"{prefix}kill-after-body"
+
+
 def lock_prefix(prefix: str) -> str:
     """The lock key prefix the test apps use (``singleton_key_prefix``)."""
     return f"{prefix}lock:"
@@ -109,15 +130,23 @@ def configure_visibility(app: Any, seconds: float) -> None:
 
 
 def record_figures(
-    scenario: str, *, runs: int, overlaps: int, stuck_locks: int, lost_runs: int
+    scenario: str,
+    *,
+    runs: int,
+    overlaps: int,
+    stuck_locks: int,
+    lost_runs: int,
+    run_twice: int | None = None,
 ) -> dict[str, Any]:
-    """Append one JSON line of figures to ``$SINGLETON_RELIABILITY_OUT`` (if set); return it."""
+    """Append one JSON line of figures to ``$SINGLETON_RELIABILITY_OUT`` (if set); return it.
+    ``run_twice``: messages run again after they had finished (None: not counted here)."""
     line = {
         "scenario": scenario,
         "runs": runs,
         "overlaps": overlaps,
         "stuck_locks": stuck_locks,
         "lost_runs": lost_runs,
+        "run_twice": run_twice,
     }
     out = os.environ.get(RELIABILITY_ENV)
     if out:
@@ -151,6 +180,9 @@ def wait_locks_gone(client: redis.Redis, prefix: str, timeout: float) -> dict[st
 
 
 # -- kills ----------------------------------------------------------------------------------
+
+#: Kill kinds that take a whole node down (messages in flight to it may be lost by the broker).
+NODE_KILLS = frozenset({"node", "after-body"})
 
 
 @dataclass(frozen=True)
@@ -215,6 +247,12 @@ class LoadReport:
     stuck_locks: dict[str, dict[str, str]]
     kills: list[Kill]
     sent: int
+    #: task ids whose b.load ran again after a run of theirs had ended (released, completion
+    #: recorded): what the completion record must prevent
+    run_twice: list[str] = field(default_factory=list)
+    #: task ids whose body finished more than once: run_twice, plus runs whose process was
+    #: killed between the body's end and the release (no completion recorded: design.md)
+    finished_twice: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -257,7 +295,9 @@ class LoadReport:
             f"{len(self.lost_calls)} never finished ({len(self.dropped_calls)} in flight to a "
             f"killed node); {len(self.unstarted_runs)} published runs never started "
             f"({len(self.dropped_runs)} in flight to a killed node); "
-            f"{len(self.stuck_locks)} stuck locks",
+            f"{len(self.stuck_locks)} stuck locks; {len(self.run_twice)} messages ran again "
+            f"after a run of theirs ended {self.run_twice}, {len(self.finished_twice)} finished "
+            f"their body twice {self.finished_twice}",
             "history: " + self.history.summary(),
             "beat: " + self.beat.summary(),
             "kills: " + "; ".join(k.describe() for k in self.kills),
@@ -422,6 +462,26 @@ class LoadRig:
             self.start_beat()
         return kill
 
+    def kill_after_body(self, timeout: float = 20.0) -> Kill | None:
+        """SIGKILL a whole node right after one of its b.load runs finished its body (and the
+        library's release), before the message is acked (beat_app's task_postrun hook); start
+        a replacement. None when no run finished there within ``timeout``."""
+        live = self.live_nodes()
+        if not live:
+            return None
+        node = self.rng.choice(live)
+        pids = {node.pid, *node.group_pids(), *node.child_pids()}
+        flag = kill_after_body_key(self.prefix)
+        self.client.set(flag, node.nodename)
+        died = wait_for(lambda: not node.is_running(), timeout, "a kill after the body", fail=False)
+        self.client.delete(flag)
+        if not died:
+            return None
+        node.killed_at = node.killed_at or time.time()
+        kill = self._record("after-body", node.name, pids, server_time_us(self.client))
+        self.start_node(node.concurrency)
+        return kill
+
     def random_kill(self) -> Kill | None:
         """One kill of a random kind: a pool child, a whole node, or a beat."""
         kind = self.rng.choice(["child", "node", "beat"])
@@ -474,7 +534,7 @@ class LoadRig:
             low, high = since - 0.2, since + 5.0
         else:
             return False
-        return any(k.kind == "node" and low <= k.at <= high for k in self.kills)
+        return any(k.kind in NODE_KILLS and low <= k.at <= high for k in self.kills)
 
     def drain(self, timeout: float) -> tuple[list[str], list[str]]:
         """Wait until every call finished and every published run started (or ``timeout``).
@@ -482,7 +542,7 @@ class LoadRig:
         Stops early when all that is left was in flight to a killed node and the broker has
         had its chance to restore it (visibility timeout + 3 s after the last node kill)."""
         deadline = time.monotonic() + timeout
-        node_kills = [k.at for k in self.kills if k.kind == "node"]
+        node_kills = [k.at for k in self.kills if k.kind in NODE_KILLS]
         settled = max(node_kills, default=0.0) + self.visibility + 3
         while True:
             calls, runs = self.pending()
@@ -557,6 +617,12 @@ class LoadRig:
             stuck_locks=stuck,
             kills=list(self.kills),
             sent=len(self.client.smembers(sent_key(self.prefix))),
+            run_twice=sorted(m.decode() for m in self.client.smembers(reruns_key(self.prefix))),
+            finished_twice=sorted(
+                task_id.decode()
+                for task_id, count in self.client.hgetall(finished_runs_key(self.prefix)).items()
+                if int(count) > 1
+            ),
         )
 
     def logs(self) -> str:

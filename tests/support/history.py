@@ -217,6 +217,30 @@ def assert_no_overlap(
         raise AssertionError("mutual exclusion violated:\n" + report.summary())
 
 
+def permit_group(key: str) -> str:
+    """The key a permit slot ``<lock key>:<i>`` belongs to (a lock key is its own)."""
+    head, _, tail = key.rpartition(":")
+    return head if tail.isdigit() and head.endswith(":lock") else key
+
+
+def max_at_once(executions: Iterable[Execution]) -> dict[str, int]:
+    """The most executions of one key (all the permit slots of one key together) running at
+    the same instant, by key; an unfinished execution runs to the end of time."""
+    edges: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for execution in executions:
+        group = edges[permit_group(execution.key)]
+        group.append((execution.start_us, 1))
+        group.append((execution.end_or_inf, -1))
+    most: dict[str, int] = {}
+    for group, points in edges.items():
+        running = peak = 0
+        for _, step in sorted(points):  # an end sorts before a start at the same instant
+            running += step
+            peak = max(peak, running)
+        most[group] = peak
+    return most
+
+
 # -- scheduled runs: fired twice, or not at all while a beat lived (test_chaos, test_load) ------
 
 BEAT_RUNS_SUFFIX = "beat-runs"

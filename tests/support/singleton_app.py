@@ -71,6 +71,18 @@ def hold_raise(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
     return _run(self, key, seconds)
 
 
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_coalesce",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="coalesce",
+)
+def hold_coalesce(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too."""
+    return {**_run(self, key, seconds), "payload": payload}
+
+
 @app.task(bind=True, base=SingletonTask, name="t.retrying", max_retries=5)
 def retrying(self: Any, key: str, times: int, countdown: float = 0.3) -> dict[str, Any]:
     """Retry ``times`` times (each run recorded), then succeed."""
@@ -477,3 +489,261 @@ def retry_no_throw(self: Any, key: str, countdown: float = 2.0) -> dict[str, Any
     )
     record_end(client, hkey, exec_id)
     return {"retries": 0}
+
+
+# -- added for test_skip_contract: what a skipped duplicate runs, and what it must not ------------
+
+
+class _ContractTask(SingletonTask):  # type: ignore[misc]
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        _log_event(f"on_success {task_id}")
+
+
+@app.task(bind=True, base=_ContractTask, name="t.contract", singleton_key_args=("key",))
+def contract(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Like hold; its on_success and Celery's signals for it are logged to the signals list."""
+    _log_event(f"body {self.request.id}")
+    return _run(self, key, seconds)
+
+
+def _log_event(event: str) -> None:
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(signals_key(app.conf.singleton_test_prefix), event)
+
+
+def _celery_signal_logger(name: str) -> Any:
+    def receiver(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+        task = sender if task_id is not None else kwargs.get("task", sender)
+        if getattr(task, "name", None) != "t.contract":
+            return
+        if task_id is None:  # task_success: the id is the request's
+            task_id = task.request.id
+        state = kwargs.get("state")
+        _log_event(f"{name} {task_id}" + (f" {state}" if state else ""))
+
+    return receiver
+
+
+if os.environ.get("SINGLETON_TEST_PREFIX"):
+    for _name in ("task_prerun", "task_postrun", "task_success"):
+        getattr(_celery_signals, _name).connect(_celery_signal_logger(_name), weak=False)
+
+
+# SINGLETON_TEST_METRICS_PORT=<port>: the library's Prometheus metrics, served by the worker's
+# main process on 127.0.0.1:<port> as docs/operations.md shows for prefork (with
+# PROMETHEUS_MULTIPROC_DIR set, every pool child's values added up).
+if os.environ.get("SINGLETON_TEST_METRICS_PORT"):
+    from celery_singleton_lock import metrics as _metrics
+
+    _metrics.install()  # the children inherit the receivers when they fork
+
+    @_celery_signals.worker_init.connect(weak=False)
+    def _serve_metrics(**_: Any) -> None:
+        _metrics.serve(int(os.environ["SINGLETON_TEST_METRICS_PORT"]), "127.0.0.1")
+
+
+# -- added for test_canvas: chain steps, chord bodies and callbacks under each policy ----------
+
+
+def _step(key: str, prev: Any) -> list[str]:
+    """Log ``step <key>``; return the keys of the steps before (``prev``) and this one."""
+    _log_event(f"step {key}")
+    return [*(prev if isinstance(prev, list) else []), key]
+
+
+@app.task(bind=True, base=SingletonTask, name="t.step", singleton_key_args=("key",))
+def step(self: Any, prev: Any = None, key: str = "") -> list[str]:
+    """A canvas step keyed on ``key`` (skip policy); ``prev`` is what the step before returned."""
+    return _step(key, prev)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.step_retry",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="retry",
+    singleton_retry_countdown=0.2,
+)
+def step_retry(self: Any, prev: Any = None, key: str = "") -> list[str]:
+    """Like t.step, under the retry policy."""
+    return _step(key, prev)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.step_raise",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="raise",
+)
+def step_raise(self: Any, prev: Any = None, key: str = "") -> list[str]:
+    """Like t.step, under the raise policy."""
+    return _step(key, prev)
+
+
+@app.task(name="t.gather")
+def gather(results: Any, label: str = "") -> Any:
+    """A plain task (a chord body, a link callback): logs ``gather <label> <results as JSON>``."""
+    import json
+
+    _log_event(f"gather {label} {json.dumps(results, sort_keys=True)}")
+    return results
+
+
+@app.task(name="t.errback")
+def errback(request: Any, exc: BaseException, traceback: Any, label: str = "") -> None:
+    """A link_error callback: logs ``errback <label> <exception type> <task id>``."""
+    _log_event(f"errback {label} {type(exc).__name__} {getattr(request, 'id', request)}")
+
+
+# -- added for test_scope: two tasks sharing one lock per tenant (singleton_scope) --------------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.tenant_import",
+    singleton_scope="tenant-sync",
+    singleton_key_args=("tenant",),
+)
+def tenant_import(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Imports a tenant; excludes t.tenant_export of the same tenant."""
+    return _run(self, f"tenant-{tenant}", seconds)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.tenant_export",
+    singleton_scope="tenant-sync",
+    singleton_key_args=("tenant",),
+)
+def tenant_export(self: Any, fmt: str, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Exports a tenant (other parameters, another order); same scope as t.tenant_import."""
+    return _run(self, f"tenant-{tenant}", seconds)
+
+
+# SINGLETON_TEST_BAD_SCOPE=1: a third task of the scope keyed on other arguments: the worker
+# must refuse to start.
+if os.environ.get("SINGLETON_TEST_BAD_SCOPE"):
+
+    @app.task(bind=True, base=SingletonTask, name="t.tenant_bad", singleton_scope="tenant-sync")
+    def tenant_bad(self: Any, tenant: str, region: str) -> None:
+        """Never runs: keys on (region, tenant), not (tenant,)."""
+
+
+# -- added for test_completion: a finished message is not run again; at-least windows -----------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.once_late",
+    singleton_key_args=("key",),
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def once_late(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Acked late; counts the runs of its task id (``deliveries_key``) and records each."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    return {**_run(self, key, seconds), "run": run}
+
+
+def _kill_after_body(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+    """SIGKILL the whole worker right after ``t.once_late``'s first run ended: after the
+    library's task_postrun (connected before this one) released the lock and recorded the
+    completion, before the worker acknowledged the message."""
+    retval = kwargs.get("retval")
+    if getattr(sender, "name", None) != "t.once_late" or not isinstance(retval, dict):
+        return
+    if retval.get("run") != 1:
+        return
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(signals_key(app.conf.singleton_test_prefix), f"killed_after_body {task_id}")
+    os.killpg(os.getpgid(0), _signal.SIGKILL)  # the worker runs in its own process group
+
+
+# SINGLETON_TEST_KILL_AFTER_BODY=1: the worker dies as a whole right after t.once_late's body.
+if os.environ.get("SINGLETON_TEST_KILL_AFTER_BODY"):
+    _celery_signals.task_postrun.connect(_kill_after_body, weak=False)
+
+#: at-least window of the t.window_* tasks, seconds (SINGLETON_TEST_AT_LEAST)
+AT_LEAST = float(os.environ.get("SINGLETON_TEST_AT_LEAST", "3"))
+
+
+def _window_task(name: str, **options: Any) -> Any:
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        singleton_key_args=("key",),
+        singleton_lock_at_least=AT_LEAST,
+        **options,
+    )
+    def window_task(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+        """Holds ``key`` for at least AT_LEAST seconds after it started."""
+        return _run(self, key, seconds)
+
+    return window_task
+
+
+window_skip = _window_task("t.window_skip")
+window_retry = _window_task(
+    "t.window_retry", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
+)
+window_raise = _window_task("t.window_raise", singleton_on_duplicate="raise")
+window_publish = _window_task("t.window_publish", singleton_lock_on="publish")
+
+
+# -- added for test_permits: up to N runs of one key at once (singleton_permits) ----------------
+# Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left
+# out there, unless SINGLETON_TEST_PERMITS=1 asks for the refusal (test_bad_settings).
+_REDLOCK = "redlock" in str(app.conf.singleton_redis_url).split("://", 1)[0]
+if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.export_permits",
+        singleton_key_args=("tenant",),
+        singleton_permits=3,
+    )
+    def export_permits(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+        """At most 3 exports of a tenant at once (skip); records the permit slot it holds."""
+        return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.export_permits_retry",
+        singleton_key_args=("tenant",),
+        singleton_permits=2,
+        singleton_on_duplicate="retry",
+        singleton_retry_countdown=0.2,
+    )
+    def export_permits_retry(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+        """At most 2 at once; the others are requeued until a slot is free."""
+        return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.export_permits_self_retry",
+        singleton_key_args=("tenant",),
+        singleton_permits=2,
+        max_retries=3,
+    )
+    def export_permits_self_retry(self: Any, tenant: str, times: int) -> dict[str, Any]:
+        """Retries itself ``times`` times; each run records the slot it holds, re-entered or not."""
+        client = _client(app.conf.singleton_test_redis_url)
+        client.rpush(
+            history_key(app.conf.singleton_test_prefix) + ":slots",
+            f"{self.request.id} {self.request.retries} {self.singleton.key} "
+            f"{int(self.singleton.reentered)}",
+        )
+        result = _run(self, self.singleton.key, 0.2)
+        if self.request.retries < times:
+            raise self.retry(countdown=0.3)
+        return result

@@ -18,6 +18,7 @@ from celery_singleton_lock.config import (
     resolve_redis_url,
 )
 from celery_singleton_lock.core.urls import redact_url
+from celery_singleton_lock.worker import banner_lines
 
 
 def _app(**conf: Any) -> Celery:
@@ -351,3 +352,54 @@ def test_describe_hides_password() -> None:
     assert "topsecret" not in " ".join(shown.values())
     assert shown["ttl"] == "2s"
     assert shown["max_hold"] == "none"
+
+
+# -- permits ----------------------------------------------------------------------------------
+
+
+def test_permits_default_to_one_and_key_slots_of_the_task() -> None:
+    app = _app(singleton_redis_url="redis://127.0.0.1:6379/0")
+
+    @app.task(base=SingletonTask, name="t.export", shared=False, singleton_permits=3)
+    def export(tenant: str) -> None: ...
+
+    @app.task(base=SingletonTask, name="t.one", shared=False)
+    def one(tenant: str) -> None: ...
+
+    keys = export.singleton_keys(("acme",), {})
+    assert export.singleton_options().permits == 3
+    assert keys.slots == [f"{keys.lock}:1", f"{keys.lock}:2", f"{keys.lock}:3"]
+    assert one.singleton_options().permits == 1
+    assert one.singleton_keys(("acme",), {}).slots == [one.singleton_keys(("acme",), {}).lock]
+    assert ".> permits:         t.export=3\n" in banner_lines(app.conf, [export, one])
+    assert "permits" not in banner_lines(app.conf, [one])
+    app.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1001, 2.0, "3", True])
+def test_invalid_permits(value: Any) -> None:
+    with pytest.raises(SingletonConfigError, match="singleton_permits"):
+        read_options({"singleton_permits": value})
+
+
+@pytest.mark.parametrize(
+    "url", ["redis+redlock://a:6379,b:6379,c:6379/0", "REDISS+REDLOCK://a:1,b:1,c:1/0"]
+)
+def test_permits_are_refused_with_redlock(url: str) -> None:
+    task = SimpleNamespace(name="t.export", singleton_permits=2)
+    with pytest.raises(SingletonConfigError, match=r"task t\.export: singleton_permits.*redlock"):
+        read_options({"singleton_redis_url": url}, task)
+    assert read_options({"singleton_redis_url": url}, SimpleNamespace(name="t.x")).permits == 1
+
+
+@pytest.mark.parametrize("lock_on", ["publish", "both"])
+def test_permits_are_refused_with_publish_time_dedup(lock_on: str) -> None:
+    with pytest.raises(SingletonConfigError, match=r'singleton_permits > 1 needs.*"execute"'):
+        read_options({"singleton_permits": 2, "singleton_lock_on": lock_on})
+
+
+def test_permits_are_refused_with_coalesce() -> None:
+    """A coalesced follow-up waits beside one lock: permits > 1 and coalesce do not go together."""
+    conf = {"singleton_permits": 3, "singleton_on_duplicate": "coalesce"}
+    with pytest.raises(SingletonConfigError, match="coalesce"):
+        read_options(conf)

@@ -154,6 +154,40 @@ def test_a_worker_does_not_load_celery_beat() -> None:
     assert done.stdout.strip() == "ok"
 
 
+def test_only_the_database_scheduler_loads_django() -> None:
+    """With django and django_celery_beat unimportable, the package, the worker hooks, the
+    beat package and SingletonScheduler all load; only SingletonDatabaseScheduler needs them.
+    Read from the source too: no other module imports them, even inside a function."""
+    django_family = ("django", "django_celery_beat")
+    for name, path in modules().items():
+        if name == f"{PKG}.beat.django_beat":
+            continue
+        found = {t.partition(".")[0] for t in imports(path, module_level_only=False)}
+        assert not found & set(django_family), f"{name} imports {sorted(found)}"
+    code = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {django_family!r}:
+            raise ImportError("blocked: " + name)
+        return None
+sys.meta_path.insert(0, Block())
+import celery_singleton_lock, celery_singleton_lock.worker, celery_singleton_lock.beat.witness
+from celery_singleton_lock import SingletonScheduler, SingletonSchedulerMixin
+from celery_singleton_lock.beat import SingletonScheduler
+try:
+    from celery_singleton_lock.beat import SingletonDatabaseScheduler
+except ImportError as exc:
+    assert "pip install django-celery-beat" in str(exc), exc
+else:
+    raise AssertionError("SingletonDatabaseScheduler loaded without django_celery_beat")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_publish_never_imports_the_task() -> None:
     found = imports(ROOT / "publish.py", module_level_only=False)
     assert f"{PKG}.task" not in found, sorted(found)

@@ -8,11 +8,16 @@
 --           is stale and is taken over
 -- return    {1}                       marked: publish the message
 --           {0, holder, 'running'}    another task id holds the lock
+--           {0, holder, 'finished'}   another task id's finished run holds its at-least window
 --           {0, holder, 'queued'}     another task id is queued (marked, not yet started)
 --
 -- The same task id again (a retry or a requeue of the message) is never its own duplicate.
-local owner = redis.call('HGET', KEYS[1], 'owner')
+local held = redis.call('HMGET', KEYS[1], 'owner', 'ended')
+local owner = held[1]
 if owner and owner ~= ARGV[1] then
+  if held[2] then
+    return {0, owner, 'finished'}
+  end
   return {0, owner, 'running'}
 end
 local queued = redis.call('GET', KEYS[2])

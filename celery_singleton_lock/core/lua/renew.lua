@@ -9,13 +9,14 @@
 -- ARGV[3i+1]    the fencing token of the run holding lock i, or '' to match any token (a
 --               redelivered copy of the message, same owner and generation, is another run)
 -- return        {i, status, ...} for the locks NOT renewed only (an empty list when all were):
---               status 0 gone, -1 held by another run
+--               status 0 gone (or an at-least window: its run released it), -1 held by
+--               another run. A window (field 'ended') is never written to
 local result = {}
 local ttl = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local held = redis.call('HMGET', KEYS[i], 'owner', 'gen', 'token')
+  local held = redis.call('HMGET', KEYS[i], 'owner', 'gen', 'token', 'ended')
   local token = ARGV[3 * i + 1]
-  if not held[1] then
+  if not held[1] or held[4] then
     result[#result + 1] = i
     result[#result + 1] = 0
   elseif held[1] == ARGV[3 * i - 1] and held[2] == ARGV[3 * i]

@@ -1,0 +1,116 @@
+"""``singleton_on_duplicate="coalesce"``: duplicates collapse into one follow-up run.
+
+While a run holds the lock, a duplicate leaves its call as the lock's pending record
+(core/pending.py: the latest call wins, owner-checked against the holder) and ends like a skip:
+its result is the skip marker with ``coalesced`` and the follow-up's task id. Whoever releases
+the lock then takes the record, once, and publishes the follow-up: the run itself
+(``_singleton_after_run``), the worker's main process for a lost child
+(``singleton_release_for``), or ``celery singleton purge``/``release`` for a lock whose holder
+is gone. A publish that fails puts the record back and logs it: nothing is dropped silently.
+
+The follow-up is a new message of the same task with the latest duplicate's arguments, its
+task id fixed by the burst's first duplicate, sent to the exchange and routing key that
+duplicate arrived by; without the duplicate's countdown, eta, links or canvas (the duplicate's
+own canvas stops as a skip's does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from celery import Task
+from kombu.serialization import dumps, loads
+
+from .core.pending import Run, put_back, take_pending
+
+__all__ = ["call_record", "publish_follow_up"]
+
+logger = logging.getLogger(__name__)
+
+
+def call_record(
+    task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, str | bytes]:
+    """A duplicate's call as pending-record fields: enough to publish it again."""
+    serializer = task.serializer or task.app.conf.task_serializer
+    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+        [list(args), dict(kwargs)], serializer=serializer
+    )
+    record: dict[str, str | bytes] = {
+        "task": task.name,
+        "by": str(_field(request, "id") or ""),
+        "body": body,
+        "ctype": content_type,
+        "cenc": encoding,
+    }
+    delivery = _field(request, "delivery_info") or {}
+    for name in ("exchange", "routing_key"):
+        value = delivery.get(name)
+        if isinstance(value, str):
+            record[name] = value
+    return record
+
+
+def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
+    """Take ``lock_key``'s pending record if no run holds the lock, and publish it; the
+    follow-up's task id, or None when there was nothing to publish (or it failed: then logged
+    and put back)."""
+    record = take_pending(run, lock_key)
+    if record is None:
+        return None
+    follow_up = record.get("id", b"").decode()
+    name = record.get("task", b"").decode() or task.name
+    try:
+        args, kwargs = loads(  # type: ignore[no-untyped-call]
+            record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=None
+        )
+        options = {field: record[field].decode() for field in _ROUTE if field in record}
+        target = task.app.tasks.get(name)
+        if target is None:
+            task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
+        else:  # Celery's own publish: no publish-time dedup against its own pending call
+            Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
+    except Exception as exc:
+        _put_back(run, lock_key, record, f"{name}[{follow_up}]", exc)
+        return None
+    logger.info(
+        "singleton: coalesced follow-up published after %s: %s[%s] key=%s duplicates=%s",
+        reason,
+        name,
+        follow_up,
+        lock_key,
+        record.get("count", b"?").decode(),
+    )
+    return follow_up
+
+
+def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:
+    try:
+        back = put_back(run, lock_key, record)
+    except Exception as again:
+        logger.error(
+            "singleton: coalesced follow-up LOST, publish and put-back failed: %s key=%s: %s; %s",
+            what,
+            lock_key,
+            exc,
+            again,
+        )
+        return
+    logger.error(
+        "singleton: could not publish coalesced follow-up, %s: %s key=%s: %s",
+        "put back for the next release" if back else "a newer one is pending",
+        what,
+        lock_key,
+        exc,
+    )
+
+
+#: The delivery fields a follow-up is sent by (the latest duplicate's)
+_ROUTE = ("exchange", "routing_key")
+
+
+def _field(request: Any, name: str) -> Any:
+    """A field of a Celery request: a Context, or the dict a worker's tracer gets."""
+    return request.get(name) if isinstance(request, dict) else getattr(request, name, None)

@@ -1,0 +1,75 @@
+"""A finished message is not run again; a finished run may hold its key for a window.
+
+The Celery side of :mod:`celery_singleton_lock.core.completion`:
+
+- :func:`ending_for`: what a run's release leaves behind, by the state it ended in. A
+  completion record only for a run that will not run again (``SUCCESS``, or a ``FAILURE``:
+  Celery retries through ``RETRY``, which does not release); the at-least window for every
+  end that releases.
+- :func:`drop_completed`: a delivery whose message already ran to its end (the acquire found
+  its completion record) is acknowledged and dropped: one ``singleton: ...`` line, the
+  ``redelivery_dropped`` signal, and no result written (the first run's stays).
+
+The stores write and read both records inside the release and acquire scripts, so a run makes
+no round trip for them (docs/design.md, "A finished message is not run again").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+from celery import states
+from celery.exceptions import Ignore
+from celery.utils.log import get_task_logger
+
+from . import signals
+from .core.backend import Completed
+from .core.completion import NO_ENDING, Ending
+
+__all__ = ["FINAL_STATES", "drop_completed", "ending_for"]
+
+# The drop is logged in the run: through Celery's task logger, as task.py's lines are (its
+# %(task_name)s and %(task_id)s name the run); the package's logger exists first.
+logging.getLogger(__package__)
+logger = get_task_logger(__name__)
+
+#: The states after which the message will not run again: a completion is recorded.
+FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
+
+
+def ending_for(completion_ttl: float | None, at_least: float, state: str) -> Ending:
+    """What the release of a run that ended in ``state`` leaves behind."""
+    keep_ms = round((completion_ttl or 0) * 1000) if state in FINAL_STATES else 0
+    at_least_ms = round(at_least * 1000)
+    if not keep_ms and not at_least_ms:
+        return NO_ENDING
+    return Ending(completion_ttl_ms=keep_ms, at_least_ms=at_least_ms)
+
+
+class _Dropped(Ignore):  # type: ignore[misc]
+    """Ends a delivery whose message already completed: acked, no state written."""
+
+
+def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoReturn:
+    """Drop this delivery: its message (same task id, generation ``outcome.holder_generation``
+    or later) already ran to its end. Logged, signalled, acknowledged; the result the first run
+    stored is left as it is."""
+    generation = int(task.request.retries or 0)
+    logger.warning(
+        "singleton: already completed, redelivery dropped: %s[%s] key=%s retries=%d "
+        "completed_retries=%d",
+        task.name,
+        task_id,
+        key,
+        generation,
+        outcome.holder_generation,
+    )
+    signals.redelivery_dropped.send(
+        sender=task,
+        key=key,
+        task_id=task_id,
+        generation=generation,
+        completed_generation=outcome.holder_generation,
+    )
+    raise _Dropped(f"singleton: {task_id} already completed")

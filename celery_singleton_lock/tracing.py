@@ -1,0 +1,190 @@
+"""How a worker runs a SingletonTask message: the lock is taken before Celery's tracer, so a
+skipped duplicate ends without it.
+
+A worker runs every message through ``task.__trace__``, the function Celery's
+``build_tracer`` makes (assigned by the consumer for the solo and threads pools, and by each
+prefork child's initializer). :class:`~celery_singleton_lock.task.SingletonTask` makes that
+attribute a property which wraps Celery's function in :func:`trace_run`:
+
+1. The keys are derived and the lock acquired (one round trip), as the message's task id,
+   retries count and host.
+2. A duplicate under the skip policy ends here: its result is stored (``SUCCESS``, the skip
+   marker), one ``singleton: duplicate skipped`` line is logged, ``duplicate_skipped`` is
+   sent, and ``task_prerun``/``task_postrun`` fire around it (state ``SUCCESS``, the marker as
+   retval). What is returned is what Celery's tracer returns for a task that succeeded, so the
+   worker's main process acknowledges the message and reports a finished task (the
+   ``task-succeeded`` event) as for any other.
+3. Every other outcome (the lock taken, another policy, the run's own earlier delivery or the
+   run that published it, Redis down) waits in a thread-local for ``before_start``, and
+   Celery's tracer runs as before. A lock taken for a run that never reached
+   ``before_start`` (Celery's tracer returned early) is released at once.
+
+Why: Celery answers an ``Ignore`` by snapshotting and formatting its tracer's frames twice,
+which cost several times a no-op task's run (docs/performance.md). Eager runs (``apply()``)
+use Celery's tracer directly; their skip still ends in an ``Ignore`` (skips.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery import signals as celery_signals
+from celery import states
+from celery._state import _task_stack
+from celery.app.task import Context
+from celery.app.trace import trace_ok_t
+from celery.utils.saferepr import saferepr
+
+from .core.backend import Acquired, Contended
+from .core.keys import LockKeys
+from .core.renewer import Renewer
+from .errors import LockUnavailableError, SingletonKeyError
+
+if TYPE_CHECKING:
+    from .task import SingletonTask
+
+__all__ = ["FirstTry", "take_first_try", "trace_run"]
+
+logger = logging.getLogger(__name__)
+
+Tracer = Callable[[str, Sequence[Any], Mapping[str, Any], dict[str, Any]], Any]
+
+
+@dataclass
+class FirstTry:
+    """The acquire made for a message before Celery's tracer, for its ``before_start``."""
+
+    task_id: str
+    keys: LockKeys
+    generation: int
+    outcome: Acquired | Contended | LockUnavailableError
+    renewer: Renewer  # that took it: the run goes on with it (no second lookup)
+    taken: bool = False  # before_start took it over
+
+
+class _Pending(threading.local):
+    first: FirstTry | None = None
+
+
+_pending = _Pending()
+
+
+def take_first_try(task_id: str) -> FirstTry | None:
+    """The acquire :func:`trace_run` made for ``task_id`` in this thread, if any; once."""
+    first = _pending.first
+    if first is None or first.task_id != task_id or first.taken:
+        return None
+    first.taken = True
+    return first
+
+
+def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound first
+    task: SingletonTask,
+    celery_trace: Tracer,
+    uuid: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: dict[str, Any] | None = None,
+) -> Any:
+    """Run one message of ``task``: ``celery_trace``'s signature and return value."""
+    request = request if request is not None else {}
+    first = None if request.get("is_eager") else _first_try(task, uuid, args, kwargs, request)
+    if first is None:
+        return celery_trace(uuid, args, kwargs, request)
+    if task._singleton_skips(first.outcome, uuid, request.get("parent_id")) and (
+        task.singleton_options().on_duplicate != "coalesce"
+        or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request) is None
+    ):  # a duplicate that could not be coalesced goes on to before_start, which requeues it
+        try:
+            return _skip(task, first, args, kwargs, request)
+        except Exception as exc:  # storing the result failed: Celery's tracer reports it
+            logger.warning(
+                "singleton: could not end skipped duplicate, handing it to celery: %s[%s]: %s",
+                task.name,
+                uuid,
+                exc,
+            )
+    _pending.first = first
+    try:
+        return celery_trace(uuid, args, kwargs, request)
+    finally:
+        _pending.first = None
+        if not first.taken and isinstance(first.outcome, Acquired):
+            task._singleton_abandon(first.keys, uuid, first.generation, first.outcome.slot)
+
+
+def _first_try(
+    task: SingletonTask,
+    uuid: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: Mapping[str, Any],
+) -> FirstTry | None:
+    try:
+        keys = task.singleton_keys(args, kwargs)
+    except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
+        return None
+    generation = int(request.get("retries") or 0)
+    renewer = task._singleton_renewer()
+    outcome: Acquired | Contended | LockUnavailableError
+    try:
+        outcome = task._singleton_try_acquire(
+            uuid,
+            keys,
+            args,
+            kwargs,
+            generation=generation,
+            hostname=request.get("hostname"),
+            renewer=renewer,
+        )
+    except LockUnavailableError as exc:
+        outcome = exc
+    return FirstTry(uuid, keys, generation, outcome, renewer)
+
+
+def _skip(
+    task: SingletonTask,
+    first: FirstTry,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: dict[str, Any],
+) -> Any:
+    """End a skipped duplicate as Celery's tracer ends a run that succeeded."""
+    assert isinstance(first.outcome, Contended)
+    started = time.monotonic()
+    uuid = first.task_id
+    context = Context(request, args=args, called_directly=False, kwargs=kwargs)
+    _task_stack.push(task)
+    task.request_stack.push(context)
+    try:
+        # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
+        marker = task._singleton_store_skip(first.keys, first.outcome.holder, uuid, context)
+        if celery_signals.task_prerun.receivers:
+            celery_signals.task_prerun.send(
+                sender=task, task_id=uuid, task=task, args=args, kwargs=kwargs
+            )
+        task._singleton_report_skip(first.keys, first.outcome.holder, uuid)
+        if celery_signals.task_postrun.receivers:
+            celery_signals.task_postrun.send(
+                sender=task,
+                task_id=uuid,
+                task=task,
+                args=args,
+                kwargs=kwargs,
+                retval=marker,
+                state=states.SUCCESS,
+            )
+    finally:
+        task.request_stack.pop()
+        _task_stack.pop()
+    return trace_ok_t(marker, None, time.monotonic() - started, saferepr(marker))
+
+
+def _holder(first: FirstTry) -> str:
+    assert isinstance(first.outcome, Contended)
+    return first.outcome.holder

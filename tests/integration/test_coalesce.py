@@ -1,0 +1,156 @@
+"""``singleton_on_duplicate="coalesce"`` on real worker processes: a burst of duplicates gives
+exactly one follow-up run with the latest arguments, published by whoever releases the lock
+(the run itself, the main process after its child was killed, or a later holder's release
+after the lock expired)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from celery_singleton_lock import skip_info
+from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.core.pending import pending_key
+from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.history import assert_no_overlap, check_history, load_history, server_time_us
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+TASK = "t.hold_coalesce"
+
+
+def _signature(key: str, seconds: float = 0.0, payload: Any = None) -> None:
+    """Same parameters as t.hold_coalesce."""
+
+
+def _lock_key(prefix: str, key: str) -> str:
+    return derive_keys(f"{prefix}lock:", TASK, _signature, (), {"key": key}, ("key",)).lock
+
+
+def _runs(client: redis.Redis, prefix: str, key: str) -> int:
+    return sum(1 for e in load_history(client, history_key(prefix)) if e.key == key)
+
+
+def _coalesced(result: AsyncResult) -> str | None:
+    info = skip_info(result) if result.ready() else None
+    return None if info is None else info.follow_up
+
+
+@pytest.fixture
+def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
+    started = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    started.wait_ready(client_app)
+    return started
+
+
+@pytest.mark.slow(seconds=8)
+def test_burst_collapses_into_one_follow_up_with_the_latest_arguments(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    key, lock = "burst", _lock_key(key_prefix, "burst")
+    holder = client_app.send_task(TASK, kwargs={"key": key, "seconds": 3, "payload": "first"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    burst = [
+        client_app.send_task(TASK, kwargs={"key": key, "payload": f"burst-{i}"}) for i in range(150)
+    ]
+    wait_for(lambda: all(r.ready() for r in burst), 20, "the burst coalesced", worker)
+    last = client_app.send_task(TASK, kwargs={"key": key, "payload": "last"})
+    wait_for(last.ready, 10, "the last duplicate coalesced", worker)
+
+    follow_ups = {_coalesced(r) for r in [*burst, last]}
+    assert len(follow_ups) == 1, follow_ups
+    follow_up = follow_ups.pop()
+    assert follow_up is not None
+    for result in [*burst, last]:
+        info = skip_info(result)
+        assert info is not None
+        assert info.holder == holder.id
+        assert info.key == lock
+    assert int(redis_client.hget(pending_key(lock), "count") or 0) == 151
+    assert holder.get(timeout=10)["payload"] == "first"
+
+    value = AsyncResult(follow_up, app=client_app).get(timeout=10)
+    assert value["payload"] == "last"
+    wait_for(lambda: not redis_client.exists(lock), 5, "the follow-up's release", worker)
+    assert not redis_client.exists(pending_key(lock))
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2  # the holder and one follow-up: not 152, not 1
+    assert all(e.finished for e in executions)
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    assert worker.log_text().count("singleton: coalesced follow-up published after SUCCESS") == 1
+
+
+def test_no_duplicate_no_follow_up(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    key, lock = "alone", _lock_key(key_prefix, "alone")
+    value = client_app.send_task(TASK, kwargs={"key": key, "payload": 1}).get(timeout=10)
+    assert value["payload"] == 1
+    wait_for(lambda: not redis_client.exists(lock), 5, "the release", worker)
+    assert not redis_client.exists(pending_key(lock))
+    assert "coalesced follow-up published" not in worker.log_text()
+    assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=8)
+def test_killed_holder_follow_up_published_by_main_process(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    key, lock = "killed", _lock_key(key_prefix, "killed")
+    holder = client_app.send_task(TASK, kwargs={"key": key, "seconds": 30, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": "after"})
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+
+    pid = int(redis_client.hget(lock, "pid") or 0)
+    os.kill(pid, signal.SIGKILL)
+    killed_us = server_time_us(redis_client)  # the child is gone by now or within microseconds
+    value = AsyncResult(follow_up, app=client_app).get(timeout=15)
+    assert value["payload"] == "after"
+    assert value["pid"] != pid
+    wait_for(holder.ready, 10, "the killed holder's failure", worker)
+    assert holder.state == "FAILURE"
+    log = worker.log_text()
+    assert "singleton: released by main process after worker lost" in log
+    assert "singleton: coalesced follow-up published after worker lost" in log
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert not executions[0].finished  # the killed holder never ended
+    assert executions[1].finished
+    assert executions[1].start_us > killed_us  # the follow-up ran only after the holder died
+
+
+@pytest.mark.slow(seconds=6)
+def test_pending_of_an_expired_lock_published_by_the_next_holder(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A pending record left beside a lock that expired (nobody released it) is published when
+    the next run of that key releases."""
+    key, lock = "expired", _lock_key(key_prefix, "expired")
+    pending = pending_key(lock)
+    # what a dead holder leaves: a lock hash that expires by itself, and a coalesced call
+    redis_client.hset(lock, mapping={"owner": "dead-run", "gen": "0", "token": "1"})
+    redis_client.pexpire(lock, 500)
+    duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": "pending"})
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+    assert skip_info(duplicate).holder == "dead-run"
+    wait_for(lambda: not redis_client.exists(lock), 5, "the dead holder's lock to expire")
+    assert redis_client.exists(pending)
+    nxt = client_app.send_task(TASK, kwargs={"key": key, "payload": "next"})
+    assert nxt.get(timeout=10)["payload"] == "next"
+    value = AsyncResult(follow_up, app=client_app).get(timeout=10)
+    assert value["payload"] == "pending"
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    assert not redis_client.exists(pending)

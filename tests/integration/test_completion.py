@@ -1,0 +1,297 @@
+"""A finished message is not run again; a finished run holds its key for an at-least window
+(issue 17), on real worker processes of every pool and over every lock store.
+
+- a worker SIGKILLed as a whole right after the body (and the library's release) and before
+  the ack: the broker restores the message after its visibility timeout, another worker drops
+  it (``singleton: already completed, redelivery dropped``), the result stays the first run's;
+- an ``acks_late`` run longer than the visibility timeout: the copy waits, then is dropped;
+- ``singleton_lock_at_least``: a call inside the window meets the duplicate policy (skip,
+  retry, raise), publish-time dedup returns the finished run, the window survives a worker
+  restart and ``celery singleton show`` tells it from a running holder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+
+from celery_singleton_lock import SingletonTask, skip_info
+from celery_singleton_lock.cli import singleton
+from celery_singleton_lock.core.admin import read_lock
+from celery_singleton_lock.core.connection import store_for
+from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.chaos import deliveries_key, lock_prefix
+from tests.support.history import load_history
+from tests.support.servers import RedisServer
+from tests.support.topologies import Cluster, SentinelSet
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+POOLS = ["prefork", "solo", "threads"]
+#: the t.window_* tasks' at-least window in these tests (SINGLETON_TEST_AT_LEAST): long enough
+#: for four runs, a worker restart and the duplicate calls to happen inside it
+AT_LEAST_S = 8.0
+WINDOW_ENV = {"SINGLETON_TEST_AT_LEAST": f"{AT_LEAST_S:g}"}
+
+
+def signals_logged(client: redis.Redis, prefix: str) -> list[str]:
+    """The library signals (and test markers) the workers logged: ``"<name> <task id>"``."""
+    return [raw.decode() for raw in client.lrange(f"{prefix}signals", 0, -1)]
+
+
+def runs_of(client: redis.Redis, prefix: str, task_id: str) -> int:
+    return int(client.get(deliveries_key(prefix, task_id)) or 0)
+
+
+def client_task(app: Celery, key_prefix: str, redis_url: str, name: str, **options: Any) -> Any:
+    """singleton_app's ``name`` (a t.window_* task) defined on the client app too: its keys, and
+    its publish-time dedup."""
+    app.conf.singleton_redis_url = redis_url
+    app.conf.singleton_key_prefix = lock_prefix(key_prefix)
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        shared=False,
+        singleton_key_args=("key",),
+        singleton_lock_at_least=AT_LEAST_S,
+        **options,
+    )
+    def window(self: Any, key: str, seconds: float = 0.0) -> None:
+        """Runs on the worker only."""
+
+    return window
+
+
+def start(
+    factory: WorkerFactory, app: Celery, pool: str, env: dict[str, str] | None = None
+) -> WorkerProcess:
+    worker = factory.start(SINGLETON_APP, pool=pool, concurrency=2, env=env or {})
+    worker.wait_ready(app)
+    return worker
+
+
+# -- stores other than the shared single server ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lock_urls() -> Iterator[dict[str, str]]:
+    """A Sentinel set, a Cluster and three Redlock masters, private; their lock URLs."""
+    with SentinelSet() as sentinels, Cluster() as cluster:
+        masters = [RedisServer() for _ in range(3)]
+        try:
+            hosts = ",".join(f"127.0.0.1:{m.port}" for m in masters)
+            yield {
+                "sentinel": sentinels.url(),
+                "cluster": cluster.url,
+                "redlock": f"redis+redlock://{hosts}/0",
+            }
+        finally:
+            for master in masters:
+                master.close()
+
+
+# -- 1. a finished message is not run again -------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=14)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_worker_killed_after_the_body_before_the_ack_runs_the_message_once(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    pool: str,
+) -> None:
+    """acks_late, visibility 2 s: the worker dies as a whole right after the body; the restored
+    message reaches another worker, which drops it. One execution; the result is the first's."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_KILL_AFTER_BODY": "1"}
+    first = start(worker_factory, client_app, pool, env)
+    result = client_app.send_task("t.once_late", args=("killed-after-body", 0.2))
+    wait_for(
+        lambda: f"killed_after_body {result.id}" in signals_logged(redis_client, key_prefix),
+        20,
+        "the kill after the body",
+        first,
+    )
+    wait_for(lambda: not first.is_running(), 10, "the worker to die", first)
+    second = start(worker_factory, client_app, pool, env)
+    wait_for(
+        lambda: f"redelivery_dropped {result.id}" in signals_logged(redis_client, key_prefix),
+        30,
+        "the restored message to be dropped",
+        second,
+    )
+    assert runs_of(redis_client, key_prefix, result.id) == 1
+    assert "singleton: already completed, redelivery dropped: t.once_late" in second.log_text()
+    assert result.get(timeout=10)["run"] == 1  # the first run's result, untouched
+    executions = load_history(redis_client, history_key(key_prefix))
+    assert len(executions) == 1, executions
+
+
+@pytest.mark.slow(seconds=12)
+@pytest.mark.parametrize("pool", POOLS)
+def test_an_acks_late_run_longer_than_the_visibility_timeout_runs_once(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    pool: str,
+) -> None:
+    """Visibility 2 s, a 5 s run: the broker's copy is requeued while the first delivery runs,
+    then dropped when it comes back after the run ended; the message ran once."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2"}
+    workers = [start(worker_factory, client_app, pool, env) for _ in "ab"]
+    result = client_app.send_task("t.once_late", args=("longer-than-visibility", 5.0))
+    assert result.get(timeout=30)["run"] == 1
+    wait_for(
+        lambda: f"redelivery_dropped {result.id}" in signals_logged(redis_client, key_prefix),
+        20,
+        "the copy to be dropped",
+        *workers,
+    )
+    logs = worker_factory.logs()
+    assert "singleton: redelivered while held" in logs
+    assert runs_of(redis_client, key_prefix, result.id) == 1
+    assert result.get(timeout=10)["run"] == 1
+
+
+# -- 2. at-least windows ------------------------------------------------------------------------
+
+
+def _executions(client: redis.Redis, prefix: str, key: str) -> list[Any]:
+    return [e for e in load_history(client, history_key(prefix)) if e.key == key]
+
+
+@pytest.mark.slow(seconds=20)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_window_meets_every_policy_and_survives_a_restart(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+    pool: str,
+) -> None:
+    """singleton_lock_at_least=8: after a short run the key stays blocked until 8 s after the
+    run started (server clock): skip names the finished run, raise raises, retry runs once the
+    window ended, publish-time dedup returns the finished run; a new worker still finds it."""
+    worker = start(worker_factory, client_app, pool, WINDOW_ENV)
+    firsts = {
+        name: client_app.send_task(f"t.window_{name}", args=(f"w-{name}", 0.1))
+        for name in ("skip", "retry", "raise", "publish")
+    }
+    for first in firsts.values():
+        first.get(timeout=20)
+    worker.terminate()  # the windows live in Redis: a restarted worker still finds them
+    worker = start(worker_factory, client_app, pool, WINDOW_ENV)
+    skip = client_task(client_app, key_prefix, redis_url, "t.window_skip")
+    lock = skip.singleton_keys(("w-skip",), {}).lock
+    shown = read_lock(redis_client, lock, lock_prefix(key_prefix))
+    assert shown is not None
+    assert shown.state == "window"
+
+    skipped = client_app.send_task("t.window_skip", args=("w-skip", 0.1))
+    info = skip_info(wait_for(lambda: skipped.ready() and skipped, 20, "the skip", worker))
+    assert info is not None
+    assert info.holder == firsts["skip"].id  # the finished run
+
+    raised = client_app.send_task("t.window_raise", args=("w-raise", 0.1))
+    wait_for(raised.ready, 20, "the raise", worker)
+    assert raised.state == "FAILURE"
+    assert "DuplicateTaskError" in repr(raised.result)
+
+    publish = client_task(
+        client_app, key_prefix, redis_url, "t.window_publish", singleton_lock_on="publish"
+    )
+    published = publish.delay("w-publish", 0.1)
+    assert published.id == firsts["publish"].id
+
+    retried = client_app.send_task("t.window_retry", args=("w-retry", 0.1))
+    retried.get(timeout=20)
+    runs = _executions(redis_client, key_prefix, "w-retry")
+    assert len(runs) == 2, runs
+    assert runs[1].start_us >= runs[0].start_us + AT_LEAST_S * 1e6, runs  # server clock
+
+    wait_for(lambda: not redis_client.exists(lock), AT_LEAST_S, "the window to end", worker)
+    again = client_app.send_task("t.window_skip", args=("w-skip", 0.1))
+    assert skip_info(again.get(timeout=20)) is None
+    assert len(_executions(redis_client, key_prefix, "w-skip")) == 2
+
+
+def test_the_cli_tells_a_window_from_a_running_holder(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    """``celery singleton show/list``: a running holder is "running", a window "window"."""
+    worker = start(worker_factory, client_app, "prefork", WINDOW_ENV)
+    task = client_task(client_app, key_prefix, redis_url, "t.window_skip")
+    lock = task.singleton_keys(("w-cli",), {}).lock
+    prefix = lock_prefix(key_prefix)
+    running = client_app.send_task("t.window_skip", args=("w-cli", 1.5))
+    wait_for(lambda: redis_client.exists(lock), 20, "the run to take its lock", worker)
+    assert (info := read_lock(redis_client, lock, prefix)) is not None
+    assert info.state == "running"
+    running.get(timeout=20)  # stored before task_postrun releases: the window comes right after
+    windowed = wait_for(
+        lambda: (i := read_lock(redis_client, lock, prefix)) and i.state == "window" and i,
+        10,
+        "the window",
+        worker,
+    )
+    assert windowed.owner == running.id
+    cli = CliRunner()
+    shown = cli.invoke(singleton, ["--url", redis_url, "--prefix", prefix, "show", lock])
+    assert shown.exit_code == 0, shown.output
+    assert "state:     window" in shown.output
+    listed = cli.invoke(singleton, ["--url", redis_url, "--prefix", prefix, "list"])
+    assert "\twindow\t" in listed.output, listed.output
+
+
+# -- both, over Sentinel, Cluster and Redlock -----------------------------------------------------
+
+
+@pytest.mark.slow(seconds=12)
+@pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
+def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+    lock_urls: dict[str, str],
+    store: str,
+) -> None:
+    """The locks on a Sentinel's master, a Cluster or Redlock masters: a late-acked run longer
+    than the visibility timeout runs once, and a window skips a call made inside it."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_LOCK_URL": lock_urls[store]}
+    workers = [start(worker_factory, client_app, "prefork", env) for _ in "ab"]
+    late = client_app.send_task("t.once_late", args=(f"{store}-late", 4.0))
+    first = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    first.get(timeout=20)
+    task = client_task(client_app, key_prefix, redis_url, "t.window_skip")
+    lock_key = task.singleton_keys((f"{store}-window",), {}).lock
+    locks = store_for(lock_urls[store])
+    wait_for(lambda: "ended" in locks.holder(lock_key), 10, "the window", *workers)
+    skipped = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    info = skip_info(wait_for(lambda: skipped.ready() and skipped, 20, "the skip", *workers))
+    assert info is not None
+    assert info.holder == first.id
+    assert late.get(timeout=30)["run"] == 1
+    wait_for(
+        lambda: f"redelivery_dropped {late.id}" in signals_logged(redis_client, key_prefix),
+        20,
+        "the copy to be dropped",
+        *workers,
+    )
+    assert runs_of(redis_client, key_prefix, late.id) == 1

@@ -1,0 +1,180 @@
+"""Every duplicate outcome is a finished task in the event stream, with its key and holder:
+seen by a real Flower's HTTP API and by an event receiver (what ``celery events`` runs), against
+a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
+
+- skip: task-received, task-started, task-succeeded whose ``result`` is the skip marker's repr
+  (it names the key and the holder); Flower lists it as SUCCESS.
+- raise: task-failed whose ``exception`` is the DuplicateTaskError naming key and holder;
+  Flower: FAILURE.
+- retry: task-retried whose ``exception`` names key and holder on every requeue (Flower: RETRY),
+  then, once the lock is free, task-succeeded for the same task id (Flower: SUCCESS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_singleton_lock import skip_info
+from celery_singleton_lock.core.backend import Acquired
+from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.keys import LockKeys, derive_keys
+from tests.support.basic_app import SINGLETON_APP
+from tests.support.flower import EventCapture, FlowerProcess
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+TIMEOUT = 20
+POLICIES = {"skip": "t.hold", "raise": "t.hold_raise", "retry": "t.hold_retry"}
+
+
+def _hold_signature(key: str, seconds: float = 0.0) -> None:
+    """Same parameters as t.hold, t.hold_raise and t.hold_retry."""
+
+
+def _keys(prefix: str, task: str, key: str) -> LockKeys:
+    return derive_keys(f"{prefix}lock:", task, _hold_signature, (), {"key": key}, ("key",))
+
+
+def _held(prefix: str, redis_url: str) -> dict[str, LockKeys]:
+    """The lock of each policy's task for key "busy", held by "holder-<policy>" (no task)."""
+    held = {}
+    for policy, task in POLICIES.items():
+        keys = held[policy] = _keys(prefix, task, "busy")
+        outcome = store_for(redis_url).acquire(keys, f"holder-{policy}", 0, 60_000)
+        assert isinstance(outcome, Acquired)
+    return held
+
+
+def _send_duplicates(app: Celery) -> dict[str, Any]:
+    return {
+        policy: app.send_task(task, kwargs={"key": "busy"}) for policy, task in POLICIES.items()
+    }
+
+
+@pytest.fixture
+def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
+    """A worker sending task events (-E)."""
+    worker = worker_factory.start(SINGLETON_APP, pool="threads", concurrency=4, extra_args=["-E"])
+    worker.wait_ready(client_app)
+    return worker
+
+
+@pytest.fixture
+def flower(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[FlowerProcess]:
+    """A headless Flower on a free port, over the test app's broker; killed at teardown."""
+    process = FlowerProcess(
+        SINGLETON_APP,
+        tmp_path / "flower",
+        env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
+    )
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.kill()
+
+
+@pytest.mark.slow(seconds=6)
+def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
+    flower: FlowerProcess,
+    worker: WorkerProcess,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    # Flower's event receiver is subscribed once a plain run shows up in its API
+    def flower_sees_a_run() -> bool:
+        run = client_app.send_task("t.hold", kwargs={"key": "warm-up"})
+        run.get(timeout=TIMEOUT)
+        return wait_for(
+            lambda: (flower.task(run.id) or {}).get("state") == "SUCCESS", 2, fail=False
+        )
+
+    wait_for(flower_sees_a_run, TIMEOUT, "flower to see a task", worker, flower)
+    held = _held(key_prefix, redis_url)
+    duplicates = _send_duplicates(client_app)
+
+    def flower_state(policy: str, state: str) -> dict[str, Any]:
+        return wait_for(
+            lambda: (
+                (info := flower.task(duplicates[policy].id)) and info["state"] == state and info
+            ),
+            TIMEOUT,
+            f"flower to show the {policy} duplicate as {state}",
+            worker,
+            flower,
+        )
+
+    skipped = flower_state("skip", "SUCCESS")
+    assert skip_info(duplicates["skip"]) is not None
+    assert held["skip"].lock in skipped["result"]
+    assert "'holder': 'holder-skip'" in skipped["result"]
+    assert skipped["name"] == "t.hold"
+    assert skipped["worker"] == worker.nodename
+
+    raised = flower_state("raise", "FAILURE")
+    assert raised["exception"].startswith("DuplicateTaskError(")
+    assert held["raise"].lock in raised["exception"]
+    assert "is held by holder-raise" in raised["exception"]
+
+    retried = flower_state("retry", "RETRY")
+    assert held["retry"].lock in retried["exception"]
+    assert "is held by holder-retry" in retried["exception"]
+    store_for(redis_url).release(held["retry"].lock, "holder-retry", 0)
+    ran = flower_state("retry", "SUCCESS")
+    assert "token" in ran["result"]
+
+    # the task list, as Flower's UI pages it, shows them in their terminal states
+    succeeded = flower.get("/api/tasks?state=SUCCESS")
+    assert succeeded[duplicates["skip"].id]["result"] == skipped["result"]
+    assert duplicates["retry"].id in succeeded
+    assert duplicates["raise"].id in flower.get("/api/tasks?state=FAILURE")
+    # and a search for the marker finds the skip, and no run
+    assert list(flower.get("/api/tasks?search=__singleton_skipped__")) == [duplicates["skip"].id]
+
+
+def test_event_receiver_sees_every_duplicate_end(
+    worker: WorkerProcess, client_app: Celery, key_prefix: str, redis_url: str
+) -> None:
+    capture = EventCapture(client_app).start()
+    try:
+
+        def subscribed() -> bool:
+            # the worker answers a heartbeat request with a worker-heartbeat event; one sent
+            # before the receiver's subscription reached the broker is lost: ask again
+            if any(e.get("type") == "worker-heartbeat" for e in capture.events):
+                return True
+            client_app.control.broadcast("heartbeat")
+            return False
+
+        wait_for(subscribed, TIMEOUT, "the receiver to get a heartbeat", worker, interval=0.3)
+        held = _held(key_prefix, redis_url)
+        duplicates = _send_duplicates(client_app)
+
+        def ended(policy: str, kind: str) -> dict[str, Any]:
+            found: list[dict[str, Any]] = wait_for(
+                lambda: capture.of(duplicates[policy].id, kind), TIMEOUT, kind, worker
+            )
+            return found[0]
+
+        succeeded = ended("skip", "task-succeeded")
+        assert held["skip"].lock in succeeded["result"]
+        assert "'holder': 'holder-skip'" in succeeded["result"]
+        assert [e["type"] for e in capture.of(duplicates["skip"].id)] == [
+            "task-received",
+            "task-started",
+            "task-succeeded",
+        ]
+        failed = ended("raise", "task-failed")
+        assert held["raise"].lock in failed["exception"]
+        assert "is held by holder-raise" in failed["exception"]
+        retried = ended("retry", "task-retried")
+        assert held["retry"].lock in retried["exception"]
+        assert "is held by holder-retry" in retried["exception"]
+    finally:
+        capture.stop()

@@ -1,0 +1,321 @@
+"""singleton_permits: up to N runs of one key at once, each in a permit slot of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+
+from celery_singleton_lock import skip_info
+from celery_singleton_lock.cli import singleton
+from celery_singleton_lock.core.admin import iter_locks, read_lock
+from celery_singleton_lock.core.backend import (
+    Acquired,
+    Completed,
+    Contended,
+    ReleaseStatus,
+    RenewItem,
+    RenewStatus,
+    release_lost_slot,
+)
+from celery_singleton_lock.core.completion import Ending, done_key
+from celery_singleton_lock.core.keys import LockKeys, lock_key_problem, lock_keys
+from celery_singleton_lock.core.store import LockStore
+from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.history import (
+    assert_no_overlap,
+    check_history,
+    load_history,
+    max_at_once,
+    permit_group,
+)
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory
+
+
+def _keys(prefix: str, permits: int = 3) -> LockKeys:
+    return lock_keys(prefix, "tests.export", b"tenant-a").with_permits(permits)
+
+
+def _take(store: LockStore, keys: LockKeys, owner: str, generation: int = 0) -> Acquired:
+    outcome = store.acquire(keys, owner, generation, 5000, {"task": "tests.export"})
+    assert isinstance(outcome, Acquired), outcome
+    return outcome
+
+
+def test_n_owners_take_n_slots_and_the_next_is_contended(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Three owners get slots 1, 2, 3 with increasing tokens from one shared counter; the
+    fourth meets the holder whose slot expires first; the single lock key stays unwritten."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    taken = [_take(store, keys, f"run-{i}") for i in range(3)]
+    assert [t.slot for t in taken] == [1, 2, 3]
+    assert [t.token for t in taken] == sorted({t.token for t in taken})
+    redis_client.pexpire(keys.slot(2), 1000)  # the one that frees up first
+    fourth = store.acquire(keys, "run-3", 0, 5000)
+    assert isinstance(fourth, Contended)
+    assert (fourth.holder, fourth.holder_token) == ("run-1", taken[1].token)
+    assert 0 < fourth.pttl_ms <= 1000
+    assert not redis_client.exists(keys.lock)
+    assert store.holder(keys.slot(3))["permit"] == "3"
+    assert store.holder(keys.slot(3))["permits"] == "3"
+
+
+def test_a_released_slot_is_taken_again(redis_client: redis.Redis, key_prefix: str) -> None:
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    taken = [_take(store, keys, f"run-{i}") for i in range(3)]
+    assert store.release(keys.slot(2), "run-1", 0, taken[1].token) is ReleaseStatus.RELEASED
+    again = _take(store, keys, "run-9")
+    assert again.slot == 2
+    assert again.token > taken[2].token
+
+
+def test_a_redelivered_copy_meets_its_own_slot_and_a_retry_takes_it_over(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The same owner and generation, while slot 2 is its own and slot 3 free, is Contended
+    by itself (never a second slot); its next generation re-enters slot 2."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    _take(store, keys, "run-0")
+    first = _take(store, keys, "run-1")
+    copy = store.acquire(keys, "run-1", 0, 5000)
+    assert isinstance(copy, Contended)
+    assert (copy.holder, copy.holder_generation, copy.holder_token) == ("run-1", 0, first.token)
+    assert not redis_client.exists(keys.slot(3))
+    retried = _take(store, keys, "run-1", 1)
+    assert (retried.slot, retried.reentered) == (2, True)
+    assert retried.token > first.token
+    assert store.holder(keys.slot(2))["gen"] == "1"
+
+
+def test_renew_and_release_work_on_a_slot_as_on_a_lock(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix, 2)
+    a, b = _take(store, keys, "a"), _take(store, keys, "b")
+    items = [
+        RenewItem(keys.slot(1), "a", 0, 9000, a.token),
+        RenewItem(keys.slot(2), "a", 0, 9000, a.token),  # b's slot: not a's
+    ]
+    assert store.renew(items) == [RenewStatus.RENEWED, RenewStatus.TAKEN]
+    assert redis_client.pttl(keys.slot(1)) > 5000
+    assert store.release(keys.slot(1), "b", 0, b.token) is ReleaseStatus.TAKEN
+    assert store.release(keys.slot(2), "b", 0, b.token) is ReleaseStatus.RELEASED
+
+
+def test_one_completion_record_per_owner_whichever_slot(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A finished run's record (written by the release of its slot) stops a later copy of its
+    message whatever slot would be free."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    _take(store, keys, "run-0")
+    run = _take(store, keys, "run-1")
+    assert done_key(keys.slot(2), "run-1") == done_key(keys.lock, "run-1")
+    ending = Ending(completion_ttl_ms=60_000)
+    assert store.release(keys.slot(2), "run-1", 0, run.token, ending) is ReleaseStatus.RELEASED
+    copy = store.acquire(keys, "run-1", 0, 5000)
+    assert isinstance(copy, Completed)
+    assert not redis_client.exists(keys.slot(2))
+    assert isinstance(store.acquire(keys, "run-1", 1, 5000), Acquired)  # a retry runs
+
+
+def test_the_main_process_finds_the_slot_of_a_lost_run(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    for owner in ("a", "b", "c"):
+        _take(store, keys, owner)
+    assert release_lost_slot(store, keys, "c", 0, 0) == (keys.slot(3), ReleaseStatus.RELEASED)
+    assert not redis_client.exists(keys.slot(3))
+    assert redis_client.exists(keys.slot(1), keys.slot(2)) == 2
+    assert release_lost_slot(store, keys, "c", 0, 0) == (keys.lock, ReleaseStatus.TAKEN)
+    assert release_lost_slot(store, keys, "a", 5, 0) == (keys.lock, ReleaseStatus.TAKEN)
+    single = lock_keys(key_prefix, "tests.export", b"other")
+    assert release_lost_slot(store, single, "x", 0, 0) == (single.lock, ReleaseStatus.NOT_HELD)
+
+
+def test_the_admin_lists_and_reads_slots(redis_client: redis.Redis, key_prefix: str) -> None:
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix, 2)
+    _take(store, keys, "a")
+    _take(store, keys, "b")
+    single = lock_keys(key_prefix, "tests.single", b"x")
+    _take(store, single, "c")
+    assert lock_key_problem(key_prefix, keys.slot(2)) is None
+    assert lock_key_problem(key_prefix, keys.lock + ":0") is not None
+    found = {
+        info.key: (info.owner, info.permit, info.permits)
+        for info in iter_locks(redis_client, key_prefix)
+    }
+    assert found == {
+        keys.slot(1): ("a", 1, 2),
+        keys.slot(2): ("b", 2, 2),
+        single.lock: ("c", None, None),
+    }
+    info = read_lock(redis_client, keys.slot(2), key_prefix)
+    assert info is not None
+    assert info.as_dict()["permit"] == 2
+
+
+@pytest.mark.parametrize("permits", [0, 1001])
+def test_permits_are_bounded(permits: int) -> None:
+    with pytest.raises(ValueError, match="permits"):
+        LockKeys("k:lock", "k:fence", permits)
+
+
+# -- on real workers ------------------------------------------------------------------------------
+
+
+def _slots_held(client: redis.Redis, prefix: str) -> dict[str, dict[str, str]]:
+    """Every permit slot the test workers hold (their locks are under ``<prefix>lock:``)."""
+    return {
+        info.key: {"owner": info.owner or "", "pid": str(info.pid)}
+        for info in iter_locks(client, f"{prefix}lock:")
+        if info.permit is not None
+    }
+
+
+@pytest.mark.slow(seconds=8)
+def test_at_most_n_exports_of_a_tenant_run_at_once(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Five exports of one tenant on a worker of five processes: three run, each in a slot of
+    its own with its own token, two are skipped naming a holder; another tenant runs beside
+    them; never more than three of a tenant at once, no slot held twice."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=6)
+    worker.wait_ready(client_app)
+    sent = [client_app.send_task("t.export_permits", ("a",), {"seconds": 2}) for _ in range(5)]
+    other = client_app.send_task("t.export_permits", ("b",), {"seconds": 0.2})
+    values = [result.get(timeout=30) for result in sent]
+    ran = [value for value in values if skip_info(value) is None]
+    skipped = [skip_info(value) for value in values if skip_info(value) is not None]
+    assert len(ran) == 3
+    assert len({value["key"] for value in ran}) == 3
+    assert len({value["token"] for value in ran}) == 3
+    ids = {result.id for result in sent}
+    assert all(info is not None and info.holder in ids for info in skipped)
+    assert skip_info(other.get(timeout=30)) is None
+    executions = load_history(redis_client, history_key(key_prefix))
+    report = check_history(executions)
+    assert_no_overlap(report, allow_unfinished=False)
+    assert set(max_at_once(executions).values()) <= {1, 2, 3}
+    assert max(max_at_once(executions).values()) == 3
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)
+
+
+@pytest.mark.slow(seconds=12)
+def test_retried_duplicates_all_run_two_at_a_time(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Six exports under "retry" with two permits: every one runs exactly once (nothing lost),
+    never more than two at once."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=4)
+    worker.wait_ready(client_app)
+    sent = [
+        client_app.send_task("t.export_permits_retry", ("a",), {"seconds": 0.5}) for _ in range(6)
+    ]
+    values = [result.get(timeout=60) for result in sent]
+    assert all(skip_info(value) is None for value in values)
+    executions = load_history(redis_client, history_key(key_prefix))
+    report = check_history(executions)
+    assert_no_overlap(report, allow_unfinished=False)
+    assert len(report.finished()) == 6
+    assert max_at_once(executions) == {permit_group(executions[0].key): 2}
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)
+
+
+@pytest.mark.slow(seconds=8)
+def test_the_main_process_releases_the_slot_of_a_killed_child(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """SIGKILL of the child holding a slot (ttl 30 s): the worker's main process finds that
+    slot among the three and releases it, and leaves the others' slots alone."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_TTL": "30"}
+    )
+    worker.wait_ready(client_app)
+    sent = [client_app.send_task("t.export_permits", ("a",), {"seconds": 8}) for _ in range(3)]
+    held = wait_for(
+        lambda: (s := _slots_held(redis_client, key_prefix)) and len(s) == 3 and s,
+        15,
+        "three slots held",
+        worker,
+    )
+    victim_key = max(held)  # slot 3
+    pid = int(held[victim_key]["pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not redis_client.exists(victim_key), 10, "the slot released", worker)
+    assert "singleton: released by main process after worker lost" in worker.log_text()
+    assert set(_slots_held(redis_client, key_prefix)) == set(held) - {victim_key}
+    victim = next(r for r in sent if r.id == held[victim_key]["owner"])
+    wait_for(victim.ready, 10, "the killed run's result", worker)
+    assert victim.state == "FAILURE"
+
+
+def test_the_cli_lists_and_shows_the_slots(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix)
+    _take(store, keys, "a")
+    _take(store, keys, "b")
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", key_prefix]
+    listed = runner.invoke(singleton, [*base, "list"])
+    assert listed.exit_code == 0, listed.output
+    header, *rows = [line.split("\t") for line in listed.output.splitlines()]
+    column = header.index("PERMIT")
+    assert sorted(row[column] for row in rows) == ["1/3", "2/3"]
+    shown = runner.invoke(singleton, [*base, "show", keys.slot(2)])
+    assert shown.exit_code == 0, shown.output
+    assert "permit:    2 of 3" in shown.output
+    released = runner.invoke(singleton, [*base, "release", "--yes", keys.slot(1)])
+    assert released.exit_code == 0, released.output
+    assert not redis_client.exists(keys.slot(1))
+    assert redis_client.exists(keys.slot(2))
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_retry_takes_its_own_slot_over(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """self.retry() hands the run's slot over: every retried run re-enters that same slot, and
+    a call made meanwhile runs in the other slot."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    worker.wait_ready(client_app)
+    retried = client_app.send_task("t.export_permits_self_retry", ("a", 2))
+    slots_key = history_key(key_prefix) + ":slots"
+    wait_for(lambda: redis_client.llen(slots_key), 15, "the first run", worker)
+    beside = client_app.send_task("t.export_permits_self_retry", ("a", 0))
+    assert skip_info(beside.get(timeout=20)) is None
+    assert skip_info(retried.get(timeout=20)) is None
+    runs = [raw.decode().split() for raw in redis_client.lrange(slots_key, 0, -1)]
+    own = [run[1:] for run in runs if run[0] == retried.id]
+    slot = own[0][1]
+    assert own == [["0", slot, "0"], ["1", slot, "1"], ["2", slot, "1"]]
+    assert [run[2] for run in runs if run[0] == beside.id] != [slot]
+    assert_no_overlap(check_history(load_history(redis_client, history_key(key_prefix))))

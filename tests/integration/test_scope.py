@@ -1,0 +1,118 @@
+"""singleton_scope: one lock shared by several tasks, keyed on the same argument names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_lock import SingletonConfigError, SingletonTask, skip_info
+from celery_singleton_lock.task import check_scopes
+from tests.support.basic_app import SINGLETON_APP, history_key, make_app
+from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory
+
+
+def _app_with(**scopes: Any) -> tuple[Celery, dict[str, Any]]:
+    app = make_app("redis://127.0.0.1:6379/0", "cslt:unit:")
+    made: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, name="s.import", shared=False, **scopes.get("import", {}))
+    def imp(tenant: str, since: int = 0) -> None: ...
+
+    @app.task(base=SingletonTask, name="s.export", shared=False, **scopes.get("export", {}))
+    def exp(fmt: str, tenant: str) -> None: ...
+
+    made.update({"import": imp, "export": exp})
+    return app, made
+
+
+SHARED = {"singleton_scope": "tenant-sync", "singleton_key_args": ("tenant",)}
+
+
+def test_tasks_of_a_scope_share_a_key_per_key_argument_value() -> None:
+    app, t = _app_with(**{"import": SHARED, "export": SHARED})
+    a = t["import"].singleton_keys(("acme",), {"since": 5})
+    b = t["export"].singleton_keys(("csv",), {"tenant": "acme"})
+    c = t["export"].singleton_keys(("csv", "other"), {})
+    assert a == b
+    assert a != c
+    assert "{tenant-sync:" in a.lock
+    check_scopes([t["import"], t["export"]])
+    app.close()
+
+
+def test_without_a_scope_each_task_keeps_its_own_key() -> None:
+    app, t = _app_with(**{"export": SHARED})
+    a = t["import"].singleton_keys(("acme",), {})
+    b = t["export"].singleton_keys(("csv", "acme"), {})
+    assert a != b
+    assert "{s.import:" in a.lock
+    app.close()
+
+
+def test_all_parameters_in_any_order_key_the_same() -> None:
+    """Without key_args a scope keys on every parameter, by name: the order does not matter."""
+    app = make_app("redis://127.0.0.1:6379/0", "cslt:unit:")
+
+    @app.task(base=SingletonTask, name="s.a", shared=False, singleton_scope="pair")
+    def a(x: int, y: int) -> None: ...
+
+    @app.task(base=SingletonTask, name="s.b", shared=False, singleton_scope="pair")
+    def b(y: int, x: int) -> None: ...
+
+    assert a.singleton_keys((1, 2), {}) == b.singleton_keys((2, 1), {})
+    check_scopes([a, b])
+    app.close()
+
+
+def test_tasks_of_a_scope_keyed_on_other_arguments_are_refused() -> None:
+    app, t = _app_with(
+        **{"import": SHARED, "export": {"singleton_scope": "tenant-sync"}}  # export: all args
+    )
+    with pytest.raises(
+        SingletonConfigError, match=r"scope 'tenant-sync'.*s\.export on fmt, tenant"
+    ):
+        check_scopes([t["import"], t["export"]])
+    app.close()
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "{brace}", "x" * 65, 3])
+def test_a_scope_name_is_checked(bad: Any) -> None:
+    app, t = _app_with(**{"import": {"singleton_scope": bad}})
+    with pytest.raises(SingletonConfigError, match="singleton_scope"):
+        t["import"].singleton_options()
+    app.close()
+
+
+@pytest.mark.slow(seconds=8)
+def test_an_import_and_an_export_of_one_tenant_exclude_each_other(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """On a real worker: the export of a tenant being imported is skipped, naming the import;
+    another tenant's export runs at the same time; no two runs of one tenant overlap."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    worker.wait_ready(client_app)
+    imported = client_app.send_task("t.tenant_import", kwargs={"tenant": "a", "seconds": 2})
+    wait_for(
+        lambda: load_history(redis_client, history_key(key_prefix)),
+        10,
+        "the import running",
+        worker,
+    )
+    export_a = client_app.send_task("t.tenant_export", ("csv", "a"))
+    export_b = client_app.send_task("t.tenant_export", ("csv", "b"), {"seconds": 0.5})
+    info = skip_info(export_a.get(timeout=20))
+    assert info is not None
+    assert info.holder == imported.id
+    assert skip_info(export_b.get(timeout=20)) is None
+    assert skip_info(imported.get(timeout=20)) is None
+    report = check_history(load_history(redis_client, history_key(key_prefix)))
+    assert_no_overlap(report, allow_unfinished=False)
+    assert len(report.finished()) == 2

@@ -1,0 +1,161 @@
+"""The contract of a skipped duplicate, on real workers of every pool, and the seams of the
+worker-side tracing that ends it (tracing.py).
+
+A skip is a SUCCESS whose result is the skip marker; ``duplicate_skipped`` is sent; one
+``singleton: duplicate skipped`` line is logged; ``task_prerun`` and ``task_postrun`` (state
+SUCCESS) fire; the body, ``on_success`` and ``task_success`` do not run; the holder's lock is
+untouched; the worker reports the message as a finished task.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.app.trace import build_tracer
+
+from celery_singleton_lock import SingletonTask, SkipInfo, skip_info
+from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.keys import derive_keys
+from tests.support.basic_app import SINGLETON_APP
+from tests.support.singleton_app import signals_key
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+
+def _contract_signature(key: str, seconds: float = 0.0) -> None:
+    """Same parameters as t.contract."""
+
+
+def _keys(prefix: str, key: str) -> Any:
+    return derive_keys(
+        f"{prefix}lock:", "t.contract", _contract_signature, (), {"key": key}, ("key",)
+    )
+
+
+def _events(client: redis.Redis, prefix: str, task_id: str) -> list[str]:
+    raw = [item.decode() for item in client.lrange(signals_key(prefix), 0, -1)]
+    return [e.replace(f" {task_id}", "") for e in raw if f" {task_id}" in e]
+
+
+def _events_until_postrun(
+    client: redis.Redis, prefix: str, task_id: str, worker: WorkerProcess
+) -> list[str]:
+    """The run's events, once task_postrun was logged (it comes after the result is stored)."""
+    return wait_for(
+        lambda: (e := _events(client, prefix, task_id)) and e[-1].startswith("task_postrun") and e,
+        10,
+        "task_postrun",
+        worker,
+    )
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("pool", ["solo", "threads", "prefork"])
+def test_skip_contract_in_every_pool(  # noqa: PLR0917 - fixtures
+    pool: str,
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+) -> None:
+    keys = _keys(key_prefix, "contract")
+    store = store_for(redis_url)
+    store.acquire(keys, "the-holder", 0, 60_000)
+    held_before = store.holder(keys.lock)
+    worker = worker_factory.start(SINGLETON_APP, pool=pool, concurrency=2, extra_args=["-E"])
+    worker.wait_ready(client_app)
+
+    duplicate = client_app.send_task("t.contract", kwargs={"key": "contract"})
+    value = duplicate.get(timeout=20)
+
+    assert duplicate.state == "SUCCESS"
+    assert skip_info(duplicate) == SkipInfo(keys.lock, "the-holder", duplicate.id)
+    assert skip_info(value) == skip_info(duplicate)
+    assert store.holder(keys.lock) == held_before  # untouched: owner, token, ttl field
+    events = _events_until_postrun(redis_client, key_prefix, duplicate.id, worker)
+    # in this order; no body, no on_success, no task_success
+    assert events == ["task_prerun", "duplicate_skipped", "task_postrun SUCCESS"], events
+    log = worker.log_text()
+    assert log.count("singleton: duplicate skipped") == 1
+    assert f"t.contract[{duplicate.id}] key={keys.lock} holder=the-holder" in log
+    assert "Traceback" not in log
+
+    # and once the holder is gone, the same call runs: nothing was left behind
+    store.release(keys.lock, "the-holder", 0)
+    again = client_app.send_task("t.contract", kwargs={"key": "contract"})
+    assert skip_info(again.get(timeout=20)) is None
+    assert _events_until_postrun(redis_client, key_prefix, again.id, worker) == [
+        "task_prerun",
+        "lock_acquired",
+        "body",
+        "on_success",
+        "task_success",
+        "task_postrun SUCCESS",
+    ]
+
+
+@pytest.fixture
+def traced_app(client_app: Celery, redis_url: str, key_prefix: str) -> Any:
+    """t.contract in this process, on an app whose results and locks are under key_prefix."""
+    client_app.conf.singleton_redis_url = redis_url
+    client_app.conf.singleton_key_prefix = f"{key_prefix}lock:"
+
+    @client_app.task(
+        bind=True, base=SingletonTask, name="t.contract", singleton_key_args=("key",), shared=False
+    )
+    def contract(self: Any, key: str, seconds: float = 0.0) -> str:
+        return "ran"
+
+    return contract
+
+
+def test_lock_taken_for_a_run_celery_never_started_is_released(
+    traced_app: Any, key_prefix: str, redis_url: str
+) -> None:
+    """Celery's tracer can return before before_start (a redelivered message it already saw
+    succeed, a bad message): the lock taken for it in front of the tracer is released."""
+    task = traced_app
+    task.__trace__ = lambda uuid, args, kwargs, request: "returned early"
+    task_id = uuid.uuid4().hex
+    reply = task.__trace__(task_id, (), {"key": "early"}, {"id": task_id})
+    assert reply == "returned early"
+    assert store_for(redis_url).holder(_keys(key_prefix, "early").lock) == {}
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Call to deprecated setex:DeprecationWarning"
+)  # Celery's backend
+def test_skip_whose_result_cannot_be_stored_is_left_to_celery(
+    traced_app: Any,
+    key_prefix: str,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When storing the skip's result fails, Celery's own tracer ends the message (it records
+    the failure its way); the duplicate still never runs its body."""
+    task = traced_app
+    keys = _keys(key_prefix, "store-fails")
+    store_for(redis_url).acquire(keys, "the-holder", 0, 60_000)
+    calls: list[str] = []
+
+    def failing_store(*args: Any, **kwargs: Any) -> Any:
+        calls.append("store")
+        raise redis.ConnectionError("result backend down")
+
+    monkeypatch.setattr(task, "_singleton_store_skip", failing_store)
+    task.__trace__ = build_tracer(task.name, task, app=task.app, eager=False)
+    task_id = uuid.uuid4().hex
+    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
+        result = task.__trace__(task_id, (), {"key": "store-fails"}, {"id": task_id})
+    assert calls == ["store", "store"]  # once in front of the tracer, once in before_start
+    assert result.info is not None
+    assert result.info.state == "FAILURE"
+    assert "singleton: could not end skipped duplicate, handing it to celery" in caplog.text
+    assert store_for(redis_url).holder(keys.lock)["owner"] == "the-holder"

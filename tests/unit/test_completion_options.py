@@ -1,0 +1,112 @@
+"""Issue 17's options: ``singleton_completion_ttl`` (its default from the broker and the task's
+acks_late) and ``singleton_lock_at_least`` on a task (never the app-wide, beat's, value); what a
+run's end leaves behind (``completion.ending_for``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_singleton_lock import SingletonConfigError
+from celery_singleton_lock.completion import ending_for
+from celery_singleton_lock.config import (
+    COMPLETION_MARGIN_S,
+    DEFAULT_COMPLETION_TTL_S,
+    describe,
+    read_beat_options,
+    read_options,
+)
+from celery_singleton_lock.core.completion import NO_ENDING, Ending, done_key
+
+
+def _task(**attributes: Any) -> Any:
+    return SimpleNamespace(**{"name": "t.job", "acks_late": False, **attributes})
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        ({"broker_url": "redis://h:6379/0"}, 3600 + COMPLETION_MARGIN_S),
+        ({"broker_url": "rediss://h:6379/0"}, 3600 + COMPLETION_MARGIN_S),
+        ({"broker_url": "sentinel://h:26379"}, 3600 + COMPLETION_MARGIN_S),
+        ({"broker_url": "sqs://"}, 1800 + COMPLETION_MARGIN_S),
+        (
+            {"broker_url": "redis://h/0", "broker_transport_options": {"visibility_timeout": 60}},
+            60 + COMPLETION_MARGIN_S,
+        ),
+        ({"broker_url": "amqp://guest@h//"}, DEFAULT_COMPLETION_TTL_S),
+        ({}, DEFAULT_COMPLETION_TTL_S),
+    ],
+)
+def test_completion_ttl_default_for_a_task_acked_late(
+    conf: dict[str, Any], expected: float
+) -> None:
+    """A late-acked task keeps its completion for the broker's visibility timeout + a margin
+    (Redis, SQS), else a constant."""
+    assert read_options(conf, _task(acks_late=True)).completion_ttl == expected
+
+
+def test_completion_ttl_default_follows_task_acks_late() -> None:
+    """A task acked early records nothing by default (its message is acked before the run);
+    the app's task_acks_late counts when the task does not say."""
+    conf = {"broker_url": "redis://h/0"}
+    assert read_options(conf, _task()).completion_ttl == 0
+    assert read_options({**conf, "task_acks_late": True}, _task(acks_late=None)).completion_ttl
+    assert read_options(conf, _task(acks_late=None)).completion_ttl == 0
+
+
+def test_completion_ttl_set_on_the_app_or_the_task() -> None:
+    """The usual pattern: the task's option, else the app's setting; 0 turns it off."""
+    conf = {"broker_url": "redis://h/0", "singleton_completion_ttl": 120}
+    assert read_options(conf, _task()).completion_ttl == 120
+    task = _task(acks_late=True, singleton_completion_ttl=0)
+    assert read_options(conf, task).completion_ttl == 0
+    with pytest.raises(SingletonConfigError, match="singleton_completion_ttl"):
+        read_options({"singleton_completion_ttl": -1}, _task())
+
+
+def test_lock_at_least_is_read_from_the_task_only() -> None:
+    """The app-wide singleton_lock_at_least is beat's claims' minimum: it never gives a task a
+    window; the task's own attribute does."""
+    conf = {"singleton_lock_at_least": 90}
+    assert read_options(conf, _task()).lock_at_least == 0
+    assert read_options(conf, _task(singleton_lock_at_least=5)).lock_at_least == 5
+    assert read_beat_options(conf).lock_at_least == 90
+    with pytest.raises(SingletonConfigError, match="singleton_lock_at_least"):
+        read_options({}, _task(singleton_lock_at_least=-2))
+
+
+def test_banner_shows_the_completion_ttl() -> None:
+    """describe(): the task-less options show the default a late-acked task gets."""
+    shown = describe(read_options({"broker_url": "redis://h/0"}), {"broker_url": "redis://h/0"})
+    assert shown["completion_ttl"] == "acks_late tasks: 3900s (visibility_timeout + 300s)"
+    shown = describe(read_options({"singleton_completion_ttl": 10}))
+    assert shown["completion_ttl"] == "10s"
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ("SUCCESS", Ending(60_000, 5_000)),
+        ("FAILURE", Ending(60_000, 5_000)),
+        ("IGNORED", Ending(0, 5_000)),
+        ("REJECTED", Ending(0, 5_000)),
+    ],
+)
+def test_ending_for_each_state(state: str, expected: Ending) -> None:
+    """A completion only when the message will not run again; the window after every end."""
+    assert ending_for(60, 5, state) == expected
+
+
+def test_ending_for_nothing_to_leave() -> None:
+    assert ending_for(None, 0, "SUCCESS") is NO_ENDING
+    assert ending_for(60, 0, "IGNORED") is NO_ENDING
+    with pytest.raises(ValueError, match=">= 0"):
+        Ending(-1, 0)
+
+
+def test_done_key_shares_the_lock_hash_tag() -> None:
+    assert done_key("p:{t.job:ab}:lock", "id-1") == "p:{t.job:ab}:done:id-1"
+    assert done_key("p:{t.job:ab}:other", "id-1") == "p:{t.job:ab}:other:done:id-1"
