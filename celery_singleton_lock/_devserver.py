@@ -92,6 +92,7 @@ class DevServer:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="cslt-redis-"))
         self.log_path = self.dir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._clients: list[redis.Redis] = []
 
     @property
     def url(self) -> str:
@@ -189,11 +190,16 @@ class DevServer:
         self._reap()
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A redis-py client for this server."""
-        return redis.Redis.from_url(self.url, **kwargs)
+        """A redis-py client for this server, closed by :meth:`close`."""
+        client = redis.Redis.from_url(self.url, **kwargs)
+        self._clients.append(client)
+        return client
 
     def close(self) -> None:
-        """Stop the server and remove its directory (when it made it)."""
+        """Close the clients it made, stop the server, remove its directory (when it made it)."""
+        clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)

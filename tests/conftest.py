@@ -8,6 +8,7 @@ Anything destructive (kill, restart, pause) uses ``private_redis``.
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,15 @@ collect_ignore_glob = ["support/*"]
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``slow(seconds=N)`` first, longest first (see tests/support/scheduling.py)."""
     items[:] = longest_first(items)
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_after_the_test() -> Iterator[None]:
+    """Collect the test's garbage in its own teardown, so a socket it left unclosed fails it
+    (a ResourceWarning, an error under ``filterwarnings = error``), and not whichever later test
+    the collector happens to run in."""
+    yield
+    gc.collect()
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> int:

@@ -223,6 +223,9 @@ class LockBackend(Protocol):
         (publish-time markers): where :attr:`client` sends them, on the store's own connection
         when it has one. Raises Redis's errors."""
 
+    def close(self) -> None:
+        """Close the store's connections (a later call connects again); never raises."""
+
 
 class SequentialReleases:
     """The release batching of a store that cannot write ahead: one release after another.

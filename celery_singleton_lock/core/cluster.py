@@ -67,6 +67,14 @@ class ClusterStore(SequentialReleases, ScriptStore):
                 client = self._client
         return client
 
+    def close(self) -> None:
+        """Close the cluster client's connections to every node; the next call builds it again."""
+        with self._client_mutex:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                client.close()
+
     # -- how a call reaches the cluster --------------------------------------------------
 
     def _call(self, lua: _wire.Script, args: Sequence[Any]) -> Any:

@@ -231,10 +231,17 @@ def flush_releases() -> None:
 
 
 def reset() -> None:
-    """Stop this process's renewers and forget every client (tests, shutdown)."""
+    """Stop this process's renewers, close and forget its stores (tests, embedders).
+
+    A store made before a fork is forgotten without closing: its sockets are the parent's.
+    """
+    pid = current_pid()
     with _mutex:
         renewers = list(_renewers.values())
+        stores = [store for (owner_pid, _), store in _stores.items() if owner_pid == pid]
         _renewers.clear()
         _stores.clear()
     for renewer in renewers:
         renewer.stop()
+    for store in stores:
+        store.close()

@@ -184,6 +184,11 @@ class RedlockStore(SequentialReleases):
         markers; see docs/design.md, "Known limits")."""
         return self.clients[0]
 
+    def close(self) -> None:
+        """Close every master's connections."""
+        for store in self.stores:
+            store.close()
+
     def drift_ms(self, ttl_ms: int) -> float:
         """The clock-drift allowance for a lock of ``ttl_ms``."""
         return ttl_ms * self.drift_factor + self.drift_floor_ms

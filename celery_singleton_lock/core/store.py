@@ -223,6 +223,11 @@ class LockStore(ScriptStore):
         """The server's client (a Sentinel's: it follows the master)."""
         return self._client
 
+    def close(self) -> None:
+        """Disconnect every connection of the client's pool, the one kept for releases written
+        ahead included."""
+        self._client.connection_pool.disconnect()
+
     def release_ahead(  # noqa: PLR0917 - release's arguments, and the tag
         self,
         key: str,

@@ -232,7 +232,9 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     ]
     for worker in workers:
         worker.wait_ready(client_app)
-    result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 1.5, 6.0))
+    # the first delivery's body lasts 4 s: under load, the pause below must still find it running
+    # (a body that ended first acks its message, and no copy ever comes)
+    result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 4.0, 10.0))
     runs_key = deliveries_key(key_prefix, result.id)
     lock, fields = wait_for(
         lambda: next(iter(lock_holders(redis_client, key_prefix).items()), None),
@@ -245,7 +247,9 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     child = int(fields["pid"])
     os.kill(child, signal.SIGSTOP)
     try:
-        wait_for(lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy")
+        wait_for(
+            lambda: int(redis_client.get(runs_key) or 0) >= 2, 20, "the broker's copy", *workers
+        )
         copy_token = wait_for(
             lambda: (
                 (t := redis_client.hget(lock, "token")) and int(t) != int(fields["token"]) and t
@@ -260,7 +264,7 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
         15,
         "the first delivery to end",
     )
-    # the copy runs 6 s: the first delivery ended (and released) while it still runs
+    # the copy runs 10 s: the first delivery ended (and released) while it still runs
     assert redis_client.hget(lock, "token") == copy_token, (
         "the first delivery freed the copy's lock"
     )

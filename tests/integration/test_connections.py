@@ -82,10 +82,6 @@ def lock_cycle(store: LockStore, prefix: str = "cslt:conn:") -> Acquired:
     return taken
 
 
-def close(store: LockStore) -> None:
-    store.client.close()
-
-
 # -- URL syntax (no server) -----------------------------------------------------------------------
 
 
@@ -233,7 +229,7 @@ def test_store_takes_the_wait_options_from_the_url(private_redis: RedisServer) -
     assert (store.wait_replicas, store.wait_timeout_ms) == (2, 50)
     assert isinstance(store.client, redis.Redis)
     assert "wait_replicas" not in store.client.connection_pool.connection_kwargs
-    close(store)
+    store.close()
 
 
 def test_wait_replicas_without_replicas_keeps_the_lock(
@@ -249,7 +245,7 @@ def test_wait_replicas_without_replicas_keeps_the_lock(
     assert "singleton: only 0 of 1 replicas acknowledged the lock within 50ms" in caplog.text
     assert isinstance(store.acquire(keys, "other", 0, 5000), Contended)
     assert store.release(keys.lock, "owner", 0) is ReleaseStatus.RELEASED
-    close(store)
+    store.close()
 
 
 # -- TLS ------------------------------------------------------------------------------------------
@@ -309,7 +305,7 @@ def test_tls_lock_cycle(tls_server: TlsServer) -> None:
         connections = store.client.client_list()
         assert connections  # this connection is the TLS one: the plain port has no clients
     finally:
-        close(store)
+        store.close()
 
 
 def test_tls_refuses_a_server_it_cannot_verify(tls_server: TlsServer) -> None:
@@ -320,7 +316,7 @@ def test_tls_refuses_a_server_it_cannot_verify(tls_server: TlsServer) -> None:
             store.acquire(lock_keys("cslt:conn:", "t.tls", b"1"), "owner", 0, 1000)
         assert "certificate verify failed" in str(info.value).lower()
     finally:
-        close(store)
+        store.close()
 
 
 def test_tls_client_certificate_is_required(tls_server: TlsServer) -> None:
@@ -330,7 +326,7 @@ def test_tls_client_certificate_is_required(tls_server: TlsServer) -> None:
         with pytest.raises(LockUnavailableError):
             store.acquire(lock_keys("cslt:conn:", "t.tls", b"2"), "owner", 0, 1000)
     finally:
-        close(store)
+        store.close()
 
 
 # -- unix socket and ACL --------------------------------------------------------------------------
@@ -348,7 +344,7 @@ def test_unix_socket_lock_cycle() -> None:
             lock_cycle(store)
             assert store.client.connection_pool.connection_kwargs["db"] == 2
         finally:
-            close(store)
+            store.close()
     finally:
         server.close()
         subprocess.run(["rm", "-rf", str(directory)], check=False)
@@ -395,8 +391,8 @@ def test_acl_user_and_password(private_redis: RedisServer) -> None:
         with pytest.raises(redis.exceptions.NoPermissionError):
             store.client.set("elsewhere", "1")  # the ACL is in force
     finally:
-        close(store)
-        close(waiting)
+        store.close()
+        waiting.close()
     wrong = store_for(f"redis://locker:Wr0ng-{PASSWORD[::-1]}@127.0.0.1:{private_redis.port}/0")
     try:
         with pytest.raises(LockUnavailableError) as info:
@@ -404,7 +400,7 @@ def test_acl_user_and_password(private_redis: RedisServer) -> None:
         assert PASSWORD not in str(info.value)
         assert PASSWORD[::-1] not in str(info.value)
     finally:
-        close(wrong)
+        wrong.close()
 
 
 # -- Redis 7 and Valkey 8 -------------------------------------------------------------------------
@@ -469,3 +465,21 @@ def test_fast_suite_on_the_other_server() -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
     assert find_server_binary()  # and this run's binary is still found
+
+
+def test_reset_closes_the_stores_it_forgets(private_redis: RedisServer, key_prefix: str) -> None:
+    """`connection.reset()` (shutdown, tests) closes the connections of the stores it forgets,
+    the one kept for releases written ahead included: none is left to the garbage collector."""
+    store = store_for(private_redis.url)
+    assert isinstance(store, LockStore)
+    keys = lock_keys(f"{key_prefix}lock:", "tests.reset", b"k")
+    assert isinstance(store.acquire(keys, "run-1", 0, 30_000), Acquired)
+    assert store.release_ahead(keys.lock, "run-1", 0, "k")  # takes the kept connection
+    watcher = private_redis.client()
+    assert watcher.client_list()  # the store's connections are open
+    before = {c["id"] for c in watcher.client_list()}
+    assert len(before) >= 3, before  # the watcher's, the store's, the one kept for releases
+    singleton_connection.reset()
+    left = {c["id"] for c in watcher.client_list()}
+    assert len(left) == 1, left  # only the watcher's
+    assert store_for(private_redis.url) is not store  # forgotten: a new one next time
