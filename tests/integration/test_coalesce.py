@@ -154,3 +154,4 @@ def test_pending_of_an_expired_lock_published_by_the_next_holder(
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
     assert not redis_client.exists(pending)
+
