@@ -179,11 +179,9 @@ def test_a_duplicate_of_one_task_coalesced_on_a_run_of_the_other(
     worker.wait_ready(client_app)
     pull = client_app.send_task("t.merge_pull", kwargs={"tenant": "a", "seconds": 2})
     wait_for(lambda: load_history(redis_client, history_key(key_prefix)), 10, "the pull", worker)
-    burst = [
-        client_app.send_task("t.merge_pull", kwargs={"tenant": "a", "payload": "pull-1"}),
-        client_app.send_task("t.merge_push", kwargs={"tenant": "a", "payload": "push-2"}),
-    ]
+    burst = [client_app.send_task("t.merge_pull", kwargs={"tenant": "a", "payload": "pull-1"})]
     wait_for(burst[0].ready, 10, "the pull duplicate coalesced", worker)
+    burst.append(client_app.send_task("t.merge_push", kwargs={"tenant": "a", "payload": "push-2"}))
     wait_for(burst[1].ready, 10, "the push duplicate coalesced", worker)
     infos = [skip_info(r) for r in burst]
     assert all(i is not None and i.holder == pull.id for i in infos), infos
