@@ -319,3 +319,64 @@ def test_a_retry_takes_its_own_slot_over(
     assert own == [["0", slot, "0"], ["1", slot, "1"], ["2", slot, "1"]]
     assert [run[2] for run in runs if run[0] == beside.id] != [slot]
     assert_no_overlap(check_history(load_history(redis_client, history_key(key_prefix))))
+
+
+# -- with an at-least window (singleton_lock_at_least) ------------------------------------------
+
+#: the at-least window of t.export_permits_window here (SINGLETON_TEST_AT_LEAST)
+WINDOW_S = 4.0
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_window_per_slot_lets_n_runs_start_per_window(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    redis_url: str,
+) -> None:
+    """Two permits, a 4 s window: each run's slot stays blocked until 4 s after it started
+    (server clock). A second run takes the other slot beside the first one's window; a third
+    meets the policy (skip, naming a finished run); ``celery singleton list`` shows both slots
+    as windows; once they ended, a run starts again: at most 2 runs start per window."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_AT_LEAST": "4"}
+    )
+    worker.wait_ready(client_app)
+    task = "t.export_permits_window"
+    first = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    first_value = first.get(timeout=10)
+    second = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    second_value = second.get(timeout=10)
+    assert skip_info(second_value) is None  # the first one's window blocks its slot only
+    assert first_value["key"] != second_value["key"]
+
+    windows = {
+        info.key: info
+        for info in iter_locks(redis_client, f"{key_prefix}lock:")
+        if info.permit is not None
+    }
+    assert set(windows) == {first_value["key"], second_value["key"]}
+    assert {info.state for info in windows.values()} == {"window"}
+    listed = CliRunner().invoke(
+        singleton, ["--url", redis_url, "--prefix", f"{key_prefix}lock:", "list"]
+    )
+    assert listed.exit_code == 0, listed.output
+    header, *rows = [line.split("\t") for line in listed.output.splitlines()]
+    assert sorted((row[header.index("STATE")], row[header.index("PERMIT")]) for row in rows) == [
+        ("window", "1/2"),
+        ("window", "2/2"),
+    ]
+
+    third = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    info = skip_info(third.get(timeout=10))
+    assert info is not None
+    assert info.holder in {first.id, second.id}  # a finished run: its window
+
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), WINDOW_S + 2, "the windows")
+    fourth = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    assert skip_info(fourth.get(timeout=10)) is None
+    runs = load_history(redis_client, history_key(key_prefix))
+    assert len(runs) == 3  # the first, the second and the fourth
+    assert runs[2].start_us >= runs[0].start_us + WINDOW_S * 1e6  # server clock
+    assert_no_overlap(check_history(runs), allow_unfinished=False)
