@@ -12,6 +12,7 @@ from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.testing import held_locks, isolated_locks
 
 
@@ -33,6 +34,25 @@ def eager_app(redis_url: str) -> Iterator[Celery]:
     def retry(self: Any, key: str) -> None:
         """A duplicate of this one cannot be requeued in eager mode."""
 
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="e.coalesce",
+        shared=False,
+        singleton_on_duplicate="coalesce",
+        singleton_key_args=("key",),
+    )
+    def coalesce(self: Any, key: str, payload: str = "") -> str:
+        """Records each eager run's payload (``app.eager_runs``)."""
+        app.eager_runs.append(payload)  # type: ignore[attr-defined]
+        return payload
+
+    @app.task(bind=True, base=SingletonTask, name="e.permits", shared=False, singleton_permits=2)
+    def permits(self: Any, key: str) -> str | None:
+        """Reports the permit slot this eager run holds."""
+        return self.singleton.key
+
+    app.eager_runs = []  # type: ignore[attr-defined]
     yield app
     app.close()
 
@@ -106,3 +126,48 @@ def test_eager_chain_goes_on_past_a_skipped_step(eager_app: Celery, singleton_lo
     assert skip_info(skipped) == SkipInfo(key=lock, holder="other-run", task_id=skipped.id)
     assert skip_info(last) is None
     assert isinstance(last.get()["token"], int)
+
+
+# -- eager runs of coalesce and permits -----------------------------------------------------------
+
+
+def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """An eager duplicate under "coalesce" ends like a skip naming the follow-up and leaves its
+    call; the next eager run of the key publishes that follow-up at its release, which in eager
+    mode runs it there and then: once, with the duplicate's arguments, nothing left behind."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = _hold_elsewhere(coalesce, "k")
+    duplicate = coalesce.delay("k", "coalesced")
+    info = skip_info(duplicate)
+    assert info is not None
+    assert info.holder == "other-run"
+    assert info.follow_up is not None
+    assert redis_client.hget(pending_key(lock), "id") == info.follow_up.encode()
+    assert eager_app.eager_runs == []  # type: ignore[attr-defined]
+
+    store_for(coalesce.singleton_options().redis_url).release(lock, "other-run", 0)
+    assert coalesce.delay("k", "next").get() == "next"
+    assert eager_app.eager_runs == ["next", "coalesced"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
+    eager_app: Celery, singleton_locks: str
+) -> None:
+    """Two permits: with one slot held elsewhere an eager run takes the other; with both held
+    it is skipped naming a holder. ``held_locks`` lists the slots."""
+    permits = eager_app.tasks["e.permits"]
+    keys = permits.singleton_keys(("k",), {})
+    store = store_for(permits.singleton_options().redis_url)
+    store.acquire(keys, "other-run", 0, 10_000)
+    assert held_locks(eager_app, singleton_locks) == [keys.slot(1)]
+    assert permits.delay("k").get() == keys.slot(2)
+    assert held_locks(eager_app, singleton_locks) == [keys.slot(1)]
+    store.acquire(keys, "third-run", 0, 10_000)
+    skipped = permits.delay("k")
+    assert skipped.state == "SUCCESS"
+    assert skip_info(skipped) == SkipInfo(key=keys.lock, holder="other-run", task_id=skipped.id)
+    assert held_locks(eager_app, singleton_locks) == keys.slots
