@@ -611,14 +611,19 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         None when left; else the countdown to requeue the duplicate after, never dropping it:
         the holder let go meanwhile (at once, or after an at-least window's end: it then takes
-        the lock or meets its new holder), or Redis failed (``retry_countdown``)."""
+        the lock or meets its new holder), or Redis failed (``retry_countdown``).
+
+        Left, the duplicate's message is recorded as completed (as a run's release records
+        it): the follow-up carries its call, so a broker's copy of it is dropped."""
+        opts = self.singleton_options()
         try:
             left = leave_pending(
-                store_for(self.singleton_options().redis_url).run_script,
+                store_for(opts.redis_url).run_script,
                 keys.lock,
                 holder,
                 uuid(),
                 call_record(self, request, args, kwargs),
+                (task_id, _retries(request), round((opts.completion_ttl or 0) * 1000)),
             )
         except _FORGET_ERRORS as exc:
             logger.warning(
@@ -628,7 +633,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys.lock,
                 exc,
             )
-            return self.singleton_options().retry_countdown
+            return opts.retry_countdown
         if left.follow_up is None:
             logger.info(
                 "singleton: holder let go before coalescing, requeued: %s[%s] key=%s holder=%s",
@@ -896,6 +901,12 @@ def _waiting_since(request: Any) -> list[float] | None:
     if retries != int(request.retries or 0):  # a later self.retry() carried it along
         return None
     return [since, retries]
+
+
+def _retries(request: Any) -> int:
+    """The retries count of a Celery request: a Context, or the dict a worker's tracer gets."""
+    value = request.get("retries") if isinstance(request, dict) else request.retries
+    return int(value or 0)
 
 
 def _waited(request: Any) -> float | None:
