@@ -632,6 +632,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 task_id,
                 keys.lock,
                 exc,
+                extra=_about(self.name, task_id),  # called in front of Celery's tracer too
             )
             return opts.retry_countdown
         if left.follow_up is None:
@@ -641,6 +642,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 task_id,
                 keys.lock,
                 holder,
+                extra=_about(self.name, task_id),
             )
             return max(left.pttl_ms, 0) / 1000 if left.finished else 0.0
         if isinstance(request, dict):
