@@ -43,6 +43,27 @@ def _coalesced(result: AsyncResult) -> str | None:
     return None if info is None else info.follow_up
 
 
+def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
+    worker: WorkerProcess,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    task: str,
+    key: str,
+    seconds: float,
+    payload: str,
+) -> tuple[AsyncResult, AsyncResult, str]:
+    """A holder of ``key`` (payload "held") running ``seconds``, and one duplicate coalesced
+    onto it: the holder's and the duplicate's results, and the follow-up's task id."""
+    holder = client_app.send_task(task, kwargs={"key": key, "seconds": seconds, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    duplicate = client_app.send_task(task, kwargs={"key": key, "payload": payload})
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+    return holder, duplicate, follow_up
+
+
 @pytest.fixture
 def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     started = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
@@ -104,12 +125,9 @@ def test_killed_holder_follow_up_published_by_main_process(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     key, lock = "killed", _lock_key(key_prefix, "killed")
-    holder = client_app.send_task(TASK, kwargs={"key": key, "seconds": 30, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
-    duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": "after"})
-    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
-    follow_up = _coalesced(duplicate)
-    assert follow_up is not None
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, TASK, key, 30, "after"
+    )
 
     pid = int(redis_client.hget(lock, "pid") or 0)
     os.kill(pid, signal.SIGKILL)
@@ -173,12 +191,9 @@ def test_copies_of_the_holder_the_duplicate_and_the_follow_up_never_run_again(
     duplicate's call, already carried by the follow-up, is not run again with its stale
     arguments."""
     key = "late"
-    holder = client_app.send_task(LATE, kwargs={"key": key, "seconds": 2, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
-    duplicate = client_app.send_task(LATE, kwargs={"key": key, "payload": "v2"})
-    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
-    follow_up = _coalesced(duplicate)
-    assert follow_up is not None
+    holder, duplicate, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, LATE, key, 2, "v2"
+    )
     assert holder.get(timeout=10)["payload"] == "held"
     assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "v2"
     wait_for(
