@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Task
-from kombu.serialization import dumps, loads
+from kombu.exceptions import ContentDisallowed
+from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .core.pending import Run, put_back, take_pending
 
@@ -64,7 +65,10 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
     name = record.get("task", b"").decode() or task.name
     try:
         args, kwargs = loads(  # type: ignore[no-untyped-call]
-            record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=None
+            record["body"],
+            record["ctype"].decode(),
+            record["cenc"].decode(),
+            accept=prepare_accept_content(task.app.conf.accept_content),  # type: ignore[no-untyped-call]
         )
         options = {field: record[field].decode() for field in _ROUTE if field in record}
         target = task.app.tasks.get(name)
@@ -72,6 +76,16 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
         else:  # Celery's own publish: no publish-time dedup against its own pending call
             Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
+    except ContentDisallowed as exc:  # not written by this app: never loaded, never put back
+        logger.error(
+            "singleton: coalesced follow-up dropped, its content type is not in accept_content: "
+            "%s[%s] key=%s: %s",
+            name,
+            follow_up,
+            lock_key,
+            exc,
+        )
+        return None
     except Exception as exc:
         _put_back(run, lock_key, record, f"{name}[{follow_up}]", exc)
         return None

@@ -171,3 +171,57 @@ def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
     assert skipped.state == "SUCCESS"
     assert skip_info(skipped) == SkipInfo(key=keys.lock, holder="other-run", task_id=skipped.id)
     assert held_locks(eager_app, singleton_locks) == keys.slots
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle", "msgpack", "yaml"])
+def test_a_coalesced_call_goes_through_the_tasks_serializer(
+    redis_url: str, serializer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pending call is written with the task's serializer and read with the app's
+    accept_content: a follow-up of a pickle (msgpack, yaml) task is published and runs, though
+    kombu disables those serializers unless a consumer accepts them. A record of a content type
+    the app does not accept (written by someone else) is dropped, never deserialized."""
+    app = Celery("eager-serializers", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        singleton_redis_url=redis_url,
+        task_serializer=serializer,
+        accept_content=[serializer],
+    )
+    runs: list[Any] = []
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="e.coalesce_serialized",
+        shared=False,
+        singleton_on_duplicate="coalesce",
+        singleton_key_args=("key",),
+    )
+    def coalesce(self: Any, key: str, payload: Any = None) -> None:
+        runs.append(payload)
+
+    with isolated_locks(app):
+        lock = _hold_elsewhere(coalesce, "k")
+        payload = {"n": 1, "items": ["a", "b"]}
+        info = skip_info(coalesce.delay("k", payload))
+        assert info is not None
+        assert info.follow_up is not None
+        store = store_for(coalesce.singleton_options().redis_url)
+        store.release(lock, "other-run", 0)
+        coalesce.delay("k", "next")
+        assert runs == ["next", payload]
+
+        _hold_elsewhere(coalesce, "k")
+        assert skip_info(coalesce.delay("k", "refused")) is not None
+        store.release(lock, "other-run", 0)
+        # the record's type is not (or no longer) one the app accepts
+        app.conf.accept_content = ["json" if serializer != "json" else "pickle"]
+        with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+            coalesce.delay("k", "last")
+        assert runs == ["next", payload, "last"]  # the refused record was not run
+        assert not store.client.exists(pending_key(lock))  # nor put back
+        assert "coalesced follow-up dropped, its content type is not in accept_content" in (
+            caplog.text
+        )
+    app.close()
