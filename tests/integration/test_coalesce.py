@@ -221,3 +221,39 @@ def test_copies_of_the_holder_the_duplicate_and_the_follow_up_never_run_again(
     assert log.count("singleton: coalesced follow-up published") == 1
     assert not redis_client.exists(pending_key(_lock_key(key_prefix, key, LATE)))
     assert skip_info(duplicate).follow_up == follow_up  # the first run's result stays
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_copy_of_the_holder_met_while_it_runs_waits_and_is_dropped(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A broker's copy of the holder (acks_late, a visibility timeout shorter than the run)
+    arrives while the holder runs with a pending follow-up: the copy is not coalesced (it is
+    the holder's own message) but waits, and once the holder ended it is dropped; the
+    follow-up is published once, by the holder's release: two runs in all."""
+    key = "late-running"
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, LATE, key, 3, "v2"
+    )
+    copy = client_app.send_task(
+        LATE, kwargs={"key": key, "seconds": 3, "payload": "held"}, task_id=holder.id
+    )
+    wait_for(
+        lambda: "singleton: redelivered while held, retrying in" in worker.log_text(),
+        10,
+        "the copy to meet its own holder",
+        worker,
+    )
+    assert not holder.ready()
+    assert AsyncResult(follow_up, app=client_app).get(timeout=15)["payload"] == "v2"
+    wait_for(
+        lambda: f"redelivery dropped: {LATE}[{copy.id}]" in worker.log_text(),
+        15,
+        "the copy dropped",
+        worker,
+    )
+    assert int(redis_client.get(deliveries_key(key_prefix, holder.id)) or 0) == 1
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    assert worker.log_text().count("singleton: coalesced follow-up published") == 1
