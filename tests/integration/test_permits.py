@@ -146,6 +146,36 @@ def test_the_main_process_finds_the_slot_of_a_lost_run(
     assert release_lost_slot(store, single, "x", 0, 0) == (single.lock, ReleaseStatus.NOT_HELD)
 
 
+def test_a_lost_run_leaves_its_slot_as_a_window_and_a_handed_over_slot_alone(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The main process releases a lost run's slot as the run would have: with an at-least
+    window it becomes a window (its slot stays blocked, the other is taken); a slot its run handed
+    over to a retry (stretched past its ttl) is left to the retried message."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix, permits=2)
+    _take(store, keys, "lost")
+    _take(store, keys, "retrying")
+    assert release_lost_slot(store, keys, "lost", 0, 60_000) == (
+        keys.slot(1),
+        ReleaseStatus.RELEASED,
+    )
+    window = read_lock(redis_client, keys.slot(1), key_prefix)
+    assert window is not None
+    assert window.state == "window"
+    redis_client.pexpire(keys.slot(2), 20_000)  # retry(countdown=15) handed it over
+    assert release_lost_slot(store, keys, "retrying", 0, 60_000) == (
+        keys.slot(2),
+        ReleaseStatus.HANDED_OVER,
+    )
+    met = store.acquire(keys, "third", 0, 5000)
+    assert isinstance(met, Contended)
+    assert (met.holder, met.finished) == ("retrying", False)  # its slot frees first
+    redis_client.pexpire(keys.slot(2), 1)
+    wait_for(lambda: not redis_client.exists(keys.slot(2)), 2, "the handed-over slot to expire")
+    assert _take(store, keys, "third").slot == 2  # the window still blocks slot 1
+
+
 def test_the_admin_lists_and_reads_slots(redis_client: redis.Redis, key_prefix: str) -> None:
     store = LockStore(redis_client)
     keys = _keys(key_prefix, 2)
