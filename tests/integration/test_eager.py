@@ -221,7 +221,35 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
             coalesce.delay("k", "last")
         assert runs == ["next", payload, "last"]  # the refused record was not run
         assert not store.client.exists(pending_key(lock))  # nor put back
-        assert "coalesced follow-up dropped, its content type is not in accept_content" in (
-            caplog.text
-        )
+        assert "coalesced follow-up dropped, not a call this app wrote or accepts" in (caplog.text)
     app.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"id": "f-1", "count": "1"},  # no call at all
+        {"id": "f-2", "body": "{not json", "ctype": "application/json", "cenc": "utf-8"},
+        {"id": "f-3", "body": '{"a": 1}', "ctype": "application/json", "cenc": "utf-8"},
+    ],
+    ids=["no-call", "not-json", "not-a-call"],
+)
+def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
+    eager_app: Celery,
+    singleton_locks: str,
+    redis_client: redis.Redis,
+    record: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pending record beside a free lock that no duplicate of this app wrote: the next
+    release drops it with one ERROR line, publishes nothing, and does not put it back (it
+    would fail, its expiry renewed, at every release). The run itself is unaffected."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = coalesce.singleton_keys(("k",), {}).lock
+    redis_client.hset(pending_key(lock), mapping=record)
+    with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+        assert coalesce.delay("k", "run").get() == "run"
+    assert eager_app.eager_runs == ["run"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert caplog.text.count("coalesced follow-up dropped, not a call this app wrote") == 1
+    assert held_locks(eager_app, singleton_locks) == []
