@@ -34,27 +34,35 @@ def eager_app(redis_url: str) -> Iterator[Celery]:
     def retry(self: Any, key: str) -> None:
         """A duplicate of this one cannot be requeued in eager mode."""
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="e.coalesce",
-        shared=False,
-        singleton_on_duplicate="coalesce",
-        singleton_key_args=("key",),
-    )
-    def coalesce(self: Any, key: str, payload: str = "") -> str:
-        """Records each eager run's payload (``app.eager_runs``)."""
-        app.eager_runs.append(payload)  # type: ignore[attr-defined]
-        return payload
+    app.eager_runs = _coalescing_task(app, "e.coalesce")  # type: ignore[attr-defined]
 
     @app.task(bind=True, base=SingletonTask, name="e.permits", shared=False, singleton_permits=2)
     def permits(self: Any, key: str) -> str | None:
         """Reports the permit slot this eager run holds."""
         return self.singleton.key
 
-    app.eager_runs = []  # type: ignore[attr-defined]
     yield app
     app.close()
+
+
+def _coalescing_task(app: Celery, name: str) -> list[Any]:
+    """Define ``name`` on ``app``: a coalescing task keyed on ``key`` that returns its
+    ``payload``; the list each of its eager runs appends that payload to."""
+    runs: list[Any] = []
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        shared=False,
+        singleton_on_duplicate="coalesce",
+        singleton_key_args=("key",),
+    )
+    def coalesce(self: Any, key: str, payload: Any = "") -> Any:
+        runs.append(payload)
+        return payload
+
+    return runs
 
 
 @pytest.fixture
@@ -188,18 +196,8 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         task_serializer=serializer,
         accept_content=[serializer],
     )
-    runs: list[Any] = []
-
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="e.coalesce_serialized",
-        shared=False,
-        singleton_on_duplicate="coalesce",
-        singleton_key_args=("key",),
-    )
-    def coalesce(self: Any, key: str, payload: Any = None) -> None:
-        runs.append(payload)
+    runs = _coalescing_task(app, "e.coalesce_serialized")
+    coalesce = app.tasks["e.coalesce_serialized"]
 
     with isolated_locks(app):
         lock = _hold_elsewhere(coalesce, "k")
