@@ -258,7 +258,7 @@ class LockStore(ScriptStore):
     def collect_released(self) -> list[tuple[Any, ReleaseStatus | LockUnavailableError]]:
         """``(tag, status)`` of every :meth:`release_ahead` not yet collected, in order."""
         ahead = self._ahead
-        if ahead is None or not len(ahead):
+        if ahead is None:
             return []
         return [
             (tag, release_outcome((key, owner), reply))
