@@ -170,6 +170,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     Request = "celery_singleton_lock.worker:SingletonRequest"
 
     _singleton_opts: Options | None = None
+    #: the key deriver of this task, and the options it was made from (singleton_keys)
+    _singleton_keyed: tuple[Options, KeyDeriver] | None = None
 
     # The function a worker runs each message through (Celery's ``build_tracer``), wrapped so
     # that the lock is taken before it and a skipped duplicate ends without it (tracing.py).
@@ -207,8 +209,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
     ) -> LockKeys:
         """The lock keys for a call with these arguments."""
-        made: tuple[Options, KeyDeriver] | None = self.__dict__.get("_singleton_key_deriver")
-        if made is None or made[0] is not self._singleton_opts:
+        made = self._singleton_keyed
+        if made is None or made[0] is not self._singleton_opts:  # none yet, or options re-read
             made = self._singleton_deriver()
         return made[1].derive(args or (), kwargs or {})
 
@@ -221,7 +223,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         else:  # the scope's name, and argument names in one order for all its tasks
             name, key_args = opts.scope, self._singleton_scope_names()
         deriver = KeyDeriver(opts.key_prefix, name, self.run, key_args, opts.key, opts.permits)
-        made = self.__dict__["_singleton_key_deriver"] = (opts, deriver)
+        made = self._singleton_keyed = (opts, deriver)
         return made
 
     def _singleton_scope_names(self) -> tuple[str, ...] | None:
@@ -394,24 +396,11 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- acquire ------------------------------------------------------------------------------
 
-    def _singleton_try_acquire(
-        self,
-        task_id: str,
-        keys: LockKeys,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        *,
-        generation: int,
-        hostname: str | None,
-        renewer: Renewer,
-    ) -> Acquired | Contended:
-        """One acquire as ``task_id`` of ``generation``: the run's one blocking round trip."""
-        meta = self._singleton_meta(args, kwargs, hostname)
-        return renewer.acquire(keys, task_id, generation, self.singleton_options().ttl_ms, meta)
-
-    def _singleton_renewer(self) -> Renewer:
-        """This process's renewer for the task's lock store (it takes, renews and releases)."""
-        return renewer_for(self.singleton_options().redis_url, configure_renewer)
+    def _singleton_renewer(self, opts: Options) -> Renewer:
+        """This process's renewer for the task's lock store (it takes, renews and releases):
+        ``renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)`` is a run's one
+        blocking round trip."""
+        return renewer_for(opts.redis_url, configure_renewer)
 
     def _singleton_meta(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], hostname: str | None
@@ -454,24 +443,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             context=self,
         )
         request._singleton_handle = LockHandle(key, task_id, held, outcome.reentered, renewer)
-        waited = _waited(request)
         renewer.add(held)
-        logger.debug(
-            "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
-            self.name,
-            task_id,
-            key,
-            outcome.token,
-            outcome.reentered,
-        )
-        signals.lock_acquired.send(
-            sender=self,
-            key=key,
-            task_id=task_id,
-            token=outcome.token,
-            reentered=outcome.reentered,
-            waited=waited,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the run's path: no call for a line not logged
+            logger.debug(
+                "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
+                self.name,
+                task_id,
+                key,
+                outcome.token,
+                outcome.reentered,
+            )
+        if signals.lock_acquired.receivers:  # nor for a signal nobody receives
+            signals.lock_acquired.send(
+                sender=self,
+                key=key,
+                task_id=task_id,
+                token=outcome.token,
+                reentered=outcome.reentered,
+                waited=_waited(request),
+            )
 
     def _singleton_outcome(  # noqa: PLR0917 - what before_start has of the run
         self,
@@ -488,18 +478,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         that already completed or Redis down are dealt with by policy (they raise), None for a
         run that goes on without the lock."""
         generation = int(request.retries or 0)
-        renewer = self._singleton_renewer() if first is None else first.renewer
+        renewer = self._singleton_renewer(opts) if first is None else first.renewer
         try:
             if first is None:
-                outcome = self._singleton_try_acquire(
-                    task_id,
-                    keys,
-                    args,
-                    kwargs,
-                    generation=generation,
-                    hostname=request.hostname,
-                    renewer=renewer,
-                )
+                meta = self._singleton_meta(args, kwargs, request.hostname)
+                outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
             elif isinstance(first.outcome, LockUnavailableError):
                 raise first.outcome
             else:

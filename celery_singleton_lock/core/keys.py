@@ -164,9 +164,6 @@ def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None
     """The preview of a call of a few short scalars, built without reprlib (which takes ten
     times longer), or None. Gives exactly what reprlib gives: nothing in it is shortened."""
     limit = _preview.maxother  # == maxstring
-    if len(args) == 1 and not kwargs and type(args[0]) in _PLAIN_TYPES:  # the most common
-        text = repr(args[0])
-        return f"({text},) {{}}" if len(text) <= limit else None
     if len(args) > 4 or len(kwargs) > 4:  # reprlib's maxtuple and maxdict
         return None
     parts = []
@@ -197,6 +194,10 @@ def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None
 def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     """A short, human-readable preview of a call's arguments (``reprlib``, at most
     :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
+    if len(args) == 1 and not kwargs and type(args[0]) in _PLAIN_TYPES:  # the most common call
+        text = repr(args[0])
+        if len(text) <= _preview.maxother:  # as _plain_preview gives it
+            return f"({text},) {{}}"
     try:
         text = _plain_preview(args, kwargs) or (
             f"{_preview.repr(tuple(args))} {_preview.repr(dict(kwargs))}"
@@ -401,7 +402,7 @@ class _Shape:
     or arguments that do not fit) goes through ``Signature.bind``, which also words the error.
     """
 
-    __slots__ = ("arity", "defaults", "names", "signature")
+    __slots__ = ("defaults", "names", "signature")
 
     def __init__(self, signature: inspect.Signature) -> None:
         self.signature = signature
@@ -409,8 +410,6 @@ class _Shape:
         simple = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
         #: the parameter names in order when all are positional-or-keyword, else None
         self.names: tuple[str, ...] | None = tuple(signature.parameters) if simple else None
-        #: how many parameters it has
-        self.arity = len(signature.parameters)
         #: ``(name, default)`` of the parameters that have a default, in order
         self.defaults = tuple(
             (p.name, p.default) for p in parameters if p.default is not inspect.Parameter.empty
@@ -566,7 +565,7 @@ class LockKeys:
     permits: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.permits <= MAX_PERMITS:
+        if self.permits != 1 and not 1 <= self.permits <= MAX_PERMITS:
             raise ValueError(f"permits must be 1 to {MAX_PERMITS}, got {self.permits!r}")
 
     def slot(self, index: int) -> str:
@@ -597,7 +596,7 @@ def _tagged_keys(head: str, name: bytes, identity: bytes, permits: int) -> LockK
     """The keys ``{head}<digest>}:lock`` and ``:fence``; ``head`` is ``{prefix}{<safe name>:``
     and ``name`` the task name's bytes as :func:`argument_digest` hashes them."""
     tag = head + hashlib.blake2b(name + identity, digest_size=_DIGEST_BYTES).hexdigest()
-    return LockKeys(f"{tag}}}{_LOCK_SUFFIX}", f"{tag}}}:fence", permits)
+    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}:fence", permits)
 
 
 def lock_key_problem(prefix: str, key: str) -> str | None:
@@ -710,7 +709,18 @@ class KeyDeriver:
     unreadable signature), and from :meth:`derive` (a call that cannot be turned into a key).
     """
 
-    __slots__ = ("_func", "_head", "_key_fn", "_name", "_order", "_positional", "_shape", "permits")
+    __slots__ = (
+        "_arity",
+        "_func",
+        "_head",
+        "_key_fn",
+        "_name",
+        "_order",
+        "_positional",
+        "_shape",
+        "_start",
+        "permits",
+    )
 
     def __init__(  # noqa: PLR0917 - derive_keys' arguments, and the permits
         self,
@@ -732,6 +742,10 @@ class KeyDeriver:
         #: by position; empty when the signature has other kinds of parameters
         self._positional: tuple[tuple[int, str, bytes], ...] = ()
         self._shape = _NO_SHAPE
+        #: how many arguments a call gives when it gives every parameter by position (-1: none
+        #: can), and the identity's start: the tag and count of the dict of the arguments
+        self._arity = -1
+        self._start = b""
         if key_fn is not None:  # the signature is never read: key_fn alone makes the key
             return
         shape = self._shape = _shape(func, SingletonKeyError)
@@ -739,9 +753,11 @@ class KeyDeriver:
         keyed = dict.fromkeys(names if names is not None else shape.signature.parameters)
         encoded = [(name, _encode(name, 1, set())) for name in keyed]
         self._order = tuple(sorted(encoded, key=_second))
-        if shape.names is not None:
+        self._start = b"a%s%d:" % (_T_DICT, len(self._order))
+        if shape.names:  # all positional-or-keyword (and at least one)
             position = {name: index for index, name in enumerate(shape.names)}
             self._positional = tuple((position[n], n, code) for n, code in self._order)
+            self._arity = len(shape.names)
 
     def derive(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys:
         """The lock keys of one call (``derive_keys`` with this task's arguments)."""
@@ -752,7 +768,7 @@ class KeyDeriver:
         parts: list[bytes] = []
         name = ""
         try:
-            if self._positional and not kwargs and len(args) == self._shape.arity:
+            if not kwargs and len(args) == self._arity:
                 for index, name, encoded in self._positional:  # noqa: B007 - in the error
                     parts.append(encoded + _encode(args[index], 1, active))
             else:  # keywords, defaults, *args or **kwargs: bound as bind_arguments binds
@@ -763,7 +779,7 @@ class KeyDeriver:
             raise _key_error(name, exc) from exc.__cause__
         except RecursionError:
             raise _too_deep(name) from None
-        identity = b"a%s%d:%s" % (_T_DICT, len(parts), b"".join(parts))
+        identity = self._start + b"".join(parts)
         return _tagged_keys(self._head, self._name, identity, self.permits)
 
 

@@ -59,14 +59,7 @@ class SendAhead:
         the connection broke halfway through the write).
         """
         with self._mutex:
-            try:
-                connection = self._connect()
-                packed = connection.pack_command(*_eval(script, args))  # type: ignore[no-untyped-call]
-                # no health check: it would read a reply that is not its own
-                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-            except redis.RedisError as exc:
-                self._broken(exc)
-                raise
+            self._write(_eval(script, args))
             self._pending.append((script, args, tag))
 
     def call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
@@ -78,29 +71,25 @@ class SendAhead:
         flushed) it is loaded and the call made again, once, through the client's pool; the
         others go as ``EVAL`` (see :func:`_eval`).
         """
+        commands = [_eval(each, arguments) for each, arguments in calls[:-1]]
         script, args = calls[-1]
+        commands.append(("EVALSHA", script.sha, *args))
         with self._mutex:
-            try:
-                connection = self._connect()
-                if len(calls) == 1:
-                    packed = connection.pack_command("EVALSHA", script.sha, *args)  # type: ignore[no-untyped-call]
-                else:
-                    commands = [_eval(each, arguments) for each, arguments in calls[:-1]]
-                    commands.append(("EVALSHA", script.sha, *args))
-                    packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
-                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-            except redis.RedisError as exc:
-                self._broken(exc)
-                raise
-            if len(calls) == 1:
-                self._pending.append((script, args, None))
-            else:
-                self._pending += [(each, arguments, None) for each, arguments in calls]
+            self._write(*commands)
+            self._pending += [(each, arguments, None) for each, arguments in calls]
             self._read_all()  # the replies of the calls sent ahead stay in _done, before ours
             done = self._done
             mine = done[-len(calls) :]
             del done[-len(calls) :]
         return [reply for _, reply in mine]
+
+    def call_one(self, script: Script, args: Sequence[Any]) -> Any:
+        """:meth:`call` of one call (``EVALSHA``): its reply, a value or its exception."""
+        with self._mutex:
+            self._write(("EVALSHA", script.sha, *args))
+            self._pending.append((script, args, None))
+            self._read_all()
+            return self._done.pop()[1]  # the last reply read: the others were sent ahead
 
     def collect(self) -> list[tuple[Any, Any]]:
         """Every ``(tag, reply)`` of the calls written ahead so far, reading what is left."""
@@ -133,6 +122,20 @@ class SendAhead:
             connection.disconnect()  # type: ignore[no-untyped-call]
             connection.connect()  # type: ignore[no-untyped-call]
         return connection
+
+    def _write(self, *commands: Sequence[Any]) -> None:
+        """Send ``commands`` on this process's connection, dropped if that fails (raises)."""
+        try:
+            connection = self._connect()
+            if len(commands) == 1:
+                packed = connection.pack_command(*commands[0])  # type: ignore[no-untyped-call]
+            else:
+                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+            # no health check: it would read a reply that is not its own
+            connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            self._broken(exc)
+            raise
 
     def _forget(self) -> None:
         """After a fork: the calls and the connection are the parent's."""

@@ -340,7 +340,7 @@ class LockStore(ScriptStore):
         written before it."""
         if self._ahead is None:
             return _wire.evalsha(self.client, lua, args)
-        reply = self._ahead.call([(lua, args)])[0]
+        reply = self._ahead.call_one(lua, args)
         if isinstance(reply, Exception):
             raise reply
         return reply
