@@ -199,7 +199,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return _handle_of(self.request)
 
     def singleton_options(self) -> Options:
-        """The checked settings for this task (read from app.conf once, at first use)."""
+        """The checked settings for this task (read from app.conf once, at first use).
+
+        The run's path reads ``self._singleton_opts or self.singleton_options()``: no call
+        once they are read."""
         opts = self._singleton_opts
         if opts is None:
             opts = self._singleton_opts = read_options(self.app.conf, self)
@@ -247,7 +250,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys = self.singleton_keys(args, kwargs)
             except SingletonKeyError as exc:
                 raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
-        opts, request = self.singleton_options(), self.request
+        opts, request = self._singleton_opts or self.singleton_options(), self.request
         try:
             try:
                 self._singleton_acquire(
@@ -272,7 +275,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Celery's apply_async; under lock_on "publish"/"both" a duplicate is not published."""
-        if self.singleton_options().lock_on == "execute":
+        if (self._singleton_opts or self.singleton_options()).lock_on == "execute":
             return super().apply_async(args, kwargs, task_id, **options)
         return self._singleton_publish(args, kwargs, task_id, options, super().apply_async)
 
@@ -812,7 +815,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             renewer.remove(held)
             return
         handle._held = None
-        opts = self.singleton_options()
+        opts = self._singleton_opts or self.singleton_options()
         held.ending = ending_for(opts.completion_ttl, opts.lock_at_least, state)
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)

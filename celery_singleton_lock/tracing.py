@@ -135,7 +135,7 @@ def _first_try(
     except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
         return None
     generation = int(request.get("retries") or 0)
-    opts = task.singleton_options()
+    opts = task._singleton_opts or task.singleton_options()
     renewer = task._singleton_renewer(opts)
     outcome: Acquired | Contended | LockUnavailableError
     try:  # the run's one blocking round trip

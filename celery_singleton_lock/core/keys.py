@@ -156,6 +156,9 @@ for _limit in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset"):
     setattr(_preview, _limit, 4)
 
 
+#: The longest repr of one value the preview shows whole (reprlib's maxstring and maxother).
+_PREVIEW_WHOLE = _preview.maxother
+
 #: Types whose repr the preview shows whole when it is short; reprlib would show the same.
 _PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})
 
@@ -163,7 +166,7 @@ _PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})
 def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The preview of a call of a few short scalars, built without reprlib (which takes ten
     times longer), or None. Gives exactly what reprlib gives: nothing in it is shortened."""
-    limit = _preview.maxother  # == maxstring
+    limit = _PREVIEW_WHOLE
     if len(args) > 4 or len(kwargs) > 4:  # reprlib's maxtuple and maxdict
         return None
     parts = []
@@ -196,7 +199,7 @@ def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
     if len(args) == 1 and not kwargs and type(args[0]) in _PLAIN_TYPES:  # the most common call
         text = repr(args[0])
-        if len(text) <= _preview.maxother:  # as _plain_preview gives it
+        if len(text) <= _PREVIEW_WHOLE:  # as _plain_preview gives it
             return f"({text},) {{}}"
     try:
         text = _plain_preview(args, kwargs) or (
