@@ -16,6 +16,7 @@ no round trip for them (docs/design.md, "A finished message is not run again").
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NoReturn
 
@@ -38,8 +39,10 @@ logger = get_task_logger(__name__)
 FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
 
 
+@functools.lru_cache(maxsize=256)
 def ending_for(completion_ttl: float | None, at_least: float, state: str) -> Ending:
-    """What the release of a run that ended in ``state`` leaves behind."""
+    """What the release of a run that ended in ``state`` leaves behind (worked out once per
+    task settings and state: an :class:`Ending` does not change)."""
     keep_ms = round((completion_ttl or 0) * 1000) if state in FINAL_STATES else 0
     at_least_ms = round(at_least * 1000)
     if not keep_ms and not at_least_ms:

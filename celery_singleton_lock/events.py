@@ -28,22 +28,28 @@ def configure_renewer(renewer: Renewer) -> None:
 def on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, reason: str) -> None:
     """Log (and signal) what the release of a run's lock found."""
     task = held.context
-    name = getattr(task, "name", "?")
-    if isinstance(status, LockUnavailableError):
+    if status is ReleaseStatus.RELEASED:  # the run's path: no call for a line not logged,
+        if logger.isEnabledFor(logging.DEBUG):  # nor for a signal nobody receives
+            logger.debug(
+                "singleton: released %s[%s] key=%s",
+                getattr(task, "name", "?"),
+                held.owner,
+                held.key,
+            )
+        if signals.lock_released.receivers:
+            signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
+    elif isinstance(status, LockUnavailableError):
         logger.warning(
             "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
-            name,
+            getattr(task, "name", "?"),
             held.owner,
             held.key,
             status,
         )
-    elif status is ReleaseStatus.RELEASED:
-        logger.debug("singleton: released %s[%s] key=%s", name, held.owner, held.key)
-        signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
     elif not held.lost:
         logger.warning(
             "singleton: lock was no longer ours at release: %s[%s] key=%s",
-            name,
+            getattr(task, "name", "?"),
             held.owner,
             held.key,
         )

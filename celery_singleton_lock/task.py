@@ -44,7 +44,7 @@ from .core.backend import (
     release_lost_slot,
 )
 from .core.connection import renewer_for, store_for
-from .core.keys import LockKeys, args_preview, derive_keys, scope_key_names
+from .core.keys import KeyDeriver, LockKeys, args_preview, scope_key_names
 from .core.pending import leave_pending
 from .core.renewer import HeldLock, Renewer
 from .errors import (
@@ -170,6 +170,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     Request = "celery_singleton_lock.worker:SingletonRequest"
 
     _singleton_opts: Options | None = None
+    #: the key deriver of this task, and the options it was made from (singleton_keys)
+    _singleton_keyed: tuple[Options, KeyDeriver] | None = None
 
     # The function a worker runs each message through (Celery's ``build_tracer``), wrapped so
     # that the lock is taken before it and a skipped duplicate ends without it (tracing.py).
@@ -194,11 +196,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     @property
     def singleton(self) -> LockHandle:
         """This run's lock: ``fencing_token``, ``lost``, ``key``."""
-        handle = getattr(self.request, "_singleton_handle", None)
-        return handle if isinstance(handle, LockHandle) else NOT_HELD
+        return _handle_of(self.request)
 
     def singleton_options(self) -> Options:
-        """The checked settings for this task (read from app.conf once, at first use)."""
+        """The checked settings for this task (read from app.conf once, at first use).
+
+        The run's path reads ``self._singleton_opts or self.singleton_options()``: no call
+        once they are read."""
         opts = self._singleton_opts
         if opts is None:
             opts = self._singleton_opts = read_options(self.app.conf, self)
@@ -208,15 +212,22 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
     ) -> LockKeys:
         """The lock keys for a call with these arguments."""
+        made = self._singleton_keyed
+        if made is None or made[0] is not self._singleton_opts:  # none yet, or options re-read
+            made = self._singleton_deriver()
+        return made[1].derive(args or (), kwargs or {})
+
+    def _singleton_deriver(self) -> tuple[Options, KeyDeriver]:
+        """How this task's calls become keys, and the options it was made from: made again
+        whenever the options are read again (core/keys.py)."""
         opts = self.singleton_options()
         if opts.scope is None:
             name, key_args = self.name, opts.key_args
         else:  # the scope's name, and argument names in one order for all its tasks
             name, key_args = opts.scope, self._singleton_scope_names()
-        keys = derive_keys(
-            opts.key_prefix, name, self.run, args or (), kwargs or {}, key_args, opts.key
-        )
-        return keys.with_permits(opts.permits)
+        deriver = KeyDeriver(opts.key_prefix, name, self.run, key_args, opts.key, opts.permits)
+        made = self._singleton_keyed = (opts, deriver)
+        return made
 
     def _singleton_scope_names(self) -> tuple[str, ...] | None:
         """The sorted argument names this task keys on in its scope (None with a key callable)."""
@@ -239,15 +250,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                 keys = self.singleton_keys(args, kwargs)
             except SingletonKeyError as exc:
                 raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+        opts, request = self._singleton_opts or self.singleton_options(), self.request
         try:
             try:
-                self._singleton_acquire(task_id, keys, args, kwargs, first)
+                self._singleton_acquire(
+                    task_id, keys, args, kwargs, first, opts=opts, request=request
+                )
             except Skipped as skip:
                 marker = skip.marker
             else:
                 return
         finally:  # the queued marker is handed over to the lock (publish.py)
-            if self.singleton_options().lock_on != "execute" and not self.request.is_eager:
+            if opts.lock_on != "execute" and not request.is_eager:
                 self._singleton_forget_queued(task_id, keys, "start")
         # Raised here, not where the skip was decided: Celery snapshots and formats the
         # traceback of an Ignore twice, and each frame in it costs (docs/performance.md).
@@ -261,7 +275,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Celery's apply_async; under lock_on "publish"/"both" a duplicate is not published."""
-        if self.singleton_options().lock_on == "execute":
+        if (self._singleton_opts or self.singleton_options()).lock_on == "execute":
             return super().apply_async(args, kwargs, task_id, **options)
         return self._singleton_publish(args, kwargs, task_id, options, super().apply_async)
 
@@ -385,24 +399,11 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- acquire ------------------------------------------------------------------------------
 
-    def _singleton_try_acquire(
-        self,
-        task_id: str,
-        keys: LockKeys,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        *,
-        generation: int,
-        hostname: str | None,
-        renewer: Renewer,
-    ) -> Acquired | Contended:
-        """One acquire as ``task_id`` of ``generation``: the run's one blocking round trip."""
-        meta = self._singleton_meta(args, kwargs, hostname)
-        return renewer.acquire(keys, task_id, generation, self.singleton_options().ttl_ms, meta)
-
-    def _singleton_renewer(self) -> Renewer:
-        """This process's renewer for the task's lock store (it takes, renews and releases)."""
-        return renewer_for(self.singleton_options().redis_url, configure_renewer)
+    def _singleton_renewer(self, opts: Options) -> Renewer:
+        """This process's renewer for the task's lock store (it takes, renews and releases):
+        ``renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)`` is a run's one
+        blocking round trip."""
+        return renewer_for(opts.redis_url, configure_renewer)
 
     def _singleton_meta(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], hostname: str | None
@@ -421,38 +422,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         keys: LockKeys,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        first: FirstTry | None = None,
+        first: FirstTry | None,
+        *,
+        opts: Options,
+        request: Any,
     ) -> None:
-        opts = self.singleton_options()
-        request = self.request
-        generation = int(request.retries or 0)
-        renewer = self._singleton_renewer() if first is None else first.renewer
-        try:
-            if first is None:
-                outcome = self._singleton_try_acquire(
-                    task_id,
-                    keys,
-                    args,
-                    kwargs,
-                    generation=generation,
-                    hostname=request.hostname,
-                    renewer=renewer,
-                )
-            elif isinstance(first.outcome, LockUnavailableError):
-                raise first.outcome
-            else:
-                outcome = first.outcome
-            if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
-                meta = self._singleton_meta(args, kwargs, request.hostname)
-                outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
-        except LockUnavailableError as exc:
-            self._singleton_redis_down(opts, keys, task_id, exc)
-            return
-        if isinstance(outcome, Completed):  # this message already ran to its end
-            drop_completed(self, keys.lock, outcome, task_id)
-        if isinstance(outcome, Contended):
-            self._singleton_duplicate(opts, keys, outcome, task_id)
-        key = keys.slot(outcome.slot)  # the lock itself, or the permit slot taken
+        if first is not None and isinstance(first.outcome, Acquired):  # a worker's run: taken
+            outcome, generation, renewer = first.outcome, first.generation, first.renewer
+        else:
+            taken = self._singleton_outcome(first, keys, task_id, args, kwargs, request, opts)
+            if taken is None:  # Redis failed, and the run goes on without the lock
+                return
+            outcome, generation, renewer = taken
+        key = keys.lock if keys.permits == 1 else keys.slot(outcome.slot)  # or the permit slot
         held = HeldLock(
             key=key,
             owner=task_id,
@@ -464,24 +446,61 @@ class SingletonTask(Task):  # type: ignore[misc]
             context=self,
         )
         request._singleton_handle = LockHandle(key, task_id, held, outcome.reentered, renewer)
-        waited = _waited(request)
         renewer.add(held)
-        logger.debug(
-            "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
-            self.name,
-            task_id,
-            key,
-            outcome.token,
-            outcome.reentered,
-        )
-        signals.lock_acquired.send(
-            sender=self,
-            key=key,
-            task_id=task_id,
-            token=outcome.token,
-            reentered=outcome.reentered,
-            waited=waited,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the run's path: no call for a line not logged
+            logger.debug(
+                "singleton: acquired %s[%s] key=%s token=%d reentered=%s",
+                self.name,
+                task_id,
+                key,
+                outcome.token,
+                outcome.reentered,
+            )
+        if signals.lock_acquired.receivers:  # nor for a signal nobody receives
+            signals.lock_acquired.send(
+                sender=self,
+                key=key,
+                task_id=task_id,
+                token=outcome.token,
+                reentered=outcome.reentered,
+                waited=_waited(request),
+            )
+
+    def _singleton_outcome(  # noqa: PLR0917 - what before_start has of the run
+        self,
+        first: FirstTry | None,
+        keys: LockKeys,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        request: Any,
+        opts: Options,
+    ) -> tuple[Acquired, int, Renewer] | None:
+        """The lock this run holds (and its generation, and the renewer that took it), after
+        the acquire :func:`trace_run` made (``first``) or one made now; a duplicate, a message
+        that already completed or Redis down are dealt with by policy (they raise), None for a
+        run that goes on without the lock."""
+        generation = int(request.retries or 0)
+        renewer = self._singleton_renewer(opts) if first is None else first.renewer
+        try:
+            if first is None:
+                meta = self._singleton_meta(args, kwargs, request.hostname)
+                outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
+            elif isinstance(first.outcome, LockUnavailableError):
+                raise first.outcome
+            else:
+                outcome = first.outcome
+            if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
+                meta = self._singleton_meta(args, kwargs, request.hostname)
+                outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
+        except LockUnavailableError as exc:
+            self._singleton_redis_down(opts, keys, task_id, exc)
+            return None
+        if isinstance(outcome, Completed):  # this message already ran to its end
+            drop_completed(self, keys.lock, outcome, task_id)
+        if isinstance(outcome, Contended):
+            self._singleton_duplicate(opts, keys, outcome, task_id)
+        return outcome, generation, renewer
 
     def _singleton_wait_for_parent(
         self,
@@ -794,7 +813,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         Outside eager runs the release leaves the run's critical path: written at once, its
         reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md).
         """
-        handle = self.singleton
+        request = self.request
+        handle = _handle_of(request)
         held, renewer = handle._held, handle._renewer
         if held is None or renewer is None:
             return
@@ -802,13 +822,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             renewer.remove(held)
             return
         handle._held = None
-        opts = self.singleton_options()
+        opts = self._singleton_opts or self.singleton_options()
         held.ending = ending_for(opts.completion_ttl, opts.lock_at_least, state)
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
             self._singleton_follow_up(held.key, state)
             return
-        if not self.request.is_eager:
+        if not request.is_eager:
             renewer.release_later(held, state)
             return
         on_released(held, renewer.release_now(held), state)
@@ -889,6 +909,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         if status in (ReleaseStatus.RELEASED, ReleaseStatus.NOT_HELD):  # or it expired
             self._singleton_follow_up(keys.lock, reason)
         return status
+
+
+def _handle_of(request: Any) -> LockHandle:
+    """The lock handle of the run of ``request`` (:data:`NOT_HELD` when it holds none)."""
+    handle = getattr(request, "_singleton_handle", None)
+    return handle if isinstance(handle, LockHandle) else NOT_HELD
 
 
 def _waiting_since(request: Any) -> list[float] | None:

@@ -96,9 +96,14 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
     first = None if request.get("is_eager") else _first_try(task, uuid, args, kwargs, request)
     if first is None:
         return celery_trace(uuid, args, kwargs, request)
-    if task._singleton_skips(first.outcome, uuid, request.get("parent_id")) and (
-        task.singleton_options().on_duplicate != "coalesce"
-        or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request) is None
+    if (
+        not isinstance(first.outcome, Acquired)  # the lock taken: the common case goes on
+        and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
+        and (
+            task.singleton_options().on_duplicate != "coalesce"
+            or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
+            is None
+        )
     ):  # a duplicate that could not be coalesced goes on to before_start, which requeues it
         try:
             return _skip(task, first, args, kwargs, request)
@@ -130,18 +135,12 @@ def _first_try(
     except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
         return None
     generation = int(request.get("retries") or 0)
-    renewer = task._singleton_renewer()
+    opts = task._singleton_opts or task.singleton_options()
+    renewer = task._singleton_renewer(opts)
     outcome: Acquired | Contended | LockUnavailableError
-    try:
-        outcome = task._singleton_try_acquire(
-            uuid,
-            keys,
-            args,
-            kwargs,
-            generation=generation,
-            hostname=request.get("hostname"),
-            renewer=renewer,
-        )
+    try:  # the run's one blocking round trip
+        meta = task._singleton_meta(args, kwargs, request.get("hostname"))
+        outcome = renewer.acquire(keys, uuid, generation, opts.ttl_ms, meta)
     except LockUnavailableError as exc:
         outcome = exc
     return FirstTry(uuid, keys, generation, outcome, renewer)

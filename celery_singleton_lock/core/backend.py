@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
@@ -325,8 +326,7 @@ def acquire_args(  # noqa: PLR0917 - acquire.lua's KEYS and ARGV, in order
     done = done_key(keys.lock, owner)
     args: list[Any] = [3, keys.lock, keys.fence, done, owner, generation, ttl_ms, fence_ttl_ms]
     if meta:
-        for item in meta.items():
-            args += item
+        args += itertools.chain.from_iterable(meta.items())
     return args
 
 

@@ -64,6 +64,8 @@ def done_key(lock_key: str, owner: str) -> str:
     permit slot ``{prefix}{tag}:lock:<i>`` the same one (one record per owner, whichever slot
     its run held). Beside a key of another shape (a store's caller may lock any key):
     ``<key>:done:<owner>``."""
+    if lock_key.endswith(":lock"):  # a lock key: what the pattern finds there, at less cost
+        return f"{lock_key[:-5]}:done:{owner}"
     match = _LOCK_END.search(lock_key)
     base = lock_key[: match.start()] if match else lock_key
     return f"{base}:done:{owner}"

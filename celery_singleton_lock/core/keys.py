@@ -45,6 +45,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_PREFIX_CHARS",
     "MAX_PREVIEW_CHARS",
+    "KeyDeriver",
     "LockKeys",
     "args_preview",
     "argument_digest",
@@ -155,6 +156,9 @@ for _limit in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset"):
     setattr(_preview, _limit, 4)
 
 
+#: The longest repr of one value the preview shows whole (reprlib's maxstring and maxother).
+_PREVIEW_WHOLE = _preview.maxother
+
 #: Types whose repr the preview shows whole when it is short; reprlib would show the same.
 _PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})
 
@@ -162,9 +166,9 @@ _PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})
 def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The preview of a call of a few short scalars, built without reprlib (which takes ten
     times longer), or None. Gives exactly what reprlib gives: nothing in it is shortened."""
+    limit = _PREVIEW_WHOLE
     if len(args) > 4 or len(kwargs) > 4:  # reprlib's maxtuple and maxdict
         return None
-    limit = _preview.maxother  # == maxstring
     parts = []
     for value in args:
         if type(value) not in _PLAIN_TYPES:
@@ -193,6 +197,10 @@ def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None
 def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     """A short, human-readable preview of a call's arguments (``reprlib``, at most
     :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
+    if len(args) == 1 and not kwargs and type(args[0]) in _PLAIN_TYPES:  # the most common call
+        text = repr(args[0])
+        if len(text) <= _PREVIEW_WHOLE:  # as _plain_preview gives it
+            return f"({text},) {{}}"
     try:
         text = _plain_preview(args, kwargs) or (
             f"{_preview.repr(tuple(args))} {_preview.repr(dict(kwargs))}"
@@ -383,20 +391,6 @@ def canonical_encode(value: object, path: str = "value") -> bytes:
         raise _too_deep(path) from None
 
 
-def _encode_arguments(arguments: Mapping[str, Any]) -> bytes:
-    """``canonical_encode(dict(arguments))``, but errors name the argument, not ``value``."""
-    active: set[int] = set()
-    pairs: list[tuple[bytes, bytes]] = []
-    for name, value in arguments.items():
-        try:
-            pairs.append((_encode(name, 1, active), _encode(value, 1, active)))
-        except _EncodeError as exc:
-            raise _key_error(name, exc) from exc.__cause__
-        except RecursionError:
-            raise _too_deep(name) from None
-    return _encode_dict_pairs(pairs)
-
-
 def _describe(func: object) -> str:
     name = getattr(func, "__qualname__", None)
     return name if isinstance(name, str) else repr(func)
@@ -519,6 +513,16 @@ def bind_arguments(
     """
     shape = _shape(func, SingletonKeyError)
     names = _key_arg_names(func, shape.signature, key_args)
+    arguments = _bind(shape, func, args, kwargs)
+    if names is None:
+        return arguments
+    return {name: arguments[name] for name in names}
+
+
+def _bind(
+    shape: _Shape, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Every parameter of ``func`` (``shape``) bound to this call, defaults applied."""
     arguments = shape.bind(args, kwargs)
     if arguments is None:
         try:
@@ -529,9 +533,7 @@ def bind_arguments(
             ) from exc
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-    if names is None:
-        return arguments
-    return {name: arguments[name] for name in names}
+    return arguments
 
 
 def argument_digest(task_name: str, identity: bytes) -> str:
@@ -566,7 +568,7 @@ class LockKeys:
     permits: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.permits <= MAX_PERMITS:
+        if self.permits != 1 and not 1 <= self.permits <= MAX_PERMITS:
             raise ValueError(f"permits must be 1 to {MAX_PERMITS}, got {self.permits!r}")
 
     def slot(self, index: int) -> str:
@@ -589,8 +591,15 @@ class LockKeys:
 
 def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
     """Keys for ``identity`` of ``task_name``: ``{prefix}{name:digest}:lock`` and ``:fence``."""
-    tag = f"{{{safe_name(task_name)}:{argument_digest(task_name, identity)}}}"
-    return LockKeys(lock=f"{prefix}{tag}{_LOCK_SUFFIX}", fence=f"{prefix}{tag}:fence")
+    safe, name = _name_parts(task_name)
+    return _tagged_keys(f"{prefix}{{{safe}:", name, identity, 1)
+
+
+def _tagged_keys(head: str, name: bytes, identity: bytes, permits: int) -> LockKeys:
+    """The keys ``{head}<digest>}:lock`` and ``:fence``; ``head`` is ``{prefix}{<safe name>:``
+    and ``name`` the task name's bytes as :func:`argument_digest` hashes them."""
+    tag = head + hashlib.blake2b(name + identity, digest_size=_DIGEST_BYTES).hexdigest()
+    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}:fence", permits)
 
 
 def lock_key_problem(prefix: str, key: str) -> str | None:
@@ -690,8 +699,96 @@ def derive_keys(  # noqa: PLR0917 - the documented positional API
     returns; otherwise it is the bound arguments (all, or the ``key_args`` subset). Raises
     :class:`SingletonKeyError` when the call cannot be turned into a key.
     """
-    if key_fn is not None:
-        identity = b"k" + _key_fn_identity(key_fn, args, kwargs)
-    else:
-        identity = b"a" + _encode_arguments(bind_arguments(func, args, kwargs, key_args))
-    return lock_keys(prefix, task_name, identity)
+    return KeyDeriver(prefix, task_name, func, key_args, key_fn).derive(args, kwargs)
+
+
+class KeyDeriver:
+    """:func:`derive_keys` for one task, with what does not change from call to call worked
+    out once: the key's head, the parameters keyed on and their encoded names, in the order
+    the encoding sorts them. A task keeps one (task.py): a call then costs its binding, its
+    values' encoding and the digest.
+
+    Raises as :func:`derive_keys`: when made (a ``key_args`` name that is not a parameter, an
+    unreadable signature), and from :meth:`derive` (a call that cannot be turned into a key).
+    """
+
+    __slots__ = (
+        "_arity",
+        "_func",
+        "_head",
+        "_key_fn",
+        "_name",
+        "_order",
+        "_positional",
+        "_shape",
+        "_start",
+        "permits",
+    )
+
+    def __init__(  # noqa: PLR0917 - derive_keys' arguments, and the permits
+        self,
+        prefix: str,
+        task_name: str,
+        func: Callable[..., Any],
+        key_args: Sequence[str] | None = None,
+        key_fn: Callable[[Sequence[Any], Mapping[str, Any]], str] | None = None,
+        permits: int = 1,
+    ) -> None:
+        safe, self._name = _name_parts(task_name)
+        self._head = f"{prefix}{{{safe}:"
+        self._func = func
+        self._key_fn = key_fn
+        self.permits = permits
+        #: (parameter name, its encoding), sorted as the encoding of their dict sorts them
+        self._order: tuple[tuple[str, bytes], ...] = ()
+        #: (position, name, its encoding) in that order, for a call that gives every parameter
+        #: by position; empty when the signature has other kinds of parameters
+        self._positional: tuple[tuple[int, str, bytes], ...] = ()
+        self._shape = _NO_SHAPE
+        #: how many arguments a call gives when it gives every parameter by position (-1: none
+        #: can), and the identity's start: the tag and count of the dict of the arguments
+        self._arity = -1
+        self._start = b""
+        if key_fn is not None:  # the signature is never read: key_fn alone makes the key
+            return
+        shape = self._shape = _shape(func, SingletonKeyError)
+        names = _key_arg_names(func, shape.signature, key_args)
+        keyed = dict.fromkeys(names if names is not None else shape.signature.parameters)
+        encoded = [(name, _encode(name, 1, set())) for name in keyed]
+        self._order = tuple(sorted(encoded, key=_second))
+        self._start = b"a%s%d:" % (_T_DICT, len(self._order))
+        if shape.names:  # all positional-or-keyword (and at least one)
+            position = {name: index for index, name in enumerate(shape.names)}
+            self._positional = tuple((position[n], n, code) for n, code in self._order)
+            self._arity = len(shape.names)
+
+    def derive(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys:
+        """The lock keys of one call (``derive_keys`` with this task's arguments)."""
+        if self._key_fn is not None:
+            identity = b"k" + _key_fn_identity(self._key_fn, args, kwargs)
+            return _tagged_keys(self._head, self._name, identity, self.permits)
+        active: set[int] = set()
+        parts: list[bytes] = []
+        name = ""
+        try:
+            if not kwargs and len(args) == self._arity:
+                for index, name, encoded in self._positional:  # noqa: B007 - in the error
+                    parts.append(encoded + _encode(args[index], 1, active))
+            else:  # keywords, defaults, *args or **kwargs: bound as bind_arguments binds
+                arguments = _bind(self._shape, self._func, args, kwargs)
+                for name, encoded in self._order:
+                    parts.append(encoded + _encode(arguments[name], 1, active))
+        except _EncodeError as exc:
+            raise _key_error(name, exc) from exc.__cause__
+        except RecursionError:
+            raise _too_deep(name) from None
+        identity = self._start + b"".join(parts)
+        return _tagged_keys(self._head, self._name, identity, self.permits)
+
+
+#: the shape of a KeyDeriver with a key_fn (it binds nothing)
+_NO_SHAPE = _Shape(inspect.Signature())
+
+
+def _second(pair: tuple[str, bytes]) -> bytes:
+    return pair[1]

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,7 +286,7 @@ class Renewer:
         """Hand the outcome of every release written ahead to ``on_released``; how many."""
         done = self.store.collect_released()
         if done:
-            self.report_releases([tag for tag, _ in done], [outcome for _, outcome in done])
+            self._report(done)
         return len(done)
 
     def report_releases(
@@ -295,7 +295,12 @@ class Renewer:
         outcomes: list[ReleaseStatus | LockUnavailableError],
     ) -> None:
         """Hand the outcome of each release in ``taken`` to ``on_released``."""
-        for (held, reason), outcome in zip(taken, outcomes, strict=True):
+        self._report(zip(taken, outcomes, strict=True))
+
+    def _report(
+        self, done: Iterable[tuple[tuple[HeldLock, str], ReleaseStatus | LockUnavailableError]]
+    ) -> None:
+        for (held, reason), outcome in done:
             try:
                 self.on_released(held, outcome, reason)
             except Exception:  # one callback must not lose the others' reports

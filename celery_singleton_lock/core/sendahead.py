@@ -59,12 +59,7 @@ class SendAhead:
         the connection broke halfway through the write).
         """
         with self._mutex:
-            try:
-                connection = self._connect()
-                _write(connection, connection.pack_command(*_eval(script, args)))  # type: ignore[no-untyped-call]
-            except redis.RedisError as exc:
-                self._broken(exc)
-                raise
+            self._write(_eval(script, args))
             self._pending.append((script, args, tag))
 
     def call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
@@ -76,29 +71,25 @@ class SendAhead:
         flushed) it is loaded and the call made again, once, through the client's pool; the
         others go as ``EVAL`` (see :func:`_eval`).
         """
+        commands = [_eval(each, arguments) for each, arguments in calls[:-1]]
+        script, args = calls[-1]
+        commands.append(("EVALSHA", script.sha, *args))
         with self._mutex:
-            return self._call(calls)
+            self._write(*commands)
+            self._pending += [(each, arguments, None) for each, arguments in calls]
+            self._read_all()  # the replies of the calls sent ahead stay in _done, before ours
+            done = self._done
+            mine = done[-len(calls) :]
+            del done[-len(calls) :]
+        return [reply for _, reply in mine]
 
-    def _call(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
-        mine: list[_Pending] = [(script, args, None) for script, args in calls]
-        ahead = len(self._pending)
-        commands = [_eval(script, args) for script, args, _ in mine[:-1]]
-        commands.append(("EVALSHA", mine[-1][0].sha, *mine[-1][1]))
-        try:
-            connection = self._connect()
-            if len(commands) == 1:
-                packed = connection.pack_command(*commands[0])  # type: ignore[no-untyped-call]
-            else:
-                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
-            _write(connection, packed)
-        except redis.RedisError as exc:
-            self._broken(exc)
-            raise
-        self._pending += mine
-        replies = self._read_all()
-        if ahead:
-            self._done += replies[:ahead]
-        return [reply for _, reply in replies[ahead:]]
+    def call_one(self, script: Script, args: Sequence[Any]) -> Any:
+        """:meth:`call` of one call (``EVALSHA``): its reply, a value or its exception."""
+        with self._mutex:
+            self._write(("EVALSHA", script.sha, *args))
+            self._pending.append((script, args, None))
+            self._read_all()
+            return self._done.pop()[1]  # the last reply read: the others were sent ahead
 
     def collect(self) -> list[tuple[Any, Any]]:
         """Every ``(tag, reply)`` of the calls written ahead so far, reading what is left."""
@@ -107,8 +98,9 @@ class SendAhead:
         with self._mutex:
             if self._pid != current_pid():
                 self._forget()
-            done = self._done + self._read_all()
-            self._done = []
+            if self._pending:
+                self._read_all()
+            done, self._done = self._done, []
             return done
 
     # -- the connection ------------------------------------------------------------------------
@@ -131,6 +123,20 @@ class SendAhead:
             connection.connect()  # type: ignore[no-untyped-call]
         return connection
 
+    def _write(self, *commands: Sequence[Any]) -> None:
+        """Send ``commands`` on this process's connection, dropped if that fails (raises)."""
+        try:
+            connection = self._connect()
+            if len(commands) == 1:
+                packed = connection.pack_command(*commands[0])  # type: ignore[no-untyped-call]
+            else:
+                packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+            # no health check: it would read a reply that is not its own
+            connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            self._broken(exc)
+            raise
+
     def _forget(self) -> None:
         """After a fork: the calls and the connection are the parent's."""
         self._pid = current_pid()
@@ -138,14 +144,15 @@ class SendAhead:
         self._pending = []
         self._done = []
 
-    def _read_all(self) -> list[tuple[Any, Any]]:
-        """Read the reply of every pending call, in order; a missing script (only the last
-        call of a batch uses ``EVALSHA``) is loaded and its call made again."""
+    def _read_all(self) -> None:
+        """Read the reply of every pending call, in order, into ``_done``; a missing script
+        (only the last call of a batch uses ``EVALSHA``) is loaded and its call made again."""
         pending, self._pending = self._pending, []
         connection = self._connection
-        replies: list[tuple[Any, Any]] = []
-        for index, (script, args, tag) in enumerate(pending):
-            assert connection is not None
+        assert connection is not None
+        done = self._done
+        read = len(done)
+        for script, args, tag in pending:
             try:
                 reply: Any = connection.read_response()
             except NoScriptError:
@@ -154,10 +161,9 @@ class SendAhead:
                 reply = exc
             except redis.RedisError as exc:  # the connection is gone, with every later reply
                 self._broken(exc)
-                replies += [(t, exc) for _, _, t in pending[index:]]
+                done += [(each, exc) for _, _, each in pending[len(done) - read :]]
                 break
-            replies.append((tag, reply))
-        return replies
+            done.append((tag, reply))
 
     def _again(self, script: Script, args: Sequence[Any]) -> Any:
         """A call that did not run (no such script on the server): load it, run it now."""
@@ -198,8 +204,3 @@ def _readable(connection: Connection) -> bool:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):  # closed under us
         return True
-
-
-def _write(connection: Connection, packed: Any) -> None:
-    """Send packed commands; no health check (it would read a reply that is not its own)."""
-    connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]

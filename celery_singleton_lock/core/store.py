@@ -258,7 +258,7 @@ class LockStore(ScriptStore):
     def collect_released(self) -> list[tuple[Any, ReleaseStatus | LockUnavailableError]]:
         """``(tag, status)`` of every :meth:`release_ahead` not yet collected, in order."""
         ahead = self._ahead
-        if ahead is None or not len(ahead):
+        if ahead is None:
             return []
         return [
             (tag, release_outcome((key, owner), reply))
@@ -340,7 +340,7 @@ class LockStore(ScriptStore):
         written before it."""
         if self._ahead is None:
             return _wire.evalsha(self.client, lua, args)
-        reply = self._ahead.call([(lua, args)])[0]
+        reply = self._ahead.call_one(lua, args)
         if isinstance(reply, Exception):
             raise reply
         return reply

@@ -781,6 +781,56 @@ def test_binding_matches_signature_bind(
     assert list(bind_arguments(task, tuple(args), kwargs).items()) == list(bound.arguments.items())
 
 
+@given(
+    signatures(),
+    st.lists(
+        st.integers(-5, 5) | st.text(max_size=3) | st.lists(st.none(), max_size=2), max_size=6
+    ),
+    st.dictionaries(
+        st.sampled_from(["p0", "p1", "p2", "p3", "p4", "zz"]), st.integers(), max_size=4
+    ),
+    st.data(),
+)
+def test_key_deriver_gives_the_key_of_the_bound_arguments(
+    signature: inspect.Signature, args: list[Any], kwargs: dict[str, int], data: st.DataObject
+) -> None:
+    """A task's KeyDeriver (names encoded and sorted once, positional calls unbound) gives
+    the key of its bound arguments' canonical encoding, and the same errors, for every call."""
+
+    def task(*a: Any, **k: Any) -> None:
+        """Takes anything; its signature is set below."""
+
+    task.__signature__ = signature  # type: ignore[attr-defined]
+    names = list(signature.parameters)
+    key_args = data.draw(
+        st.none() | st.lists(st.sampled_from(names), max_size=4) if names else st.none()
+    )
+    deriver = keys.KeyDeriver("p:", "t", task, key_args, None, 3)
+    try:
+        identity = b"a" + canonical_encode(bind_arguments(task, args, kwargs, key_args))
+    except SingletonKeyError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    if error:
+        with pytest.raises(SingletonKeyError) as info:
+            deriver.derive(args, kwargs)
+        assert str(info.value) == error
+        return
+    expected = lock_keys("p:", "t", identity).with_permits(3)
+    assert deriver.derive(args, kwargs) == expected
+    assert deriver.derive(tuple(args), kwargs) == expected
+    assert derive_keys("p:", "t", task, args, kwargs, key_args).with_permits(3) == expected
+
+
+def test_key_deriver_names_the_argument_it_cannot_encode() -> None:
+    """A call given by position that cannot be encoded names its argument, as a bound one."""
+    deriver = keys.KeyDeriver("p:", "t", _sync)
+    for args, kwargs in (((object(), True), {}), ((object(),), {"full": True})):
+        with pytest.raises(SingletonKeyError, match="argument 'account_id' at account_id"):
+            deriver.derive(args, kwargs)
+
+
 _plain = (
     st.integers()
     | st.integers(10**21, 10**26).filter(lambda n: n > 10**23)  # around where reprlib shortens
