@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Task
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .core.pending import Run, put_back, take_pending
 
@@ -56,17 +56,25 @@ def call_record(
 def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
     """Take ``lock_key``'s pending record if no run holds the lock, and publish it; the
     follow-up's task id, or None when there was nothing to publish (or it failed: then logged
-    and put back)."""
+    and put back; or the record is no call this app wrote: then logged and dropped)."""
     record = take_pending(run, lock_key)
     if record is None:
         return None
-    follow_up = record.get("id", b"").decode()
-    name = record.get("task", b"").decode() or task.name
+    follow_up = record.get("id", b"").decode(errors="replace")
+    name = record.get("task", b"").decode(errors="replace") or task.name
     try:
-        args, kwargs = loads(  # type: ignore[no-untyped-call]
-            record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=None
+        args, kwargs, options = _call_of(task, record)
+    except Exception as exc:  # not written by this app: never loaded, never put back
+        logger.error(
+            "singleton: coalesced follow-up dropped, not a call this app wrote or accepts: "
+            "%s[%s] key=%s: %r",
+            name,
+            follow_up,
+            lock_key,
+            exc,
         )
-        options = {field: record[field].decode() for field in _ROUTE if field in record}
+        return None
+    try:
         target = task.app.tasks.get(name)
         if target is None:
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
@@ -81,9 +89,24 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         name,
         follow_up,
         lock_key,
-        record.get("count", b"?").decode(),
+        record.get("count", b"?").decode(errors="replace"),
     )
     return follow_up
+
+
+def _call_of(
+    task: Task, record: Mapping[str, bytes]
+) -> tuple[list[Any], dict[str, Any], dict[str, str]]:
+    """The args, kwargs and route of a pending record, read with the app's ``accept_content``
+    (a content type it does not accept raises ``ContentDisallowed``, before any decoding)."""
+    accept = prepare_accept_content(task.app.conf.accept_content)  # type: ignore[no-untyped-call]
+    args, kwargs = loads(  # type: ignore[no-untyped-call]
+        record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=accept
+    )
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
+        raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
+    options = {field: record[field].decode() for field in _ROUTE if field in record}
+    return list(args), dict(kwargs), options
 
 
 def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:

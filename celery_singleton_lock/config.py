@@ -517,6 +517,12 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
             f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' needs "
             "singleton_lock_on 'execute' (a duplicate is coalesced where it runs)"
         )
+    if values["on_duplicate"] == "coalesce" and values["lock_at_least"] > 0:
+        raise SingletonConfigError(
+            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' does not go with "
+            "singleton_lock_at_least (a burst met in the window would give two runs after it, "
+            "not one follow-up); use 'skip' or 'retry' with a window, or coalesce without one"
+        )
     if values["permits"] > 1:
         _check_permits(task_name, values)
     return Options(**values)

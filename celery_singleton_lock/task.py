@@ -434,7 +434,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if taken is None:  # Redis failed, and the run goes on without the lock
                 return
             outcome, generation, renewer = taken
-        key = keys.lock if outcome.slot == 1 else keys.slot(outcome.slot)  # or the permit's
+        key = keys.lock if keys.permits == 1 else keys.slot(outcome.slot)  # or the permit slot
         held = HeldLock(
             key=key,
             owner=task_id,
@@ -630,14 +630,19 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         None when left; else the countdown to requeue the duplicate after, never dropping it:
         the holder let go meanwhile (at once, or after an at-least window's end: it then takes
-        the lock or meets its new holder), or Redis failed (``retry_countdown``)."""
+        the lock or meets its new holder), or Redis failed (``retry_countdown``).
+
+        Left, the duplicate's message is recorded as completed (as a run's release records
+        it): the follow-up carries its call, so a broker's copy of it is dropped."""
+        opts = self.singleton_options()
         try:
             left = leave_pending(
-                store_for(self.singleton_options().redis_url).run_script,
+                store_for(opts.redis_url).run_script,
                 keys.lock,
                 holder,
                 uuid(),
                 call_record(self, request, args, kwargs),
+                (task_id, _retries(request), round((opts.completion_ttl or 0) * 1000)),
             )
         except _FORGET_ERRORS as exc:
             logger.warning(
@@ -646,8 +651,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 task_id,
                 keys.lock,
                 exc,
+                extra=_about(self.name, task_id),  # called in front of Celery's tracer too
             )
-            return self.singleton_options().retry_countdown
+            return opts.retry_countdown
         if left.follow_up is None:
             logger.info(
                 "singleton: holder let go before coalescing, requeued: %s[%s] key=%s holder=%s",
@@ -655,6 +661,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 task_id,
                 keys.lock,
                 holder,
+                extra=_about(self.name, task_id),
             )
             return max(left.pttl_ms, 0) / 1000 if left.finished else 0.0
         if isinstance(request, dict):
@@ -924,6 +931,12 @@ def _waiting_since(request: Any) -> list[float] | None:
     return [since, retries]
 
 
+def _retries(request: Any) -> int:
+    """The retries count of a Celery request: a Context, or the dict a worker's tracer gets."""
+    value = request.get("retries") if isinstance(request, dict) else request.retries
+    return int(value or 0)
+
+
 def _waited(request: Any) -> float | None:
     """Seconds since this message was first requeued to wait for its lock, or None."""
     since = _waiting_since(request)
@@ -939,21 +952,40 @@ def _about(name: str, task_id: str) -> dict[str, str]:
 
 def check_scopes(tasks: Iterable[SingletonTask]) -> None:
     """Raise :class:`SingletonConfigError` unless the tasks sharing a scope all key on the same
-    argument names, or all on a ``singleton_key`` callable (checked at worker start)."""
-    scopes: dict[str, dict[str, tuple[str, ...] | None]] = {}
+    argument names (or all on a ``singleton_key`` callable), take the same number of permits,
+    and all coalesce or none does (checked at worker start)."""
+    scopes: dict[str, dict[str, SingletonTask]] = {}
     for task in tasks:
         scope = task.singleton_options().scope
         if scope is not None:
-            scopes.setdefault(scope, {})[task.name] = task._singleton_scope_names()
+            scopes.setdefault(scope, {})[task.name] = task
     for scope, members in sorted(scopes.items()):
-        if len(set(members.values())) > 1:
+        names = {name: task._singleton_scope_names() for name, task in members.items()}
+        if len(set(names.values())) > 1:
             keyed = "; ".join(
-                f"{name} on {'a key callable' if names is None else ', '.join(names)}"
-                for name, names in sorted(members.items())
+                f"{name} on {'a key callable' if keys is None else ', '.join(keys)}"
+                for name, keys in sorted(names.items())
             )
             raise SingletonConfigError(
                 f"the tasks of scope {scope!r} must key on the same argument names: {keyed}"
             )
+        permits = {name: task.singleton_options().permits for name, task in members.items()}
+        if len(set(permits.values())) > 1:  # 1 permit locks the key itself, N its N slots
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must take the same singleton_permits, or they "
+                f"never exclude each other: {_listed(permits)}"
+            )
+        policies = {name: task.singleton_options().on_duplicate for name, task in members.items()}
+        if len({p == "coalesce" for p in policies.values()}) > 1:
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must all use singleton_on_duplicate 'coalesce' or "
+                "none of them (only a coalescing run's release publishes the follow-up left "
+                f"beside it): {_listed(policies)}"
+            )
+
+
+def _listed(values: Mapping[str, object]) -> str:
+    return "; ".join(f"{name} {value}" for name, value in sorted(values.items()))
 
 
 def _retry_delay(eta: datetime | None, countdown: float | None, default: float | None) -> float:

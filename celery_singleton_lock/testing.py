@@ -13,6 +13,7 @@ there in every pytest run of a project that installs this library. See docs/test
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,10 +47,18 @@ def _delete_prefix(client: Any, prefix: str) -> int:
 
 
 def held_locks(app: Celery, prefix: str) -> list[str]:
-    """The lock keys (``...:lock``) that exist under ``prefix`` in the app's lock store."""
+    """The lock keys (``...:lock``, and the permit slots ``...:lock:<i>`` of a task with
+    ``singleton_permits`` > 1) that exist under ``prefix`` in the app's lock store."""
     client = store_for(resolve_redis_url(app.conf)).client
-    keys = client.scan_iter(match=f"{prefix}*:lock", count=1000)
-    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+    keys = (
+        k.decode() if isinstance(k, bytes) else str(k)
+        for k in client.scan_iter(match=f"{prefix}*:lock*", count=1000)
+    )
+    return sorted(k for k in keys if _LOCK_KEY.search(k[len(prefix) :]))
+
+
+#: the end of a lock key or of one of its permit slots (core/keys.py)
+_LOCK_KEY = re.compile(r":lock(?::[0-9]+)?\Z")
 
 
 @contextmanager

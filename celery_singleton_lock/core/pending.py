@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._wire import Script, as_text, script
+from .completion import done_key
 
 __all__ = [
     "PENDING_SUFFIX",
     "PENDING_TTL_MS",
+    "Done",
     "Left",
     "leave_pending",
     "lock_key_of",
@@ -46,6 +48,10 @@ PENDING_SUFFIX = ":pending"
 
 #: ``run_script`` of a store (``LockBackend.run_script``)
 Run = Callable[[Script, Sequence[Any]], Any]
+
+#: A coalesced duplicate's message: its task id, generation and how long its completion is
+#: kept, ms (core/completion.py)
+Done = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,29 @@ def lock_key_of(pending: str) -> str:
     return pending[: -len(PENDING_SUFFIX)] + _LOCK_SUFFIX
 
 
-def leave_pending(
-    run: Run, lock_key: str, holder: str, follow_up: str, call: Mapping[str, str | bytes]
+def leave_pending(  # noqa: PLR0917 - the duplicate's call, and what it leaves behind
+    run: Run,
+    lock_key: str,
+    holder: str,
+    follow_up: str,
+    call: Mapping[str, str | bytes],
+    duplicate: Done | None = None,
 ) -> Left:
-    """Leave ``call`` as the follow-up of ``lock_key`` if ``holder`` still holds it."""
-    args: list[Any] = [2, lock_key, pending_key(lock_key), holder, follow_up, PENDING_TTL_MS]
+    """Leave ``call`` as the follow-up of ``lock_key`` if ``holder`` still holds it; with
+    ``duplicate``, also record the duplicate's message as completed (the follow-up carries
+    its call: a copy of it is dropped, not run again)."""
+    owner, generation, keep_ms = duplicate or ("", 0, 0)
+    args: list[Any] = [
+        3,
+        lock_key,
+        pending_key(lock_key),
+        done_key(lock_key, owner),
+        holder,
+        follow_up,
+        PENDING_TTL_MS,
+        generation,
+        keep_ms if owner else 0,
+    ]
     for item in call.items():
         args += item
     reply = run(script("coalesce.lua"), args)

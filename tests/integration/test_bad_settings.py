@@ -52,6 +52,16 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
             "singleton_permits",
             "redis+redlock://",
         ),
+        (  # coalesce with an at-least window: a burst in the window is not one follow-up
+            {"SINGLETON_TEST_WINDOW_COALESCE": "1"},
+            "task t.window_coalesce: singleton_on_duplicate 'coalesce'",
+            "singleton_lock_at_least",
+        ),
+        (  # a task of scope tenant-sync with 2 permits, the others with 1: they never meet
+            {"SINGLETON_TEST_BAD_SCOPE_PERMITS": "1"},
+            "scope 'tenant-sync' must take the same singleton_permits",
+            "t.tenant_import 1; t.tenant_permits 2",
+        ),
     ],
     ids=[
         "ttl-zero",
@@ -62,6 +72,8 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
         "url-port",
         "scope",
         "permits-redlock",
+        "coalesce-window",
+        "scope-permits",
     ],
 )
 def test_worker_refuses_to_start(

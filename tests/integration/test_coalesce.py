@@ -18,6 +18,7 @@ from celery_singleton_lock import skip_info
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.pending import pending_key
 from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.chaos import deliveries_key
 from tests.support.history import assert_no_overlap, check_history, load_history, server_time_us
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -29,8 +30,8 @@ def _signature(key: str, seconds: float = 0.0, payload: Any = None) -> None:
     """Same parameters as t.hold_coalesce."""
 
 
-def _lock_key(prefix: str, key: str) -> str:
-    return derive_keys(f"{prefix}lock:", TASK, _signature, (), {"key": key}, ("key",)).lock
+def _lock_key(prefix: str, key: str, task: str = TASK) -> str:
+    return derive_keys(f"{prefix}lock:", task, _signature, (), {"key": key}, ("key",)).lock
 
 
 def _runs(client: redis.Redis, prefix: str, key: str) -> int:
@@ -40,6 +41,27 @@ def _runs(client: redis.Redis, prefix: str, key: str) -> int:
 def _coalesced(result: AsyncResult) -> str | None:
     info = skip_info(result) if result.ready() else None
     return None if info is None else info.follow_up
+
+
+def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
+    worker: WorkerProcess,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    task: str,
+    key: str,
+    seconds: float,
+    payload: str,
+) -> tuple[AsyncResult, AsyncResult, str]:
+    """A holder of ``key`` (payload "held") running ``seconds``, and one duplicate coalesced
+    onto it: the holder's and the duplicate's results, and the follow-up's task id."""
+    holder = client_app.send_task(task, kwargs={"key": key, "seconds": seconds, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    duplicate = client_app.send_task(task, kwargs={"key": key, "payload": payload})
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+    return holder, duplicate, follow_up
 
 
 @pytest.fixture
@@ -103,12 +125,9 @@ def test_killed_holder_follow_up_published_by_main_process(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     key, lock = "killed", _lock_key(key_prefix, "killed")
-    holder = client_app.send_task(TASK, kwargs={"key": key, "seconds": 30, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
-    duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": "after"})
-    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
-    follow_up = _coalesced(duplicate)
-    assert follow_up is not None
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, TASK, key, 30, "after"
+    )
 
     pid = int(redis_client.hget(lock, "pid") or 0)
     os.kill(pid, signal.SIGKILL)
@@ -154,3 +173,87 @@ def test_pending_of_an_expired_lock_published_by_the_next_holder(
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
     assert not redis_client.exists(pending)
+
+
+# -- with completion records: copies of a coalesced message (acks_late, visibility timeout) -------
+
+LATE = "t.coalesce_late"
+
+
+@pytest.mark.slow(seconds=10)
+def test_copies_of_the_holder_the_duplicate_and_the_follow_up_never_run_again(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """t.coalesce_late is acked late, so its runs record their completion. After a holder with
+    a pending follow-up, the coalesced duplicate and the follow-up have all ended, a broker's
+    copy of each (same task id, same retries count, as a redelivery after the visibility
+    timeout) is dropped: nothing runs twice, no second follow-up is published, and the
+    duplicate's call, already carried by the follow-up, is not run again with its stale
+    arguments."""
+    key = "late"
+    holder, duplicate, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, LATE, key, 2, "v2"
+    )
+    assert holder.get(timeout=10)["payload"] == "held"
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "v2"
+    wait_for(
+        lambda: not redis_client.exists(_lock_key(key_prefix, key, LATE)), 5, "the release", worker
+    )
+
+    copies = [
+        client_app.send_task(
+            LATE, kwargs={"key": key, "seconds": 2, "payload": "held"}, task_id=holder.id
+        ),
+        client_app.send_task(LATE, kwargs={"key": key, "payload": "v2"}, task_id=duplicate.id),
+        client_app.send_task(LATE, kwargs={"key": key, "payload": "v2"}, task_id=follow_up),
+    ]
+    dropped = "singleton: already completed, redelivery dropped: t.coalesce_late[{}]"
+    wait_for(
+        lambda: all(dropped.format(c.id) in worker.log_text() for c in copies),
+        10,
+        "every copy dropped",
+        worker,
+    )
+    for task_id in (holder.id, follow_up):
+        assert int(redis_client.get(deliveries_key(key_prefix, task_id)) or 0) == 1
+    assert _runs(redis_client, key_prefix, key) == 2  # the holder and the follow-up, once each
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published") == 1
+    assert not redis_client.exists(pending_key(_lock_key(key_prefix, key, LATE)))
+    assert skip_info(duplicate).follow_up == follow_up  # the first run's result stays
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_copy_of_the_holder_met_while_it_runs_waits_and_is_dropped(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A broker's copy of the holder (acks_late, a visibility timeout shorter than the run)
+    arrives while the holder runs with a pending follow-up: the copy is not coalesced (it is
+    the holder's own message) but waits, and once the holder ended it is dropped; the
+    follow-up is published once, by the holder's release: two runs in all."""
+    key = "late-running"
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, LATE, key, 3, "v2"
+    )
+    copy = client_app.send_task(
+        LATE, kwargs={"key": key, "seconds": 3, "payload": "held"}, task_id=holder.id
+    )
+    wait_for(
+        lambda: "singleton: redelivered while held, retrying in" in worker.log_text(),
+        10,
+        "the copy to meet its own holder",
+        worker,
+    )
+    assert not holder.ready()
+    assert AsyncResult(follow_up, app=client_app).get(timeout=15)["payload"] == "v2"
+    wait_for(
+        lambda: f"redelivery dropped: {LATE}[{copy.id}]" in worker.log_text(),
+        15,
+        "the copy dropped",
+        worker,
+    )
+    assert int(redis_client.get(deliveries_key(key_prefix, holder.id)) or 0) == 1
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    assert worker.log_text().count("singleton: coalesced follow-up published") == 1

@@ -12,6 +12,7 @@ from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.testing import held_locks, isolated_locks
 
 
@@ -33,8 +34,35 @@ def eager_app(redis_url: str) -> Iterator[Celery]:
     def retry(self: Any, key: str) -> None:
         """A duplicate of this one cannot be requeued in eager mode."""
 
+    app.eager_runs = _coalescing_task(app, "e.coalesce")  # type: ignore[attr-defined]
+
+    @app.task(bind=True, base=SingletonTask, name="e.permits", shared=False, singleton_permits=2)
+    def permits(self: Any, key: str) -> str | None:
+        """Reports the permit slot this eager run holds."""
+        return self.singleton.key
+
     yield app
     app.close()
+
+
+def _coalescing_task(app: Celery, name: str) -> list[Any]:
+    """Define ``name`` on ``app``: a coalescing task keyed on ``key`` that returns its
+    ``payload``; the list each of its eager runs appends that payload to."""
+    runs: list[Any] = []
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        shared=False,
+        singleton_on_duplicate="coalesce",
+        singleton_key_args=("key",),
+    )
+    def coalesce(self: Any, key: str, payload: Any = "") -> Any:
+        runs.append(payload)
+        return payload
+
+    return runs
 
 
 @pytest.fixture
@@ -106,3 +134,120 @@ def test_eager_chain_goes_on_past_a_skipped_step(eager_app: Celery, singleton_lo
     assert skip_info(skipped) == SkipInfo(key=lock, holder="other-run", task_id=skipped.id)
     assert skip_info(last) is None
     assert isinstance(last.get()["token"], int)
+
+
+# -- eager runs of coalesce and permits -----------------------------------------------------------
+
+
+def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """An eager duplicate under "coalesce" ends like a skip naming the follow-up and leaves its
+    call; the next eager run of the key publishes that follow-up at its release, which in eager
+    mode runs it there and then: once, with the duplicate's arguments, nothing left behind."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = _hold_elsewhere(coalesce, "k")
+    duplicate = coalesce.delay("k", "coalesced")
+    info = skip_info(duplicate)
+    assert info is not None
+    assert info.holder == "other-run"
+    assert info.follow_up is not None
+    assert redis_client.hget(pending_key(lock), "id") == info.follow_up.encode()
+    assert eager_app.eager_runs == []  # type: ignore[attr-defined]
+
+    store_for(coalesce.singleton_options().redis_url).release(lock, "other-run", 0)
+    assert coalesce.delay("k", "next").get() == "next"
+    assert eager_app.eager_runs == ["next", "coalesced"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
+    eager_app: Celery, singleton_locks: str
+) -> None:
+    """Two permits: with one slot held elsewhere an eager run takes the other; with both held
+    it is skipped naming a holder. ``held_locks`` lists the slots."""
+    permits = eager_app.tasks["e.permits"]
+    keys = permits.singleton_keys(("k",), {})
+    store = store_for(permits.singleton_options().redis_url)
+    store.acquire(keys, "other-run", 0, 10_000)
+    assert held_locks(eager_app, singleton_locks) == [keys.slot(1)]
+    assert permits.delay("k").get() == keys.slot(2)
+    assert held_locks(eager_app, singleton_locks) == [keys.slot(1)]
+    store.acquire(keys, "third-run", 0, 10_000)
+    skipped = permits.delay("k")
+    assert skipped.state == "SUCCESS"
+    assert skip_info(skipped) == SkipInfo(key=keys.lock, holder="other-run", task_id=skipped.id)
+    assert held_locks(eager_app, singleton_locks) == keys.slots
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle", "msgpack", "yaml"])
+def test_a_coalesced_call_goes_through_the_tasks_serializer(
+    redis_url: str, serializer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pending call is written with the task's serializer and read with the app's
+    accept_content: a follow-up of a pickle (msgpack, yaml) task is published and runs, though
+    kombu disables those serializers unless a consumer accepts them. A record of a content type
+    the app does not accept (written by someone else) is dropped, never deserialized."""
+    app = Celery("eager-serializers", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        singleton_redis_url=redis_url,
+        task_serializer=serializer,
+        accept_content=[serializer],
+    )
+    runs = _coalescing_task(app, "e.coalesce_serialized")
+    coalesce = app.tasks["e.coalesce_serialized"]
+
+    with isolated_locks(app):
+        lock = _hold_elsewhere(coalesce, "k")
+        payload = {"n": 1, "items": ["a", "b"]}
+        info = skip_info(coalesce.delay("k", payload))
+        assert info is not None
+        assert info.follow_up is not None
+        store = store_for(coalesce.singleton_options().redis_url)
+        store.release(lock, "other-run", 0)
+        coalesce.delay("k", "next")
+        assert runs == ["next", payload]
+
+        _hold_elsewhere(coalesce, "k")
+        assert skip_info(coalesce.delay("k", "refused")) is not None
+        store.release(lock, "other-run", 0)
+        # the record's type is not (or no longer) one the app accepts
+        app.conf.accept_content = ["json" if serializer != "json" else "pickle"]
+        with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+            coalesce.delay("k", "last")
+        assert runs == ["next", payload, "last"]  # the refused record was not run
+        assert not store.client.exists(pending_key(lock))  # nor put back
+        assert "coalesced follow-up dropped, not a call this app wrote or accepts" in (caplog.text)
+    app.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"id": "f-1", "count": "1"},  # no call at all
+        {"id": "f-2", "body": "{not json", "ctype": "application/json", "cenc": "utf-8"},
+        {"id": "f-3", "body": '{"a": 1}', "ctype": "application/json", "cenc": "utf-8"},
+    ],
+    ids=["no-call", "not-json", "not-a-call"],
+)
+def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
+    eager_app: Celery,
+    singleton_locks: str,
+    redis_client: redis.Redis,
+    record: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pending record beside a free lock that no duplicate of this app wrote: the next
+    release drops it with one ERROR line, publishes nothing, and does not put it back (it
+    would fail, its expiry renewed, at every release). The run itself is unaffected."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = coalesce.singleton_keys(("k",), {}).lock
+    redis_client.hset(pending_key(lock), mapping=record)
+    with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+        assert coalesce.delay("k", "run").get() == "run"
+    assert eager_app.eager_runs == ["run"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert caplog.text.count("coalesced follow-up dropped, not a call this app wrote") == 1
+    assert held_locks(eager_app, singleton_locks) == []

@@ -146,6 +146,36 @@ def test_the_main_process_finds_the_slot_of_a_lost_run(
     assert release_lost_slot(store, single, "x", 0, 0) == (single.lock, ReleaseStatus.NOT_HELD)
 
 
+def test_a_lost_run_leaves_its_slot_as_a_window_and_a_handed_over_slot_alone(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The main process releases a lost run's slot as the run would have: with an at-least
+    window it becomes a window (its slot stays blocked, the other is taken); a slot its run handed
+    over to a retry (stretched past its ttl) is left to the retried message."""
+    store = LockStore(redis_client)
+    keys = _keys(key_prefix, permits=2)
+    _take(store, keys, "lost")
+    _take(store, keys, "retrying")
+    assert release_lost_slot(store, keys, "lost", 0, 60_000) == (
+        keys.slot(1),
+        ReleaseStatus.RELEASED,
+    )
+    window = read_lock(redis_client, keys.slot(1), key_prefix)
+    assert window is not None
+    assert window.state == "window"
+    redis_client.pexpire(keys.slot(2), 20_000)  # retry(countdown=15) handed it over
+    assert release_lost_slot(store, keys, "retrying", 0, 60_000) == (
+        keys.slot(2),
+        ReleaseStatus.HANDED_OVER,
+    )
+    met = store.acquire(keys, "third", 0, 5000)
+    assert isinstance(met, Contended)
+    assert (met.holder, met.finished) == ("retrying", False)  # its slot frees first
+    redis_client.pexpire(keys.slot(2), 1)
+    wait_for(lambda: not redis_client.exists(keys.slot(2)), 2, "the handed-over slot to expire")
+    assert _take(store, keys, "third").slot == 2  # the window still blocks slot 1
+
+
 def test_the_admin_lists_and_reads_slots(redis_client: redis.Redis, key_prefix: str) -> None:
     store = LockStore(redis_client)
     keys = _keys(key_prefix, 2)
@@ -205,7 +235,8 @@ def test_at_most_n_exports_of_a_tenant_run_at_once(
     ran = [value for value in values if skip_info(value) is None]
     skipped = [skip_info(value) for value in values if skip_info(value) is not None]
     assert len(ran) == 3
-    assert len({value["key"] for value in ran}) == 3
+    held = sorted(value["key"] for value in ran)  # each run's own slot, slot 1 included
+    assert [key.rsplit(":", 1)[1] for key in held] == ["1", "2", "3"], held
     assert len({value["token"] for value in ran}) == 3
     ids = {result.id for result in sent}
     assert all(info is not None and info.holder in ids for info in skipped)
@@ -319,3 +350,64 @@ def test_a_retry_takes_its_own_slot_over(
     assert own == [["0", slot, "0"], ["1", slot, "1"], ["2", slot, "1"]]
     assert [run[2] for run in runs if run[0] == beside.id] != [slot]
     assert_no_overlap(check_history(load_history(redis_client, history_key(key_prefix))))
+
+
+# -- with an at-least window (singleton_lock_at_least) ------------------------------------------
+
+#: the at-least window of t.export_permits_window here (SINGLETON_TEST_AT_LEAST)
+WINDOW_S = 4.0
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_window_per_slot_lets_n_runs_start_per_window(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    redis_url: str,
+) -> None:
+    """Two permits, a 4 s window: each run's slot stays blocked until 4 s after it started
+    (server clock). A second run takes the other slot beside the first one's window; a third
+    meets the policy (skip, naming a finished run); ``celery singleton list`` shows both slots
+    as windows; once they ended, a run starts again: at most 2 runs start per window."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_AT_LEAST": "4"}
+    )
+    worker.wait_ready(client_app)
+    task = "t.export_permits_window"
+    first = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    first_value = first.get(timeout=10)
+    second = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    second_value = second.get(timeout=10)
+    assert skip_info(second_value) is None  # the first one's window blocks its slot only
+    assert first_value["key"] != second_value["key"]
+
+    windows = {
+        info.key: info
+        for info in iter_locks(redis_client, f"{key_prefix}lock:")
+        if info.permit is not None
+    }
+    assert set(windows) == {first_value["key"], second_value["key"]}
+    assert {info.state for info in windows.values()} == {"window"}
+    listed = CliRunner().invoke(
+        singleton, ["--url", redis_url, "--prefix", f"{key_prefix}lock:", "list"]
+    )
+    assert listed.exit_code == 0, listed.output
+    header, *rows = [line.split("\t") for line in listed.output.splitlines()]
+    assert sorted((row[header.index("STATE")], row[header.index("PERMIT")]) for row in rows) == [
+        ("window", "1/2"),
+        ("window", "2/2"),
+    ]
+
+    third = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    info = skip_info(third.get(timeout=10))
+    assert info is not None
+    assert info.holder in {first.id, second.id}  # a finished run: its window
+
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), WINDOW_S + 2, "the windows")
+    fourth = client_app.send_task(task, ("w",), {"seconds": 0.1})
+    assert skip_info(fourth.get(timeout=10)) is None
+    runs = load_history(redis_client, history_key(key_prefix))
+    assert len(runs) == 3  # the first, the second and the fourth
+    assert runs[2].start_us >= runs[0].start_us + WINDOW_S * 1e6  # server clock
+    assert_no_overlap(check_history(runs), allow_unfinished=False)

@@ -9,8 +9,11 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask, skip_info
+from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.task import check_scopes
 from tests.support.basic_app import SINGLETON_APP, history_key, make_app
+from tests.support.chaos import lock_prefix
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
@@ -80,6 +83,50 @@ def test_tasks_of_a_scope_keyed_on_other_arguments_are_refused() -> None:
     app.close()
 
 
+def test_tasks_of_a_scope_with_other_permits_are_refused() -> None:
+    """1 permit locks the key itself, 3 lock its slots ``...:lock:1..3``: the two tasks would
+    never meet. Refused, and shown so."""
+    app, t = _app_with(**{"import": SHARED, "export": {**SHARED, "singleton_permits": 3}})
+    assert (
+        t["import"].singleton_keys(("a",), {}).slots
+        != t["export"].singleton_keys(("csv", "a"), {}).slots
+    )
+    with pytest.raises(
+        SingletonConfigError,
+        match=r"scope 'tenant-sync' must take the same singleton_permits.*"
+        r"s\.export 3; s\.import 1",
+    ):
+        check_scopes([t["import"], t["export"]])
+    app.close()
+
+
+@pytest.mark.parametrize("other", ["skip", "retry", "raise"])
+def test_a_scope_that_coalesces_in_part_is_refused(other: str) -> None:
+    """A follow-up left beside a run of a task that does not coalesce would wait for the
+    key's next coalescing release: a scope coalesces as a whole or not at all."""
+    app, t = _app_with(
+        **{
+            "import": {**SHARED, "singleton_on_duplicate": "coalesce"},
+            "export": {**SHARED, "singleton_on_duplicate": other},
+        }
+    )
+    with pytest.raises(
+        SingletonConfigError,
+        match=rf"scope 'tenant-sync' must all use singleton_on_duplicate 'coalesce' or none.*"
+        rf"s\.export {other}; s\.import coalesce",
+    ):
+        check_scopes([t["import"], t["export"]])
+    app.close()
+    both, t = _app_with(
+        **{
+            "import": {**SHARED, "singleton_on_duplicate": "coalesce", "singleton_permits": 1},
+            "export": {**SHARED, "singleton_on_duplicate": "coalesce"},
+        }
+    )
+    check_scopes([t["import"], t["export"]])  # all of them coalesce: accepted
+    both.close()
+
+
 @pytest.mark.parametrize("bad", ["", "has space", "{brace}", "x" * 65, 3])
 def test_a_scope_name_is_checked(bad: Any) -> None:
     app, t = _app_with(**{"import": {"singleton_scope": bad}})
@@ -116,3 +163,51 @@ def test_an_import_and_an_export_of_one_tenant_exclude_each_other(
     report = check_history(load_history(redis_client, history_key(key_prefix)))
     assert_no_overlap(report, allow_unfinished=False)
     assert len(report.finished()) == 2
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_duplicate_of_one_task_coalesced_on_a_run_of_the_other(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Two coalescing tasks of one scope: duplicates of both, met while one of them runs,
+    collapse into one follow-up of the latest duplicate's task with its arguments, published
+    by the running task's release; nothing overlaps, nothing is left behind."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    worker.wait_ready(client_app)
+    pull = client_app.send_task("t.merge_pull", kwargs={"tenant": "a", "seconds": 2})
+    wait_for(lambda: load_history(redis_client, history_key(key_prefix)), 10, "the pull", worker)
+    burst = [client_app.send_task("t.merge_pull", kwargs={"tenant": "a", "payload": "pull-1"})]
+    wait_for(burst[0].ready, 10, "the pull duplicate coalesced", worker)
+    burst.append(client_app.send_task("t.merge_push", kwargs={"tenant": "a", "payload": "push-2"}))
+    wait_for(burst[1].ready, 10, "the push duplicate coalesced", worker)
+    infos = [skip_info(r) for r in burst]
+    assert all(i is not None and i.holder == pull.id for i in infos), infos
+    follow_ups = {i.follow_up for i in infos if i is not None}
+    assert len(follow_ups) == 1, follow_ups
+    (follow_up,) = follow_ups
+    assert follow_up is not None
+    lock = merge_lock(key_prefix)
+    assert {i.key for i in infos if i is not None} == {lock}  # the scope's lock, both tasks
+    assert skip_info(pull.get(timeout=10)) is None
+
+    value = client_app.AsyncResult(follow_up).get(timeout=10)
+    assert value == {**value, "task": "t.merge_push", "payload": "push-2"}
+    wait_for(lambda: not redis_client.exists(lock), 5, "the follow-up's release", worker)
+    assert not redis_client.exists(pending_key(lock))
+    report = check_history(load_history(redis_client, history_key(key_prefix)))
+    assert_no_overlap(report, allow_unfinished=False)
+    assert len(report.finished()) == 2  # the pull and one follow-up
+    assert worker.log_text().count("singleton: coalesced follow-up published after SUCCESS") == 1
+
+
+def merge_lock(key_prefix: str) -> str:
+    """The lock key of scope tenant-merge for tenant "a" (as the worker's tasks derive it)."""
+    keys = derive_keys(lock_prefix(key_prefix), "tenant-merge", _merge, ("a",), {}, ("tenant",))
+    return str(keys.lock)
+
+
+def _merge(tenant: str, seconds: float = 0.0, payload: Any = None) -> None:
+    """The parameters of t.merge_pull and t.merge_push."""

@@ -747,3 +747,77 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
         if self.request.retries < times:
             raise self.retry(countdown=0.3)
         return result
+
+
+# -- added for the seams where two features meet (test_coalesce, test_permits, test_scope) -------
+
+# SINGLETON_TEST_WINDOW_COALESCE=1: a coalescing task with an at-least window: refused.
+if os.environ.get("SINGLETON_TEST_WINDOW_COALESCE"):
+    _window_task("t.window_coalesce", singleton_on_duplicate="coalesce")
+
+# SINGLETON_TEST_BAD_SCOPE_PERMITS=1: a task of scope tenant-sync with 2 permits where the
+# others take 1 (they would lock the key's slots, the others the key itself): refused.
+if os.environ.get("SINGLETON_TEST_BAD_SCOPE_PERMITS"):
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.tenant_permits",
+        singleton_scope="tenant-sync",
+        singleton_key_args=("tenant",),
+        singleton_permits=2,
+    )
+    def tenant_permits(self: Any, tenant: str) -> None:
+        """Never runs: its worker does not start."""
+
+
+def _merge_task(name: str) -> Any:
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        singleton_scope="tenant-merge",
+        singleton_key_args=("tenant",),
+        singleton_on_duplicate="coalesce",
+    )
+    def merge_task(self: Any, tenant: str, seconds: float = 0.0, payload: Any = None) -> Any:
+        """Two tasks of scope tenant-merge that both coalesce: a duplicate of either, met while
+        the other runs, becomes the follow-up."""
+        return {**_run(self, f"merge-{tenant}", seconds), "payload": payload, "task": self.name}
+
+    return merge_task
+
+
+merge_pull = _merge_task("t.merge_pull")
+merge_push = _merge_task("t.merge_push")
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.coalesce_late",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="coalesce",
+    acks_late=True,
+)
+def coalesce_late(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Coalesces, acked late (completion records on); counts the runs of its task id."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    return {**_run(self, key, seconds), "payload": payload, "run": run}
+
+
+if not _REDLOCK:
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.export_permits_window",
+        singleton_key_args=("tenant",),
+        singleton_permits=2,
+        singleton_lock_at_least=AT_LEAST,
+    )
+    def export_permits_window(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+        """At most 2 exports of a tenant per AT_LEAST seconds: each run's slot is held for a
+        window after it started."""
+        return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}

@@ -403,3 +403,23 @@ def test_permits_are_refused_with_coalesce() -> None:
     conf = {"singleton_permits": 3, "singleton_on_duplicate": "coalesce"}
     with pytest.raises(SingletonConfigError, match="coalesce"):
         read_options(conf)
+
+
+def test_coalesce_is_refused_with_an_at_least_window() -> None:
+    """A burst met in an at-least window would give two runs after it, not one follow-up:
+    the task option singleton_lock_at_least and coalesce are refused together. The app-wide
+    singleton_lock_at_least is beat's and never refuses an app-wide coalesce."""
+    task = SimpleNamespace(
+        name="t.resync", singleton_on_duplicate="coalesce", singleton_lock_at_least=600
+    )
+    with pytest.raises(
+        SingletonConfigError,
+        match=r"task t\.resync: singleton_on_duplicate 'coalesce' does not go with "
+        r"singleton_lock_at_least",
+    ):
+        read_options({}, task)
+    conf = {"singleton_on_duplicate": "coalesce", "singleton_lock_at_least": 600}
+    assert read_options(conf).on_duplicate == "coalesce"
+    assert read_options(conf, SimpleNamespace(name="t.x")).lock_at_least == 0
+    skip = SimpleNamespace(name="t.resync", singleton_lock_at_least=600)
+    assert read_options({}, skip).lock_at_least == 600
