@@ -45,21 +45,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from celery import states
+from celery import Task, states
 from celery.backends.base import DisabledBackend
 from kombu import serialization
 from kombu.exceptions import DecodeError
+from kombu.utils.uuid import uuid
 
 from . import signals
+from ._tasklog import LOGGED_ERRORS, about
+from ._tasklog import logger as task_logger
+from .config import Options
 from .core import _wire
 from .core._wire import Script, as_text
+from .core.backend import REDIS_ERRORS
+from .core.connection import store_for
 from .core.keys import LockKeys, queued_key
 from .errors import DuplicateTaskError, SingletonKeyError
 
 __all__ = [
     "UNFINISHED",
+    "PublishDedup",
     "Queued",
     "Unfinished",
     "always_published",
@@ -271,3 +279,98 @@ def not_published(  # noqa: PLR0917 - who, what, and what was found
             holder=holder,
         )
     return holder
+
+
+class PublishDedup(Task):  # type: ignore[misc]
+    """The task's side of publish-time dedup, a base of
+    :class:`~celery_singleton_lock.task.SingletonTask`: when to mark, publish and forget."""
+
+    if TYPE_CHECKING:  # given by SingletonTask
+
+        def singleton_options(self) -> Options: ...
+
+        def singleton_keys(
+            self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+        ) -> LockKeys: ...
+
+    def _singleton_publish(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str | None,
+        options: dict[str, Any],
+        send: Callable[..., Any],
+    ) -> Any:
+        """Publish unless the lock is held or the same call is queued (publish.py); return the
+        AsyncResult. ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async."""
+        if (
+            self.app.conf.task_always_eager
+            or (task_id is not None and task_id == self.request.id)
+            or always_published(options)
+        ):
+            # eager: the run is the call, the lock guards it; the current message published
+            # again (retry(), a requeued duplicate) is never its own duplicate; canvas members
+            return send(args, kwargs, task_id, **options)
+        opts = self.singleton_options()
+        task_id = task_id or uuid()
+        serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
+        try:
+            delivered = delivered_arguments(
+                args, kwargs, serializer, getattr(self, "_dump_pydantic_arguments", None)
+            )
+            keys = self.singleton_keys(*delivered)
+        except SingletonKeyError as exc:
+            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
+        ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
+        try:
+            run = store_for(opts.redis_url).run_script
+            found = mark_queued(run, keys, task_id, ttl_ms, partial(finished, self.backend))
+        except REDIS_ERRORS as exc:
+            task_logger.warning(
+                "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
+                self.name,
+                task_id,
+                keys.lock,
+                exc,
+                extra=about(self.name, task_id),
+            )
+            return send(args, kwargs, task_id, **options)
+        if found is None:
+            try:
+                return send(args, kwargs, task_id, **options)
+            except BaseException:
+                self._singleton_forget_queued(task_id, keys, "publish failed")
+                raise
+        holder = not_published(self, self.name, opts.on_duplicate, keys.lock, task_id, found)
+        return self.AsyncResult(holder)
+
+    def _singleton_forget_queued(self, task_id: str, keys: LockKeys, reason: str) -> None:
+        """Drop this call's queued marker if it still names ``task_id``; on failure log (the
+        marker then expires in its ttl)."""
+        try:
+            forget_queued(
+                store_for(self.singleton_options().redis_url).run_script, keys.lock, task_id
+            )
+        except LOGGED_ERRORS as exc:
+            self._singleton_marker_left(reason, task_id, exc)
+
+    def _singleton_marker_left(self, reason: str, task_id: str, exc: Exception) -> None:
+        task_logger.warning(
+            "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",
+            reason,
+            self.name,
+            task_id,
+            exc,
+            extra=about(self.name, task_id),
+        )
+
+    def singleton_forget_for(
+        self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> None:
+        """Drop the queued marker of a message that will not run (revoked, expired)."""
+        try:
+            keys = self.singleton_keys(args, kwargs)
+        except SingletonKeyError as exc:
+            self._singleton_marker_left("revoke", task_id, exc)
+            return
+        self._singleton_forget_queued(task_id, keys, "revoke")

@@ -58,7 +58,8 @@ from .core.connection import flush_releases
 from .core.keys import check_key_args
 from .errors import SingletonConfigError
 from .reaper import ChildReaper
-from .task import SingletonTask, check_scopes
+from .scopes import check_scopes
+from .task import SingletonTask
 
 __all__ = ["SingletonRequest"]
 

@@ -6,21 +6,21 @@ import time
 
 from celery.app.task import Context
 
-from celery_singleton_lock.task import WAITING_HEADER, _waited, _waiting_since
+from celery_singleton_lock.policies import WAITING_HEADER, _waiting_since, waited
 
 
 def test_no_header_no_wait() -> None:
     assert _waiting_since(Context(retries=0)) is None
-    assert _waited(Context(retries=0)) is None
+    assert waited(Context(retries=0)) is None
 
 
 def test_header_of_this_retries_count_gives_the_wait() -> None:
     since = time.time() - 2.5
     request = Context({WAITING_HEADER: [since, 1]}, retries=1)
     assert _waiting_since(request) == [since, 1]
-    waited = _waited(request)
-    assert waited is not None
-    assert waited >= 2.5
+    wait = waited(request)
+    assert wait is not None
+    assert wait >= 2.5
 
 
 def test_header_carried_along_by_a_later_retry_is_ignored() -> None:
@@ -28,13 +28,13 @@ def test_header_carried_along_by_a_later_retry_is_ignored() -> None:
     did not wait as a duplicate."""
     request = Context({WAITING_HEADER: [time.time() - 60, 0]}, retries=1)
     assert _waiting_since(request) is None
-    assert _waited(request) is None
+    assert waited(request) is None
 
 
 def test_a_clock_behind_never_gives_a_negative_wait() -> None:
     """The first requeue's worker's clock may be ahead of this one's."""
     request = Context({WAITING_HEADER: [time.time() + 30, 0]}, retries=0)
-    assert _waited(request) == 0.0
+    assert waited(request) == 0.0
 
 
 def test_malformed_header_is_no_wait() -> None:

@@ -1,0 +1,52 @@
+"""Scopes (``singleton_scope``): the check that tasks sharing one lock can share it, made at
+worker start (worker.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from .errors import SingletonConfigError
+
+if TYPE_CHECKING:
+    from .task import SingletonTask
+
+__all__ = ["check_scopes"]
+
+
+def check_scopes(tasks: Iterable[SingletonTask]) -> None:
+    """Raise :class:`SingletonConfigError` unless the tasks sharing a scope all key on the same
+    argument names (or all on a ``singleton_key`` callable), take the same number of permits,
+    and all coalesce or none does (checked at worker start)."""
+    scopes: dict[str, dict[str, SingletonTask]] = {}
+    for task in tasks:
+        scope = task.singleton_options().scope
+        if scope is not None:
+            scopes.setdefault(scope, {})[task.name] = task
+    for scope, members in sorted(scopes.items()):
+        names = {name: task._singleton_scope_names() for name, task in members.items()}
+        if len(set(names.values())) > 1:
+            keyed = "; ".join(
+                f"{name} on {'a key callable' if keys is None else ', '.join(keys)}"
+                for name, keys in sorted(names.items())
+            )
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must key on the same argument names: {keyed}"
+            )
+        permits = {name: task.singleton_options().permits for name, task in members.items()}
+        if len(set(permits.values())) > 1:  # 1 permit locks the key itself, N its N slots
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must take the same singleton_permits, or they "
+                f"never exclude each other: {_listed(permits)}"
+            )
+        policies = {name: task.singleton_options().on_duplicate for name, task in members.items()}
+        if len({p == "coalesce" for p in policies.values()}) > 1:
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must all use singleton_on_duplicate 'coalesce' or "
+                "none of them (only a coalescing run's release publishes the follow-up left "
+                f"beside it): {_listed(policies)}"
+            )
+
+
+def _listed(values: Mapping[str, object]) -> str:
+    return "; ".join(f"{name} {value}" for name, value in sorted(values.items()))
