@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent
 
 SECRET_KEY = "example-only-not-secret"  # an example project, never deployed
@@ -25,6 +27,11 @@ DATABASES = {
         "OPTIONS": {"timeout": 30, "init_command": "PRAGMA journal_mode=WAL;"},
     }
 }
+if django.VERSION >= (5, 1):
+    # Transactions take the write lock when they begin: a transaction that read first and
+    # then writes (django-celery-beat's update_or_create) would otherwise fail at once with
+    # "database is locked" when another process wrote in between, whatever the timeout.
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
 
 _REDIS = os.environ.get("EXAMPLE_REDIS_URL", "redis://localhost:6379/0")
 _PREFIX = os.environ.get("EXAMPLE_PREFIX", "django-beat-example:")
