@@ -53,6 +53,7 @@ from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
 from tests.support.topologies import Cluster
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 
 #: store_for caches per URL and process: every test starts and ends without any
@@ -457,7 +458,15 @@ def test_worker_locks_on_the_cluster(
         assert all(isinstance(v, dict) and "token" in v for v in values[3:])
         history = load_history(broker, history_key(key_prefix))
         assert_no_overlap(check_history(history), allow_unfinished=False)
-        assert not list(client.scan_iter(match=f"{key_prefix}*:lock"))
+        # A run's release on a cluster is queued for its renewer's thread, which sends it at
+        # once: it may land just after the result. Well within the 2 s ttl (renewed every
+        # 2/3 s, so more than 1.3 s left when the run ended): gone by a release, not expiry.
+        wait_for(
+            lambda: not list(client.scan_iter(match=f"{key_prefix}*:lock")),
+            1.0,
+            "the runs' releases",
+            worker,
+        )
     finally:
         factory.close()
         close_app(app)
