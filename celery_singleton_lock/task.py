@@ -34,7 +34,6 @@ from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
 from .coalesce import publish_follow_up
 from .completion import drop_completed, ending_for
-from .config import Options, read_options
 from .core._pid import current_pid
 from .core.arguments import args_preview, scope_key_names
 from .core.backend import (
@@ -50,6 +49,7 @@ from .core.renewer import HeldLock, Renewer
 from .errors import LockUnavailableError, SingletonKeyError
 from .events import configure_renewer, on_released
 from .handle import LockHandle, handle_of
+from .options import Options, read_options
 from .policies import DuplicatePolicies, waited
 from .publish import PublishDedup
 from .skips import Skipped
