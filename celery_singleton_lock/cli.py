@@ -21,7 +21,6 @@ from typing import Any, NoReturn
 import click
 
 from . import signals
-from .config import read_options
 from .core._pid import current_pid
 from .core.admin import (
     ForceStatus,
@@ -39,6 +38,7 @@ from .core.backend import REDIS_ERRORS, Client
 from .core.connection import client_for, store_for
 from .core.urls import redact_url, repr_without_password
 from .errors import SingletonConfigError
+from .options import read_options
 
 __all__ = ["singleton"]
 

@@ -21,13 +21,13 @@ from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
 from .canvas import store_skip
 from .coalesce import call_record
-from .config import Options
 from .core.backend import Acquired, Contended
 from .core.connection import store_for
 from .core.keys import LockKeys
 from .core.pending import leave_pending
 from .core.renewer import Renewer
 from .errors import DuplicateTaskError, LockUnavailableError
+from .options import Options
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]

@@ -57,13 +57,13 @@ from kombu.utils.uuid import uuid
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about
 from ._tasklog import logger as task_logger
-from .config import Options
 from .core import _wire
 from .core._wire import Script, as_text
 from .core.backend import REDIS_ERRORS
 from .core.connection import store_for
 from .core.keys import LockKeys, queued_key
 from .errors import DuplicateTaskError, SingletonKeyError
+from .options import Options
 
 __all__ = [
     "UNFINISHED",

@@ -34,8 +34,8 @@ from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
 from .coalesce import publish_follow_up
 from .completion import drop_completed, ending_for
-from .config import Options, read_options
 from .core._pid import current_pid
+from .core.arguments import args_preview, scope_key_names
 from .core.backend import (
     Acquired,
     Completed,
@@ -44,11 +44,12 @@ from .core.backend import (
     release_lost_slot,
 )
 from .core.connection import renewer_for, store_for
-from .core.keys import KeyDeriver, LockKeys, args_preview, scope_key_names
+from .core.keys import KeyDeriver, LockKeys
 from .core.renewer import HeldLock, Renewer
 from .errors import LockUnavailableError, SingletonKeyError
 from .events import configure_renewer, on_released
 from .handle import LockHandle, handle_of
+from .options import Options, read_options
 from .policies import DuplicatePolicies, waited
 from .publish import PublishDedup
 from .skips import Skipped

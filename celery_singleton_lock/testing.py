@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from celery import Celery, current_app
 
-from .config import resolve_redis_url
 from .core.connection import store_for
+from .options import resolve_redis_url
 from .task import SingletonTask
 
 __all__ = ["held_locks", "isolated_locks", "singleton_celery_app", "singleton_locks"]

@@ -53,10 +53,10 @@ from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
 from .beat.witness import witness_scheduled_run
-from .config import describe, read_options
+from .core.arguments import check_key_args
 from .core.connection import flush_releases
-from .core.keys import check_key_args
 from .errors import SingletonConfigError
+from .options import describe, read_options
 from .reaper import ChildReaper
 from .scopes import check_scopes
 from .task import SingletonTask

@@ -28,12 +28,12 @@ from typing import Any
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
 
-from ..config import BeatOptions, read_beat_options
 from ..core._pid import current_pid
 from ..core.backend import REDIS_ERRORS, Acquired, Contended, LockBackend, RenewItem, RenewStatus
 from ..core.keys import leader_keys, run_claim_key
 from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
+from ..options import BeatOptions, read_beat_options
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
 from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from celery.worker import state as worker_state
 
-from ..config import read_options
 from ..core._pid import current_pid
 from ..errors import LockUnavailableError, SingletonConfigError
+from ..options import read_options
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
 
 __all__ = ["WITNESS_KEEP_MS", "witness_scheduled_run"]

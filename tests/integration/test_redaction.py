@@ -23,8 +23,8 @@ from celery import Celery
 from celery_singleton_lock.beat.claims import claims_and_store
 from celery_singleton_lock.beat.scheduler import _BeatState
 from celery_singleton_lock.cli import _Target
-from celery_singleton_lock.config import read_beat_options, read_options
 from celery_singleton_lock.core.urls import redact_url
+from celery_singleton_lock.options import read_beat_options, read_options
 from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
 from tests.support.workers import REPO_ROOT, WorkerFactory

@@ -13,7 +13,6 @@ import pytest
 
 from celery_singleton_lock import SingletonConfigError, skip_info
 from celery_singleton_lock.beat.claims import RedlockClaims, RunClaims
-from celery_singleton_lock.config import read_options
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import Acquired, Contended
 from celery_singleton_lock.core.connection import client_for, redlock_clients, store_for
@@ -21,6 +20,7 @@ from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.redlock import RedlockStore
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import parse_lock_url, redact_url
+from celery_singleton_lock.options import read_options
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,

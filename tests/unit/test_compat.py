@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.config import describe, read_options
+from celery_singleton_lock.options import describe, read_options
 from celery_singleton_lock.worker import _check_and_announce
 
 

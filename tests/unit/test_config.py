@@ -9,15 +9,9 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.config import (
-    DEFAULT_REDIS_URL,
-    SETTINGS,
-    Options,
-    describe,
-    read_options,
-    resolve_redis_url,
-)
+from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS
 from celery_singleton_lock.core.urls import redact_url
+from celery_singleton_lock.options import Options, describe, read_options, resolve_redis_url
 from celery_singleton_lock.worker import banner_lines
 
 

@@ -1,4 +1,5 @@
-"""Unit tests for core/keys.py: canonical encoding, argument binding, key names."""
+"""Unit tests for core/keys.py, core/encoding.py and core/arguments.py: canonical encoding,
+argument binding, key names."""
 
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from celery_singleton_lock.core import keys
+from celery_singleton_lock.core import arguments, encoding, keys
+from celery_singleton_lock.core.arguments import bind_arguments, check_key_args
+from celery_singleton_lock.core.encoding import canonical_encode
 from celery_singleton_lock.core.keys import (
     MAX_NAME_CHARS,
     LockKeys,
     argument_digest,
-    bind_arguments,
-    canonical_encode,
-    check_key_args,
     check_prefix,
     derive_keys,
     leader_keys,
@@ -430,7 +430,7 @@ def test_deep_nesting_raises_key_error() -> None:
     with pytest.raises(SingletonKeyError, match="nested too deeply"):
         canonical_encode(nested)
     shallow: list[Any] = []
-    for _ in range(keys.MAX_DEPTH - 1):
+    for _ in range(encoding.MAX_DEPTH - 1):
         shallow = [shallow]
     assert canonical_encode(shallow)
 
@@ -443,7 +443,7 @@ def test_recursion_limit_becomes_key_error() -> None:
         depth += 1
         frame = frame.f_back  # type: ignore[assignment]
     value: list[Any] = []
-    for _ in range(keys.MAX_DEPTH - 10):
+    for _ in range(encoding.MAX_DEPTH - 10):
         value = [value]
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(depth + 60)
@@ -571,14 +571,15 @@ def test_every_lock_key_is_a_lock_key_and_its_neighbours_are_not(
 
 
 def test_keys_module_imports_neither_celery_nor_redis() -> None:
-    """keys.py stays pure: no celery or redis import anywhere in it."""
-    tree = ast.parse(Path(keys.__file__).read_text(encoding="utf-8"))
+    """keys.py, encoding.py and arguments.py stay pure: no celery or redis import in them."""
     imported: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imported.add(node.module.split(".")[0])
+    for module in (keys, encoding, arguments):
+        tree = ast.parse(Path(module.__file__ or "").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
     assert not imported & {"celery", "kombu", "billiard", "redis"}
 
 
@@ -698,7 +699,7 @@ def test_key_does_not_depend_on_hash_seed() -> None:
 
 def test_args_preview_is_short_and_never_raises() -> None:
     """The preview is a cut repr of the call; a broken __repr__ does not break it."""
-    from celery_singleton_lock.core.keys import MAX_PREVIEW_CHARS, args_preview
+    from celery_singleton_lock.core.arguments import MAX_PREVIEW_CHARS, args_preview
 
     class Broken:
         def __repr__(self) -> str:
@@ -856,9 +857,9 @@ _plain = (
 @example([], {"k": "v" * 23})
 def test_args_preview_matches_reprlib(args: list[Any], kwargs: dict[str, Any]) -> None:
     """The preview of scalars built without reprlib is exactly reprlib's, cut alike."""
-    from celery_singleton_lock.core.keys import MAX_PREVIEW_CHARS, args_preview
+    from celery_singleton_lock.core.arguments import MAX_PREVIEW_CHARS, args_preview
 
-    expected = f"{keys._preview.repr(tuple(args))} {keys._preview.repr(dict(kwargs))}"
+    expected = f"{arguments._preview.repr(tuple(args))} {arguments._preview.repr(dict(kwargs))}"
     if len(expected) > MAX_PREVIEW_CHARS:
         expected = expected[: MAX_PREVIEW_CHARS - 3] + "..."
     assert args_preview(args, kwargs) == expected

@@ -1,0 +1,302 @@
+"""Reading the settings: a task's :class:`Options` and beat's :class:`BeatOptions`.
+
+What :mod:`.config`'s table holds, read from ``app.conf`` and merged with a task's
+``singleton_*`` attributes (and their old spellings), each value checked by its row; then the
+rules that span several settings (coalesce, permits), the defaults derived from other settings
+(the Redis URL from the broker's, ``completion_ttl`` from ``acks_late`` and the broker's
+visibility timeout) and the settings as start-up banners show them.
+
+Knows nothing of Celery's classes: it reads any mapping with ``get``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .compat import legacy_options
+from .config import (
+    COMPLETION_MARGIN_S,
+    DEFAULT_COMPLETION_TTL_S,
+    DEFAULT_REDIS_URL,
+    SETTINGS,
+)
+from .core.urls import (
+    DEFAULT_WAIT_TIMEOUT_S,
+    URL_KINDS,
+    query_names,
+    redact_url,
+    repr_without_password,
+    url_scheme,
+)
+from .errors import SingletonConfigError
+
+__all__ = [
+    "BeatOptions",
+    "Options",
+    "default_completion_ttl",
+    "read_beat_options",
+    "read_options",
+    "resolve_redis_url",
+]
+
+#: kombu's default visibility timeouts, by transport
+_VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
+
+
+class ConfLike(Protocol):
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
+def _task_option(task: object, name: str) -> Any:
+    """The task's option ``name``; a function given as one comes back unbound.
+
+    Celery turns a task option into a class attribute (``@app.task(singleton_key=f)``), and a
+    plain function that is a class attribute is bound to the task when read: the option is
+    the function, not that method.
+    """
+    value = getattr(task, name, None)
+    if inspect.ismethod(value) and value.__self__ is task:
+        return value.__func__
+    return value
+
+
+@dataclass(frozen=True)
+class BeatOptions:
+    """The checked settings of SingletonScheduler."""
+
+    __repr__ = repr_without_password
+
+    redis_url: str
+    key_prefix: str
+    mode: str
+    skew: float
+    lock_at_least: float
+    lease: float
+
+
+def read_beat_options(conf: ConfLike) -> BeatOptions:
+    """Check the settings SingletonScheduler uses."""
+    values = {
+        name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
+        for name in ("key_prefix", "beat_mode", "beat_skew", "lock_at_least", "beat_lease")
+    }
+    return BeatOptions(
+        redis_url=resolve_redis_url(conf),
+        key_prefix=values["key_prefix"],
+        mode=values["beat_mode"],
+        skew=values["beat_skew"],
+        lock_at_least=values["lock_at_least"],
+        lease=values["beat_lease"],
+    )
+
+
+def _conf_value(conf: ConfLike, name: str) -> Any:
+    value = conf.get(SETTINGS[name].conf_key)
+    return SETTINGS[name].default if value is None else value
+
+
+@dataclass(frozen=True)
+class Options:
+    """The checked settings that apply to one task."""
+
+    __repr__ = repr_without_password
+
+    # the field names below are the settings read_options checks
+
+    redis_url: str
+    key_prefix: str
+    on_duplicate: str
+    on_redis_error: str
+    key_args: tuple[str, ...] | None
+    key: Callable[..., str] | None
+    ttl: float
+    retry_countdown: float
+    max_hold: float | None
+    lock_on: str = "execute"
+    publish_ttl: float = 300.0
+    scope: str | None = None
+    permits: int = 1
+
+    #: None when read without a task (the banner): it depends on the task's acks_late
+    completion_ttl: float | None = None
+    #: the task's at-least window (0: none); never the app-wide (beat's) value
+    lock_at_least: float = 0.0
+
+    @functools.cached_property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl * 1000))
+
+
+_TASK_SETTINGS = frozenset(Options.__dataclass_fields__)
+
+
+def resolve_redis_url(conf: ConfLike) -> str:
+    """``singleton_redis_url``, else a Redis broker URL, else the local default.
+
+    ``singleton_wait_replicas`` and ``singleton_wait_timeout`` are folded into the URL's query
+    (``wait_replicas=``, ``wait_timeout=``) unless it names them already, so the URL alone
+    describes the lock store of a process.
+    """
+    url = _check_url("singleton_redis_url", conf.get("singleton_redis_url"))
+    if not url:
+        broker = conf.get("broker_url")
+        if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss"):
+            url = broker.split(";", 1)[0]
+        else:
+            url = DEFAULT_REDIS_URL
+    present = query_names(url)
+    extra: list[str] = []
+    replicas = _conf_checked(conf, "wait_replicas")
+    if replicas and "wait_replicas" not in present:
+        extra.append(f"wait_replicas={replicas}")
+    timeout = _conf_checked(conf, "wait_timeout")
+    if timeout != DEFAULT_WAIT_TIMEOUT_S and "wait_timeout" not in present:
+        extra.append(f"wait_timeout={timeout:g}")
+    if extra:
+        url = f"{url}{'&' if '?' in url else '?'}{'&'.join(extra)}"
+        _check_url("singleton_redis_url (with singleton_wait_replicas/wait_timeout)", url)
+    return url
+
+
+def _conf_checked(conf: ConfLike, name: str) -> Any:
+    return SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
+
+
+def read_options(conf: ConfLike, task: object | None = None) -> Options:
+    """Check and merge the app-wide settings with the task's ``singleton_*`` attributes."""
+    task_name = getattr(task, "name", None)
+    legacy = {} if task is None else legacy_options(task)
+    values: dict[str, Any] = {}
+    for setting in SETTINGS.values():
+        if setting.name not in _TASK_SETTINGS:
+            continue
+        value = None
+        where = setting.conf_key
+        if setting.task_option and task is not None:
+            value = _task_option(task, setting.conf_key)
+            where = f"{setting.conf_key} (task {task_name})"
+            if setting.name in legacy:
+                if value is not None:
+                    raise SingletonConfigError(
+                        f"task {task_name}: {setting.conf_key} and its old spelling are both "
+                        "set; keep the new one"
+                    )
+                value = legacy[setting.name]
+        if value is None and setting.app_fallback:
+            value = conf.get(setting.conf_key)
+            where = setting.conf_key
+        if value is None:
+            value = setting.default
+        values[setting.name] = setting.check(where, value)
+    values["redis_url"] = resolve_redis_url(conf)
+    if values["completion_ttl"] is None and task is not None:
+        values["completion_ttl"] = default_completion_ttl(conf, task)
+    if values["key_args"] is not None and values["key"] is not None:
+        raise SingletonConfigError(
+            f"task {task_name}: set singleton_key_args or singleton_key, not both"
+        )
+    if values["on_duplicate"] == "coalesce" and values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' needs "
+            "singleton_lock_on 'execute' (a duplicate is coalesced where it runs)"
+        )
+    if values["on_duplicate"] == "coalesce" and values["lock_at_least"] > 0:
+        raise SingletonConfigError(
+            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' does not go with "
+            "singleton_lock_at_least (a burst met in the window would give two runs after it, "
+            "not one follow-up); use 'skip' or 'retry' with a window, or coalesce without one"
+        )
+    if values["permits"] > 1:
+        _check_permits(task_name, values)
+    return Options(**values)
+
+
+def _where_policy(task_name: str | None) -> str:
+    return "app settings" if task_name is None else f"task {task_name}"
+
+
+def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
+    """Refuse what permits > 1 does not support: Redlock, publish-time dedup, coalesce."""
+    where = "singleton_permits" if task_name is None else f"task {task_name}: singleton_permits"
+    if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
+        raise SingletonConfigError(
+            f"{where} > 1 is not supported with a redis+redlock:// URL (a permit slot would "
+            "need a majority of its own on every master); use 1 permit, or one server, "
+            "Sentinel or Cluster"
+        )
+    if values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f'{where} > 1 needs singleton_lock_on "execute": a queued marker stands for one '
+            f"run, got lock_on {values['lock_on']!r}"
+        )
+    if values["on_duplicate"] == "coalesce":
+        raise SingletonConfigError(
+            f"{where} > 1 does not go with singleton_on_duplicate 'coalesce' (a follow-up "
+            "waits beside one lock, not beside N slots)"
+        )
+
+
+def describe(options: Options, conf: ConfLike | None = None) -> Mapping[str, str]:
+    """The settings as shown in start-up banners (password hidden); ``conf`` gives the broker
+    the default ``completion_ttl`` is derived from."""
+    conf = {} if conf is None else conf
+    return {
+        "redis": redact_url(options.redis_url),
+        "prefix": options.key_prefix,
+        "ttl": f"{options.ttl:g}s",
+        "on_duplicate": options.on_duplicate,
+        "on_redis_error": options.on_redis_error,
+        "retry_countdown": f"{options.retry_countdown:g}s",
+        "max_hold": "none" if options.max_hold is None else f"{options.max_hold:g}s",
+        "lock_on": options.lock_on,
+        "publish_ttl": f"{options.publish_ttl:g}s",
+        "completion_ttl": (
+            f"{options.completion_ttl:g}s"
+            if options.completion_ttl is not None
+            else f"acks_late tasks: {describe_default_completion_ttl(conf)}"
+        ),
+    }
+
+
+def _broker_visibility(conf: ConfLike) -> float | None:
+    """The broker's visibility timeout (Redis, SQS), or None for a broker without one."""
+    broker = conf.get("broker_url")
+    scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
+    scheme = scheme.split("+", 1)[0]
+    if scheme not in _VISIBILITY_DEFAULTS:
+        return None
+    options = conf.get("broker_transport_options") or {}
+    value = options.get("visibility_timeout") if isinstance(options, Mapping) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return _VISIBILITY_DEFAULTS[scheme]
+
+
+def default_completion_ttl(conf: ConfLike, task: object) -> float:
+    """``completion_ttl`` when not set: 0 for a task acked early; else the broker's visibility
+    timeout + :data:`COMPLETION_MARGIN_S`, or :data:`DEFAULT_COMPLETION_TTL_S`."""
+    acks_late = getattr(task, "acks_late", None)
+    if acks_late is None:
+        acks_late = conf.get("task_acks_late")
+    if not acks_late:
+        return 0.0
+    visibility = _broker_visibility(conf)
+    return DEFAULT_COMPLETION_TTL_S if visibility is None else visibility + COMPLETION_MARGIN_S
+
+
+def describe_default_completion_ttl(conf: ConfLike) -> str:
+    """The default ``completion_ttl`` of a task acked late, as the banner shows it."""
+    visibility = _broker_visibility(conf)
+    if visibility is None:
+        return f"{DEFAULT_COMPLETION_TTL_S:g}s"
+    return f"{visibility + COMPLETION_MARGIN_S:g}s (visibility_timeout + {COMPLETION_MARGIN_S:g}s)"
+
+
+def _check_url(name: str, value: Any) -> str | None:
+    """The ``redis_url`` row's check (a lock store URL, or None)."""
+    checked: str | None = SETTINGS["redis_url"].check(name, value)
+    return checked
