@@ -18,10 +18,15 @@ from ..errors import SingletonConfigError, SingletonError, SingletonKeyError
 
 __all__ = [
     "MAX_PREVIEW_CHARS",
+    "Shape",
     "args_preview",
     "bind_arguments",
+    "bind_shape",
     "check_key_args",
+    "describe_callable",
+    "key_arg_names",
     "scope_key_names",
+    "shape_of",
 ]
 
 MAX_PREVIEW_CHARS = 100
@@ -90,12 +95,12 @@ def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     return text
 
 
-def _describe(func: object) -> str:
+def describe_callable(func: object) -> str:
     name = getattr(func, "__qualname__", None)
     return name if isinstance(name, str) else repr(func)
 
 
-class _Shape:
+class Shape:
     """A function's signature, read once, and a fast way to bind calls to it.
 
     Most task functions take positional-or-keyword parameters only. For those, :meth:`bind`
@@ -142,10 +147,10 @@ class _Shape:
 
 #: Shapes already read, per function (a bound method is keyed by its function and its class,
 #: never by the instance). Weak keys: a function that goes away drops out.
-_shapes: weakref.WeakKeyDictionary[Any, dict[Any, _Shape]] = weakref.WeakKeyDictionary()
+_shapes: weakref.WeakKeyDictionary[Any, dict[Any, Shape]] = weakref.WeakKeyDictionary()
 
 
-def _shape(func: Callable[..., Any], error: type[SingletonError]) -> _Shape:
+def shape_of(func: Callable[..., Any], error: type[SingletonError]) -> Shape:
     """``func``'s signature and binder, read once per function and cached (~15 us each)."""
     target: Any = getattr(func, "__func__", func) if inspect.ismethod(func) else func
     variant: Any = type(func.__self__) if inspect.ismethod(func) else None
@@ -154,29 +159,29 @@ def _shape(func: Callable[..., Any], error: type[SingletonError]) -> _Shape:
     except (KeyError, TypeError):  # not cached yet, or not weakly referenceable
         pass
     try:
-        shape = _Shape(inspect.signature(func))
+        shape = Shape(inspect.signature(func))
     except (TypeError, ValueError) as exc:
-        raise error(f"cannot read the signature of {_describe(func)}: {exc}") from exc
+        raise error(f"cannot read the signature of {describe_callable(func)}: {exc}") from exc
     with contextlib.suppress(TypeError):  # a callable that cannot be weakly referenced
         _shapes.setdefault(target, {})[variant] = shape
     return shape
 
 
-def _key_arg_names(
+def key_arg_names(
     func: Callable[..., Any], signature: inspect.Signature, key_args: Sequence[str] | None
 ) -> tuple[str, ...] | None:
     if key_args is None:
         return None
     if isinstance(key_args, (str, bytes)):
         raise SingletonConfigError(
-            f"key_args of {_describe(func)} must be a list of argument names, "
+            f"key_args of {describe_callable(func)} must be a list of argument names, "
             f"not the single string {key_args!r}"
         )
     names = tuple(key_args)
     for name in names:
         if not isinstance(name, str) or name not in signature.parameters:
             raise SingletonConfigError(
-                f"key_args of {_describe(func)} names {name!r}, which is not one of its "
+                f"key_args of {describe_callable(func)} names {name!r}, which is not one of its "
                 f"parameters {list(signature.parameters)}"
             )
     return names
@@ -185,15 +190,15 @@ def _key_arg_names(
 def check_key_args(func: Callable[..., Any], key_args: Sequence[str] | None) -> None:
     """Raise :class:`SingletonConfigError` unless every name in ``key_args`` is a parameter of
     ``func`` (meant for start-up, so a typo fails before the first task runs)."""
-    _key_arg_names(func, _shape(func, SingletonConfigError).signature, key_args)
+    key_arg_names(func, shape_of(func, SingletonConfigError).signature, key_args)
 
 
 def scope_key_names(func: Callable[..., Any], key_args: Sequence[str] | None) -> tuple[str, ...]:
     """The argument names a task of a scope keys on, sorted: its ``key_args``, else all its
     parameters. Tasks of one scope must have the same (the worker checks at start), so equal
     values of them give one key whatever each function's parameter order."""
-    signature = _shape(func, SingletonConfigError).signature
-    names = _key_arg_names(func, signature, key_args)
+    signature = shape_of(func, SingletonConfigError).signature
+    names = key_arg_names(func, signature, key_args)
     return tuple(sorted(names if names is not None else signature.parameters))
 
 
@@ -210,16 +215,16 @@ def bind_arguments(
     raises :class:`SingletonConfigError`. Arguments that do not fit the signature raise
     :class:`SingletonKeyError` carrying the ``TypeError`` text.
     """
-    shape = _shape(func, SingletonKeyError)
-    names = _key_arg_names(func, shape.signature, key_args)
-    arguments = _bind(shape, func, args, kwargs)
+    shape = shape_of(func, SingletonKeyError)
+    names = key_arg_names(func, shape.signature, key_args)
+    arguments = bind_shape(shape, func, args, kwargs)
     if names is None:
         return arguments
     return {name: arguments[name] for name in names}
 
 
-def _bind(
-    shape: _Shape, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+def bind_shape(
+    shape: Shape, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Every parameter of ``func`` (``shape``) bound to this call, defaults applied."""
     arguments = shape.bind(args, kwargs)
@@ -228,7 +233,7 @@ def _bind(
             bound = shape.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise SingletonKeyError(
-                f"arguments do not match the signature of {_describe(func)}: {exc}"
+                f"arguments do not match the signature of {describe_callable(func)}: {exc}"
             ) from exc
         bound.apply_defaults()
         arguments = dict(bound.arguments)

@@ -20,7 +20,16 @@ from collections.abc import Iterable
 
 from ..errors import SingletonKeyError
 
-__all__ = ["MAX_DEPTH", "canonical_encode"]
+__all__ = [
+    "MAX_DEPTH",
+    "T_DICT",
+    "EncodeError",
+    "canonical_encode",
+    "encode_value",
+    "key_error",
+    "repr_of",
+    "too_deep_error",
+]
 
 MAX_DEPTH = 200
 """Containers (list, tuple, dict, set, enum value) nested deeper than this are rejected."""
@@ -36,7 +45,7 @@ _T_BYTES = b"b"
 _T_LIST = b"l"
 _T_TUPLE = b"t"
 _T_SET = b"S"
-_T_DICT = b"d"
+T_DICT = b"d"
 _T_UUID = b"u"
 _T_DATETIME_NAIVE = b"D"
 _T_DATETIME_AWARE = b"Z"
@@ -49,12 +58,12 @@ _T_ENUM = b"e"
 
 _MAX_PATH_IN_MESSAGE = 200
 
-_repr = reprlib.Repr()
-_repr.maxstring = 40
-_repr.maxother = 40
+repr_of = reprlib.Repr()
+repr_of.maxstring = 40
+repr_of.maxother = 40
 
 
-class _EncodeError(Exception):
+class EncodeError(Exception):
     """Internal: why a value cannot be encoded; path segments are collected while unwinding."""
 
     def __init__(self, reason: str) -> None:
@@ -70,13 +79,13 @@ class _EncodeError(Exception):
         return path
 
 
-def _key_error(argument: str, exc: _EncodeError) -> SingletonKeyError:
+def key_error(argument: str, exc: EncodeError) -> SingletonKeyError:
     return SingletonKeyError(
         f"cannot encode argument {argument!r} at {exc.path(argument)}: {exc.reason}"
     )
 
 
-def _too_deep(argument: str) -> SingletonKeyError:
+def too_deep_error(argument: str) -> SingletonKeyError:
     return SingletonKeyError(
         f"cannot encode argument {argument!r} at {argument}: nested too deeply "
         "(the interpreter's recursion limit was reached)"
@@ -115,7 +124,7 @@ def _encode_datetime(value: _dt.datetime) -> bytes:
             return _atom(_T_DATETIME_NAIVE, _dt.datetime.isoformat(value).encode("ascii"))
         utc = value.astimezone(_dt.timezone.utc)
     except Exception as exc:
-        raise _EncodeError(f"cannot convert datetime to UTC: {type(exc).__name__}: {exc}") from exc
+        raise EncodeError(f"cannot convert datetime to UTC: {type(exc).__name__}: {exc}") from exc
     return _atom(_T_DATETIME_AWARE, _dt.datetime.isoformat(utc).encode("ascii"))
 
 
@@ -123,7 +132,7 @@ def _encode_time(value: _dt.time) -> bytes:
     try:
         offset = value.utcoffset()
     except Exception as exc:
-        raise _EncodeError(f"cannot read time's UTC offset: {type(exc).__name__}: {exc}") from exc
+        raise EncodeError(f"cannot read time's UTC offset: {type(exc).__name__}: {exc}") from exc
     if offset is None:
         return _atom(_T_TIME_NAIVE, _dt.time.isoformat(value).encode("ascii"))
     # aware times compare equal when their UTC-adjusted times match: encode exactly that
@@ -131,7 +140,7 @@ def _encode_time(value: _dt.time) -> bytes:
     return _atom(_T_TIME_AWARE, b"%d" % (day_micros + value.microsecond - _micros(offset)))
 
 
-def _encode(value: object, depth: int, active: set[int]) -> bytes:
+def encode_value(value: object, depth: int, active: set[int]) -> bytes:
     """Encode one value; ``depth`` is the number of containers around it."""
     kind = type(value)
     if kind is int:  # the most common arguments first: what the int and str branches give
@@ -158,7 +167,7 @@ def _encode(value: object, depth: int, active: set[int]) -> bytes:
         try:
             return _atom(_T_BYTES, value.tobytes())
         except ValueError as exc:
-            raise _EncodeError(f"unreadable memoryview: {exc}") from exc
+            raise EncodeError(f"unreadable memoryview: {exc}") from exc
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         return _encode_container(value, depth, active)
     if isinstance(value, uuid.UUID):
@@ -173,15 +182,15 @@ def _encode(value: object, depth: int, active: set[int]) -> bytes:
         return _atom(_T_TIMEDELTA, b"%d" % _micros(value))
     if isinstance(value, decimal.Decimal):
         return _atom(_T_DECIMAL, _decimal_payload(value))
-    raise _EncodeError(f"unsupported type {type(value).__qualname__}")
+    raise EncodeError(f"unsupported type {type(value).__qualname__}")
 
 
 def _encode_container(value: object, depth: int, active: set[int]) -> bytes:
     if depth >= MAX_DEPTH:
-        raise _EncodeError(f"nested too deeply (more than {MAX_DEPTH} levels)")
+        raise EncodeError(f"nested too deeply (more than {MAX_DEPTH} levels)")
     ident = id(value)
     if ident in active:
-        raise _EncodeError("contains a reference cycle")
+        raise EncodeError("contains a reference cycle")
     active.add(ident)
     try:
         depth += 1
@@ -189,8 +198,8 @@ def _encode_container(value: object, depth: int, active: set[int]) -> bytes:
             cls = type(value)
             name = f"{cls.__module__}.{cls.__qualname__}".encode("utf-8", "surrogatepass")
             try:
-                encoded_value = _encode(value.value, depth, active)
-            except _EncodeError as exc:
+                encoded_value = encode_value(value.value, depth, active)
+            except EncodeError as exc:
                 exc.segments.append(".value")
                 raise
             return _atom(_T_ENUM, name) + encoded_value
@@ -200,8 +209,8 @@ def _encode_container(value: object, depth: int, active: set[int]) -> bytes:
             elements: list[bytes] = []
             for element in value:
                 try:
-                    elements.append(_encode(element, depth, active))
-                except _EncodeError as exc:
+                    elements.append(encode_value(element, depth, active))
+                except EncodeError as exc:
                     exc.segments.append("[<element>]")
                     raise
             elements.sort()
@@ -214,8 +223,8 @@ def _encode_container(value: object, depth: int, active: set[int]) -> bytes:
         parts: list[bytes] = []
         for index, item in enumerate(items):
             try:
-                parts.append(_encode(item, depth, active))
-            except _EncodeError as exc:
+                parts.append(encode_value(item, depth, active))
+            except EncodeError as exc:
                 exc.segments.append(f"[{index}]")
                 raise
         return b"%s%d:%s" % (tag, len(parts), b"".join(parts))
@@ -229,14 +238,14 @@ def _encode_dict_items(
     pairs: list[tuple[bytes, bytes]] = []
     for key, item in items:
         try:
-            encoded_key = _encode(key, depth, active)
-        except _EncodeError as exc:
+            encoded_key = encode_value(key, depth, active)
+        except EncodeError as exc:
             exc.segments.append("[<key>]")
             raise
         try:
-            pairs.append((encoded_key, _encode(item, depth, active)))
-        except _EncodeError as exc:
-            exc.segments.append(f"[{_repr.repr(key)}]")
+            pairs.append((encoded_key, encode_value(item, depth, active)))
+        except EncodeError as exc:
+            exc.segments.append(f"[{repr_of.repr(key)}]")
             raise
     return pairs
 
@@ -244,7 +253,7 @@ def _encode_dict_items(
 def _encode_dict_pairs(pairs: list[tuple[bytes, bytes]]) -> bytes:
     pairs.sort()
     body = b"".join(key + item for key, item in pairs)
-    return b"%s%d:%s" % (_T_DICT, len(pairs), body)
+    return b"%s%d:%s" % (T_DICT, len(pairs), body)
 
 
 def canonical_encode(value: object, path: str = "value") -> bytes:
@@ -255,8 +264,8 @@ def canonical_encode(value: object, path: str = "value") -> bytes:
     unsupported type, a reference cycle or nesting deeper than :data:`MAX_DEPTH`.
     """
     try:
-        return _encode(value, 0, set())
-    except _EncodeError as exc:
-        raise _key_error(path, exc) from exc.__cause__
+        return encode_value(value, 0, set())
+    except EncodeError as exc:
+        raise key_error(path, exc) from exc.__cause__
     except RecursionError:
-        raise _too_deep(path) from None
+        raise too_deep_error(path) from None

@@ -29,8 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SingletonConfigError, SingletonKeyError
-from .arguments import _bind, _describe, _key_arg_names, _Shape, _shape
-from .encoding import _T_DICT, _encode, _EncodeError, _key_error, _repr, _too_deep, canonical_encode
+from .arguments import Shape, bind_shape, describe_callable, key_arg_names, shape_of
+from .encoding import (
+    T_DICT,
+    EncodeError,
+    canonical_encode,
+    encode_value,
+    key_error,
+    repr_of,
+    too_deep_error,
+)
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -186,7 +194,7 @@ def check_prefix(prefix: str) -> None:
     if not 1 <= len(prefix) <= MAX_PREFIX_CHARS:
         raise SingletonConfigError(
             f"key prefix must have 1 to {MAX_PREFIX_CHARS} characters, "
-            f"{_repr.repr(prefix)} has {len(prefix)}"
+            f"{repr_of.repr(prefix)} has {len(prefix)}"
         )
     for char in prefix:
         if (
@@ -211,11 +219,11 @@ def _key_fn_identity(
         raise
     except Exception as exc:
         raise SingletonKeyError(
-            f"key_fn {_describe(key_fn)} raised {type(exc).__name__}: {exc}"
+            f"key_fn {describe_callable(key_fn)} raised {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(result, str):
         raise SingletonKeyError(
-            f"key_fn {_describe(key_fn)} must return a str, not {type(result).__qualname__}"
+            f"key_fn {describe_callable(key_fn)} must return a str, not {type(result).__qualname__}"
         )
     return canonical_encode(result, "key_fn()")
 
@@ -287,12 +295,12 @@ class KeyDeriver:
         self._start = b""
         if key_fn is not None:  # the signature is never read: key_fn alone makes the key
             return
-        shape = self._shape = _shape(func, SingletonKeyError)
-        names = _key_arg_names(func, shape.signature, key_args)
+        shape = self._shape = shape_of(func, SingletonKeyError)
+        names = key_arg_names(func, shape.signature, key_args)
         keyed = dict.fromkeys(names if names is not None else shape.signature.parameters)
-        encoded = [(name, _encode(name, 1, set())) for name in keyed]
+        encoded = [(name, encode_value(name, 1, set())) for name in keyed]
         self._order = tuple(sorted(encoded, key=_second))
-        self._start = b"a%s%d:" % (_T_DICT, len(self._order))
+        self._start = b"a%s%d:" % (T_DICT, len(self._order))
         if shape.names:  # all positional-or-keyword (and at least one)
             position = {name: index for index, name in enumerate(shape.names)}
             self._positional = tuple((position[n], n, code) for n, code in self._order)
@@ -309,21 +317,21 @@ class KeyDeriver:
         try:
             if not kwargs and len(args) == self._arity:
                 for index, name, encoded in self._positional:  # noqa: B007 - in the error
-                    parts.append(encoded + _encode(args[index], 1, active))
+                    parts.append(encoded + encode_value(args[index], 1, active))
             else:  # keywords, defaults, *args or **kwargs: bound as bind_arguments binds
-                arguments = _bind(self._shape, self._func, args, kwargs)
+                arguments = bind_shape(self._shape, self._func, args, kwargs)
                 for name, encoded in self._order:
-                    parts.append(encoded + _encode(arguments[name], 1, active))
-        except _EncodeError as exc:
-            raise _key_error(name, exc) from exc.__cause__
+                    parts.append(encoded + encode_value(arguments[name], 1, active))
+        except EncodeError as exc:
+            raise key_error(name, exc) from exc.__cause__
         except RecursionError:
-            raise _too_deep(name) from None
+            raise too_deep_error(name) from None
         identity = self._start + b"".join(parts)
         return _tagged_keys(self._head, self._name, identity, self.permits)
 
 
 #: the shape of a KeyDeriver with a key_fn (it binds nothing)
-_NO_SHAPE = _Shape(inspect.Signature())
+_NO_SHAPE = Shape(inspect.Signature())
 
 
 def _second(pair: tuple[str, bytes]) -> bytes:
