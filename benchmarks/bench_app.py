@@ -21,7 +21,16 @@ that differ only in their base class:
   the wire and in the server, without the library's Python.
 
 ``bench.no_result`` is a plain task that stores no result: what a message costs a worker to
-receive, run and acknowledge, and nothing more (the floor of the flood rows, 4c).
+receive, run and acknowledge, and nothing more than a run.
+
+Two floors below any run, for the flood rows (4c): tasks whose Celery ``Strategy`` handles each
+message in the worker's main process, before any ``Request`` or pool:
+
+- ``bench.ack_only`` acknowledges the message and does nothing else: the least a worker can
+  spend on a message it consumes (kombu's receive and acknowledgement);
+- ``bench.ack_store`` stores a ``SUCCESS`` result through the result backend, as any task's
+  result is stored, then acknowledges: the least a skipped duplicate can cost, since its
+  contract is a stored result (and it must also hear from Redis whether the lock is held).
 
 ``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up
 (section 4b).
@@ -66,6 +75,8 @@ SAME_WIRE = "bench.same_wire"
 HOLD = "bench.hold"
 AT_PUBLISH = "bench.at_publish"
 NO_RESULT = "bench.no_result"
+ACK_ONLY = "bench.ack_only"
+ACK_STORE = "bench.ack_store"
 COALESCE = "bench.coalesce"
 SCOPED = "bench.scoped"
 
@@ -230,6 +241,44 @@ def same_wire(i: int) -> None:
 
 @app.task(name=NO_RESULT, base=Task, ignore_result=True)  # type: ignore[untyped-decorator]
 def no_result(i: int) -> None:
+    return None
+
+
+def ack_only_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
+    """A Celery task strategy that acknowledges every message and does nothing else."""
+
+    def on_message(message: Any, *args: Any, **kwargs: Any) -> None:
+        message.ack()
+
+    return on_message
+
+
+def ack_store_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
+    """A Celery task strategy that stores a SUCCESS result for every message, then acks it."""
+    store_result = task.backend.store_result
+
+    def on_message(message: Any, *args: Any, **kwargs: Any) -> None:
+        store_result(message.headers["id"], None, "SUCCESS")
+        message.ack()
+
+    return on_message
+
+
+class AckOnly(Task):  # type: ignore[misc]
+    Strategy = "benchmarks.bench_app:ack_only_strategy"
+
+
+class AckStore(Task):  # type: ignore[misc]
+    Strategy = "benchmarks.bench_app:ack_store_strategy"
+
+
+@app.task(name=ACK_ONLY, base=AckOnly)  # type: ignore[untyped-decorator]
+def ack_only(i: int) -> None:
+    return None
+
+
+@app.task(name=ACK_STORE, base=AckStore)  # type: ignore[untyped-decorator]
+def ack_store(i: int) -> None:
     return None
 
 

@@ -48,7 +48,11 @@ COALESCED = "SingletonTask, coalesce: every delivery a duplicate (coalesced)"
 DUPLICATE_ROWS = {DUPLICATES: "singleton", COALESCED: "coalesce"}
 DUP_KEYS = 10
 FLOOD = "SingletonTask, duplicates of one held key (all skipped)"
-FLOOR = "plain Task storing no result (floor: receive, run, ack)"
+NO_RESULT_ROW = "plain Task storing no result (receive, run, ack)"
+ACK_STORE_ROW = "result stored in the main process, no run (floor of a skip: receive, store, ack)"
+ACK_ONLY_ROW = "acknowledged in the main process, nothing else (floor: receive, ack)"
+#: flood rows that store no result: the queue and kombu's unacked hash drain instead
+NO_RESULTS = (NO_RESULT_ROW, ACK_ONLY_ROW)
 #: The queue of the flood rows: filled while no worker consumes it, then drained at once.
 FLOOD_QUEUE = "bench-flood"
 
@@ -216,7 +220,9 @@ def run(
                 for task, args_of, what in (
                     (bench_app.plain, plain_args, "plain Task"),
                     (bench_app.singleton, _cycling(dup_base, 1), FLOOD),
-                    (bench_app.no_result, _args_from(counter.take(flood_n)), FLOOR),
+                    (bench_app.no_result, _args_from(counter.take(flood_n)), NO_RESULT_ROW),
+                    (bench_app.ack_store, _args_from(counter.take(flood_n)), ACK_STORE_ROW),
+                    (bench_app.ack_only, _args_from(counter.take(flood_n)), ACK_ONLY_ROW),
                 ):
                     floods.append(_flood(app, label, task, args_of, flood_n, client, worker, what))
             dup_series += [by_name.pop(name) for name in DUPLICATE_ROWS]
@@ -298,7 +304,7 @@ def _flood(  # noqa: PLR0917 - where, what, and how many
     start = time.perf_counter()
     app.control.add_consumer(FLOOD_QUEUE, destination=[worker.nodename], reply=True, timeout=5)
     try:
-        if what == FLOOR:  # no results to poll: the queue and kombu's unacked hash drain
+        if what in NO_RESULTS:  # no results to poll: the queue and kombu's unacked hash drain
             _wait_drained(client, timeout=60 + n / 20, worker=worker)
         else:
             _wait_all(client, keys, timeout=60 + n / 20, worker=worker)
@@ -408,6 +414,7 @@ def flood_table(floods: list[Flood]) -> Table:
             "drained/s",
             "vs plain",
             "worker CPU µs/message",
+            "CPU vs plain",
             "RSS MB before",
             "peak",
             "after",
@@ -422,6 +429,7 @@ def flood_table(floods: list[Flood]) -> Table:
             f.rate,
             f"{f.rate / plain[f.pool].rate:.2f}x",
             f.worker_cpu_s / f.n * 1e6,
+            f"{f.worker_cpu_s / plain[f.pool].worker_cpu_s:.2f}x",
             f.rss_before * mb,
             f.rss_peak * mb,
             f.rss_after * mb,
@@ -429,6 +437,9 @@ def flood_table(floods: list[Flood]) -> Table:
     table.notes.append(
         "The messages are queued while the worker does not consume their queue, then it is told "
         "to (add_consumer); from then to the last result. RSS: the worker and its children, "
-        "sampled every 50 ms. One flood per row."
+        "sampled every 50 ms. One flood per row. The two rows handled in the main process "
+        "are floors under any per-message handling inside Celery's worker: a Celery Strategy "
+        "that only acknowledges, and one that stores a SUCCESS result and acknowledges (what a "
+        "skipped duplicate must at least do, before it even asks Redis about the lock)."
     )
     return table
