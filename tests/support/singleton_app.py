@@ -582,6 +582,18 @@ def step_raise(self: Any, prev: Any = None, key: str = "") -> list[str]:
     return _step(key, prev)
 
 
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.step_coalesce",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="coalesce",
+)
+def step_coalesce(self: Any, prev: Any = None, key: str = "") -> list[str]:
+    """Like t.step, under the coalesce policy."""
+    return _step(key, prev)
+
+
 @app.task(name="t.gather")
 def gather(results: Any, label: str = "") -> Any:
     """A plain task (a chord body, a link callback): logs ``gather <label> <results as JSON>``."""
