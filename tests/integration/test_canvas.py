@@ -276,3 +276,22 @@ def test_retry_waits_then_the_canvas_goes_on(canvas: Canvas) -> None:
     canvas.fence()
     assert 'gather link ["busy-link"]' in canvas.logged("gather link")
     assert canvas.logged("errback") == []
+
+    # link_error: not called while the duplicate waits, called once its own run fails
+    canvas.hold("fail-link", "holder-fail")
+    failing = canvas.app.send_task(
+        canvas.task, kwargs={"key": "fail-link"}, link_error=canvas.errback("fail")
+    )
+    wait_for(
+        lambda: canvas.logged(f"duplicate_retried {failing.id}"),
+        TIMEOUT,
+        "the failing duplicate requeued",
+        canvas.worker,
+    )
+    assert canvas.logged("errback") == []
+    canvas.free("fail-link", "holder-fail")
+    with pytest.raises(ValueError, match="fail-link"):
+        failing.get(timeout=TIMEOUT)
+    errback = f"errback fail ValueError {failing.id}"
+    wait_for(lambda: canvas.logged(errback), TIMEOUT, "the errback", canvas.worker)
+    assert canvas.logged("errback") == [errback]

@@ -546,8 +546,11 @@ if os.environ.get("SINGLETON_TEST_METRICS_PORT"):
 
 
 def _step(key: str, prev: Any) -> list[str]:
-    """Log ``step <key>``; return the keys of the steps before (``prev``) and this one."""
+    """Log ``step <key>``; return the keys of the steps before (``prev``) and this one. A key
+    starting with ``fail-`` raises ValueError after logging (a run that fails)."""
     _log_event(f"step {key}")
+    if key.startswith("fail-"):
+        raise ValueError(key)
     return [*(prev if isinstance(prev, list) else []), key]
 
 
