@@ -1,6 +1,11 @@
 """What a run's lock reports from the renewer: released, lost, past max hold, renewed late,
 renewal failed. Fixed log lines (docs/configuration.md, "Log lines") and the library's signals;
 :func:`configure_renewer` hands these callbacks to a process's renewer once.
+
+A line about one run goes through the task logger (_tasklog.py) with that run's name and id as
+``extra``: the renewer reports from its own thread, where no run is current, and a release made
+in the run's thread names the same run. A renewal that failed for a batch names no run and is
+logged as ``celery_singleton_lock.events``.
 """
 
 from __future__ import annotations
@@ -8,6 +13,8 @@ from __future__ import annotations
 import logging
 
 from . import signals
+from ._tasklog import about
+from ._tasklog import logger as task_logger
 from .core.backend import ReleaseStatus, RenewStatus
 from .core.renewer import HeldLock, Renewer
 from .errors import LockUnavailableError
@@ -29,42 +36,50 @@ def on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, re
     """Log (and signal) what the release of a run's lock found."""
     task = held.context
     if status is ReleaseStatus.RELEASED:  # the run's path: no call for a line not logged,
-        if logger.isEnabledFor(logging.DEBUG):  # nor for a signal nobody receives
-            logger.debug(
+        if task_logger.isEnabledFor(logging.DEBUG):  # nor for a signal nobody receives
+            name = getattr(task, "name", "?")
+            task_logger.debug(
                 "singleton: released %s[%s] key=%s",
-                getattr(task, "name", "?"),
+                name,
                 held.owner,
                 held.key,
+                extra=about(name, held.owner),
             )
         if signals.lock_released.receivers:
             signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
     elif isinstance(status, LockUnavailableError):
-        logger.warning(
+        name = getattr(task, "name", "?")
+        task_logger.warning(
             "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
-            getattr(task, "name", "?"),
+            name,
             held.owner,
             held.key,
             status,
+            extra=about(name, held.owner),
         )
     elif not held.lost:
-        logger.warning(
+        name = getattr(task, "name", "?")
+        task_logger.warning(
             "singleton: lock was no longer ours at release: %s[%s] key=%s",
-            getattr(task, "name", "?"),
+            name,
             held.owner,
             held.key,
+            extra=about(name, held.owner),
         )
 
 
 def _on_lost(held: HeldLock, status: RenewStatus) -> None:
     reason = "taken" if status is RenewStatus.TAKEN else "gone"
     task = held.context
-    logger.error(
+    name = getattr(task, "name", "?")
+    task_logger.error(
         "singleton: lock lost: %s[%s] key=%s token=%d reason=%s",
-        getattr(task, "name", "?"),
+        name,
         held.owner,
         held.key,
         held.token,
         reason,
+        extra=about(name, held.owner),
     )
     signals.lock_lost.send(
         sender=task, key=held.key, task_id=held.owner, token=held.token, reason=reason
@@ -73,25 +88,29 @@ def _on_lost(held: HeldLock, status: RenewStatus) -> None:
 
 def _on_max_hold(held: HeldLock) -> None:
     task = held.context
-    logger.error(
+    name = getattr(task, "name", "?")
+    task_logger.error(
         "singleton: max hold reached, no longer renewing: %s[%s] key=%s held=%ss",
-        getattr(task, "name", "?"),
+        name,
         held.owner,
         held.key,
         held.max_hold_s,
+        extra=about(name, held.owner),
     )
     signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
 
 
 def _on_late(held: HeldLock, left_s: float) -> None:
     task = held.context
-    logger.warning(
+    name = getattr(task, "name", "?")
+    task_logger.warning(
         "singleton: lock renewed late: %s[%s] key=%s left=%.3fs ttl=%ss",
-        getattr(task, "name", "?"),
+        name,
         held.owner,
         held.key,
         left_s,
         held.ttl_ms / 1000,
+        extra=about(name, held.owner),
     )
     signals.lock_renewed_late.send(
         sender=task, key=held.key, task_id=held.owner, token=held.token, left=left_s

@@ -26,7 +26,6 @@ use Celery's tracer directly; their skip still ends in an ``Ignore`` (skips.py).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ from celery.app.task import Context
 from celery.app.trace import trace_ok_t
 from celery.utils.saferepr import saferepr
 
+from ._tasklog import about, logger
 from .core.backend import Acquired, Contended
 from .core.keys import LockKeys
 from .core.renewer import Renewer
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from .task import SingletonTask
 
 __all__ = ["FirstTry", "take_first_try", "trace_run"]
-
-logger = logging.getLogger(__name__)
 
 Tracer = Callable[[str, Sequence[Any], Mapping[str, Any], dict[str, Any]], Any]
 
@@ -113,6 +111,7 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
                 task.name,
                 uuid,
                 exc,
+                extra=about(task.name, uuid),  # in front of Celery's tracer: no current run
             )
     _pending.first = first
     try:

@@ -52,6 +52,8 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
+from ._tasklog import about
+from ._tasklog import logger as task_logger
 from .beat.witness import witness_scheduled_run
 from .core.arguments import check_key_args
 from .core.connection import flush_releases
@@ -142,13 +144,14 @@ def _release_after_child_loss(
         return
     if not isinstance(request, Request) or request.id != task_id:
         if not _knows_generation(sender):
-            logger.warning(
+            task_logger.warning(
                 "singleton: not released by main process after %s, generation unknown "
                 "(its Request class is not a SingletonRequest), lock expires in its ttl: "
                 "%s[%s]",
                 reason,
                 sender.name,
                 task_id,
+                extra=about(sender.name, task_id),
             )
         # else: the executing process reports its own run (its task_postrun releases)
         return

@@ -15,7 +15,10 @@ What it adds to the mixin in front of the database scheduler (docs/django.md):
   minutes);
 - a one-off entry (every clocked entry is one) is claimed once per enabling, under the
   ``last_run_at`` it had before it ran, not per nominal time: an instance that learns late
-  that it ran (its schedule not reloaded yet) finds it claimed.
+  that it ran (its schedule not reloaded yet) finds it claimed;
+- a beat writes back only the columns it owns (:class:`SingletonModelEntry`): upstream reads
+  the whole row and saves it whole, so an edit saved in between (the admin's, or another
+  beat's) was lost.
 """
 
 from __future__ import annotations
@@ -29,20 +32,45 @@ from .scheduler import SingletonSchedulerMixin
 try:
     from django.db import DatabaseError
     from django.utils import timezone
-    from django_celery_beat.schedulers import DatabaseScheduler
+    from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "celery_singleton_lock.beat.SingletonDatabaseScheduler needs django-celery-beat "
         f"(pip install django-celery-beat): {exc}"
     ) from exc
 
-__all__ = ["SingletonDatabaseScheduler"]
+__all__ = ["SingletonDatabaseScheduler", "SingletonModelEntry"]
 
 logger = logging.getLogger(__name__)
 
 
+class SingletonModelEntry(ModelEntry):  # type: ignore[misc]
+    """django-celery-beat's ``ModelEntry``, writing only the columns a beat owns, in one UPDATE.
+
+    Upstream's ``save`` (each sync, for every entry the beat ran) reads the row, sets the run
+    state on it and saves the whole row; ``_disable`` (an expired entry) saves the whole row as
+    the beat loaded it. An edit saved in between, in the admin or by another beat, was
+    overwritten with the old values: with several beats syncing at every schedule change, most
+    edits made in that moment were lost. Here both write their own columns and nothing else.
+    A row disabled meanwhile is not written (upstream cleared its ``last_run_at``).
+    """
+
+    def save(self) -> None:
+        model = self.model
+        type(model)._default_manager.filter(pk=model.pk, enabled=True).update(
+            last_run_at=model.last_run_at, total_run_count=model.total_run_count
+        )
+
+    def _disable(self, model: Any) -> None:
+        model.no_changes = True  # as upstream: the other beats disable it at their own check
+        model.enabled, model.last_run_at = False, None
+        type(model)._default_manager.filter(pk=model.pk).update(enabled=False, last_run_at=None)
+
+
 class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):  # type: ignore[misc]
     """django-celery-beat's database scheduler, publishing each scheduled run once."""
+
+    Entry = SingletonModelEntry
 
     def setup_schedule(self) -> None:
         """django-celery-beat's, with the time of the last schedule change read first.

@@ -1,7 +1,8 @@
 """Canvas around a duplicate, on a real worker: chain, group, chord, link and link_error under
 each policy (docs/configuration.md, "Canvas").
 
-- skip: nothing after the skipped step runs (the rest of its chain, its chord's body, its link
+- skip (and coalesce, whose duplicate ends as a skip naming its follow-up): nothing after the
+  skipped step runs (the rest of its chain, its chord's body, its link
   callbacks, not link_error either); every result the caller waits on is the skip marker, so
   ``skip_info`` on a chain's or a chord's AsyncResult names the key and the holder; a group's
   skipped member is its own marker.
@@ -28,6 +29,7 @@ from celery_singleton_lock import DuplicateTaskError, SkipInfo, skip_info
 from celery_singleton_lock.core.backend import Acquired, LockBackend
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import LockKeys, derive_keys
+from celery_singleton_lock.core.pending import pending_key
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.singleton_app import signals_key
 from tests.support.waiting import wait_for
@@ -37,7 +39,7 @@ TIMEOUT = 20
 
 
 def _step_signature(prev: Any = None, key: str = "") -> None:
-    """Same parameters as t.step, t.step_retry and t.step_raise."""
+    """Same parameters as t.step, t.step_retry, t.step_raise and t.step_coalesce."""
 
 
 class Canvas:
@@ -138,46 +140,56 @@ def _published(canvas: Canvas) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("canvas", ["t.step"], indirect=True)
-def test_skip_stops_what_follows_and_the_callers_result_says_why(canvas: Canvas) -> None:
+@pytest.mark.parametrize("canvas", ["t.step", "t.step_coalesce"], indirect=True)
+def test_skip_stops_what_follows_and_the_callers_result_says_why(
+    canvas: Canvas, redis_client: redis.Redis
+) -> None:
+    """skip, and coalesce (whose duplicate ends as a skip naming its follow-up, a plain message
+    of the task published when the holder lets go: it carries no canvas)."""
+    coalesce = canvas.task == "t.step_coalesce"
     results = _published(canvas)
+
+    def why(value: Any, shape: str, task_id: str | None = None) -> SkipInfo:
+        """``value``'s skip info, checked against ``shape``'s lock and holder (and the skipped
+        step's task id); under coalesce its follow-up is the one pending beside that lock."""
+        info = skip_info(value)
+        assert info is not None, value
+        lock = canvas.lock(f"busy-{shape}")
+        assert (info.key, info.holder) == (lock, f"holder-{shape}")
+        assert task_id is None or info.task_id == task_id
+        pending = redis_client.hget(pending_key(lock), "id")
+        if coalesce:
+            assert pending is not None, shape
+            assert info.follow_up == pending.decode(), shape
+        else:
+            assert (info.follow_up, pending) == (None, None), shape
+        return info
 
     chained = results["chain"]
     skipped = chained.parent
     assert chained.get(timeout=TIMEOUT) == skipped.get(timeout=TIMEOUT)
-    assert skip_info(chained) == SkipInfo(canvas.lock("busy-chain"), "holder-chain", skipped.id)
+    why(chained, "chain", skipped.id)
     assert chained.parent.parent.get(timeout=TIMEOUT) == ["a"]
 
     members = results["group"].get(timeout=TIMEOUT)
     assert members[0] == ["g"]
-    assert skip_info(members[1]) == SkipInfo(
-        canvas.lock("busy-group"), "holder-group", results["group"].results[1].id
-    )
+    why(members[1], "group", results["group"].results[1].id)
 
     body = results["chord"]
-    info = skip_info(body.get(timeout=TIMEOUT))
     header = body.parent.results
-    assert info == SkipInfo(canvas.lock("busy-chord"), "holder-chord", header[1].id)
+    why(body.get(timeout=TIMEOUT), "chord", header[1].id)
     assert header[0].get(timeout=TIMEOUT) == ["h"]
 
     linked = results["link"]
-    assert skip_info(linked.get(timeout=TIMEOUT)) == SkipInfo(
-        canvas.lock("busy-link"), "holder-link", linked.id
-    )
-
-    nested = skip_info(results["nested"].get(timeout=TIMEOUT))
-    assert nested is not None
-    assert (nested.key, nested.holder) == (canvas.lock("busy-nested"), "holder-nested")
-
-    after = skip_info(results["before-chord"].get(timeout=TIMEOUT))
-    assert after is not None
-    assert (after.key, after.holder) == (canvas.lock("busy-before-chord"), "holder-before-chord")
+    why(linked.get(timeout=TIMEOUT), "link", linked.id)
+    why(results["nested"].get(timeout=TIMEOUT), "nested")
+    why(results["before-chord"].get(timeout=TIMEOUT), "before-chord")
 
     # a group after a chain's step (a shape Celery leaves PENDING on a failure, so skip only)
     canvas.hold("busy-before-group", "holder-before-group")
     grouped = chain(canvas.step("busy-before-group"), group(canvas.step("z1"), canvas.step("z2")))
-    members = grouped.apply_async().get(timeout=TIMEOUT)
-    assert [skip_info(member).holder for member in members] == ["holder-before-group"] * 2
+    for member in grouped.apply_async().get(timeout=TIMEOUT):
+        why(member, "before-group")
 
     canvas.fence()
     ran = canvas.logged("step ")
@@ -185,7 +197,7 @@ def test_skip_stops_what_follows_and_the_callers_result_says_why(canvas: Canvas)
     assert canvas.logged("gather ") == [f"gather fence-1 {['fence-1']}".replace("'", '"')]
     assert canvas.logged("errback") == []
     log = canvas.worker.log_text()
-    assert log.count("singleton: duplicate skipped") == 7
+    assert log.count(f"singleton: duplicate {'coalesced' if coalesce else 'skipped'}: ") == 7
     assert "singleton: skipped duplicate stops its canvas, 1 later tasks marked skipped" in log
     assert "Traceback" not in log
     for shape in ("chain", "group", "chord", "link", "nested", "before-chord"):
@@ -264,3 +276,22 @@ def test_retry_waits_then_the_canvas_goes_on(canvas: Canvas) -> None:
     canvas.fence()
     assert 'gather link ["busy-link"]' in canvas.logged("gather link")
     assert canvas.logged("errback") == []
+
+    # link_error: not called while the duplicate waits, called once its own run fails
+    canvas.hold("fail-link", "holder-fail")
+    failing = canvas.app.send_task(
+        canvas.task, kwargs={"key": "fail-link"}, link_error=canvas.errback("fail")
+    )
+    wait_for(
+        lambda: canvas.logged(f"duplicate_retried {failing.id}"),
+        TIMEOUT,
+        "the failing duplicate requeued",
+        canvas.worker,
+    )
+    assert canvas.logged("errback") == []
+    canvas.free("fail-link", "holder-fail")
+    with pytest.raises(ValueError, match="fail-link"):
+        failing.get(timeout=TIMEOUT)
+    errback = f"errback fail ValueError {failing.id}"
+    wait_for(lambda: canvas.logged(errback), TIMEOUT, "the errback", canvas.worker)
+    assert canvas.logged("errback") == [errback]

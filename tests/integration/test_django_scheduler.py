@@ -200,6 +200,91 @@ def test_clocked_entry_published_once_by_instances_firing_seconds_apart(app: Cel
     assert len(published) == 1, published
 
 
+# -- what a beat writes back -----------------------------------------------------------------------
+
+
+def edit_kwargs(name: str, version: int) -> None:
+    """Save new arguments for ``name``, as the admin does (the whole row)."""
+    import json
+
+    from django_celery_beat.models import PeriodicTask
+
+    edited = PeriodicTask.objects.get(name=name)
+    edited.kwargs = json.dumps({"version": version})
+    edited.save()
+
+
+def saved_kwargs(name: str) -> Any:
+    import json
+
+    from django_celery_beat.models import PeriodicTask
+
+    return json.loads(PeriodicTask.objects.get(name=name).kwargs)
+
+
+@pytest.mark.usefixtures("django_database")
+def test_an_edit_saved_while_a_beat_writes_its_run_state_is_kept(app: Celery) -> None:
+    """A beat's sync writes each entry it ran. django-celery-beat's ModelEntry.save reads the row
+    and saves it whole: an edit saved between its read and its write (here, right after the
+    beat's first statement on the row) was overwritten with the old arguments. Several beats
+    sync at every schedule change, so most edits made in that moment were lost."""
+    import json
+
+    from django.db import connection
+
+    periodic_task("edited", interval=every(2), kwargs=json.dumps({"version": 1}))
+    slot = slot_now(2)
+    scheduler = recording_scheduler(app, slot + 0.5)
+    tick_entry(scheduler, "edited")
+    for step in (2.5, 4.5):  # the first run's state is written at once (Celery's first sync)
+        set_clock(scheduler, slot + step)
+        assert tick_entry(scheduler, "edited")
+    assert "edited" in scheduler._dirty  # the second's waits for the next sync
+    edited_in_between = False
+
+    def edit_after_the_first_statement(execute: Any, sql: str, *args: Any) -> Any:
+        nonlocal edited_in_between
+        result = execute(sql, *args)
+        if not edited_in_between and '"django_celery_beat_periodictask"' in sql:
+            edited_in_between = True
+            edit_kwargs("edited", 2)
+        return result
+
+    with connection.execute_wrapper(edit_after_the_first_statement):
+        scheduler.sync()
+    assert edited_in_between
+    assert saved_kwargs("edited") == {"version": 2}
+    from django_celery_beat.models import PeriodicTask
+
+    written = PeriodicTask.objects.get(name="edited")
+    assert written.total_run_count == 2  # the run state was written too
+    assert written.last_run_at is not None
+
+
+@pytest.mark.usefixtures("django_database")
+def test_an_expired_entry_is_disabled_without_undoing_a_later_edit(app: Celery) -> None:
+    """ModelEntry._disable saved the whole row as the beat had loaded it: an edit saved since
+    (before the beat reloaded) was undone when the entry expired."""
+    import json
+
+    from django_celery_beat.models import PeriodicTask
+
+    periodic_task(
+        "expiring",
+        interval=every(10),
+        kwargs=json.dumps({"version": 1}),
+        expires=datetime.now(timezone.utc) - timedelta(seconds=1),
+    )
+    scheduler = recording_scheduler(app, time.time())
+    entry = scheduler.schedule["expiring"]  # loaded: version 1
+    edit_kwargs("expiring", 2)
+    assert not scheduler.is_due(entry)[0]
+    row = PeriodicTask.objects.get(name="expiring")
+    assert not row.enabled
+    assert json.loads(row.kwargs) == {"version": 2}
+    assert labels(scheduler) == []
+
+
 # -- the named scheduler -------------------------------------------------------------------------
 
 

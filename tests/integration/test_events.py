@@ -8,6 +8,7 @@ a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
   Flower: FAILURE.
 - retry: task-retried whose ``exception`` names key and holder on every requeue (Flower: RETRY),
   then, once the lock is free, task-succeeded for the same task id (Flower: SUCCESS).
+- coalesce: as skip, the marker also naming the follow-up (``coalesced_into``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 TIMEOUT = 20
-POLICIES = {"skip": "t.hold", "raise": "t.hold_raise", "retry": "t.hold_retry"}
+POLICIES = {
+    "skip": "t.hold",
+    "raise": "t.hold_raise",
+    "retry": "t.hold_retry",
+    "coalesce": "t.hold_coalesce",
+}
 
 
 def _hold_signature(key: str, seconds: float = 0.0) -> None:
-    """Same parameters as t.hold, t.hold_raise and t.hold_retry."""
+    """The key parameter of t.hold, t.hold_raise, t.hold_retry and t.hold_coalesce."""
 
 
 def _keys(prefix: str, task: str, key: str) -> LockKeys:
@@ -117,6 +123,14 @@ def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
     assert skipped["name"] == "t.hold"
     assert skipped["worker"] == worker.nodename
 
+    coalesced = flower_state("coalesce", "SUCCESS")
+    info = skip_info(duplicates["coalesce"])
+    assert info is not None
+    assert info.follow_up is not None
+    assert held["coalesce"].lock in coalesced["result"]
+    assert "'holder': 'holder-coalesce'" in coalesced["result"]
+    assert f"'coalesced_into': '{info.follow_up}'" in coalesced["result"]
+
     raised = flower_state("raise", "FAILURE")
     assert raised["exception"].startswith("DuplicateTaskError(")
     assert held["raise"].lock in raised["exception"]
@@ -134,8 +148,9 @@ def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
     assert succeeded[duplicates["skip"].id]["result"] == skipped["result"]
     assert duplicates["retry"].id in succeeded
     assert duplicates["raise"].id in flower.get("/api/tasks?state=FAILURE")
-    # and a search for the marker finds the skip, and no run
-    assert list(flower.get("/api/tasks?search=__singleton_skipped__")) == [duplicates["skip"].id]
+    # and a search for the marker finds the skip and the coalesced duplicate, and no run
+    found = flower.get("/api/tasks?search=__singleton_skipped__")
+    assert sorted(found) == sorted([duplicates["skip"].id, duplicates["coalesce"].id])
 
 
 def test_event_receiver_sees_every_duplicate_end(
@@ -170,6 +185,10 @@ def test_event_receiver_sees_every_duplicate_end(
             "task-started",
             "task-succeeded",
         ]
+        coalesced = ended("coalesce", "task-succeeded")
+        assert held["coalesce"].lock in coalesced["result"]
+        assert "'holder': 'holder-coalesce'" in coalesced["result"]
+        assert "'coalesced_into': '" in coalesced["result"]
         failed = ended("raise", "task-failed")
         assert held["raise"].lock in failed["exception"]
         assert "is held by holder-raise" in failed["exception"]

@@ -184,6 +184,20 @@ def test_promql_names_reads_metrics_and_labels() -> None:
     assert promql_names("singleton_locks_held") == ({"singleton_locks_held"}, set())
 
 
+def test_dashboard_event_matchers_name_real_events() -> None:
+    """Every ``event`` the dashboard selects (``event=~"a|b"``, each alternative a regex) is an
+    event the counter has: a misspelt one would chart nothing, and the served-names test would
+    not see it (it checks metric and label names, not label values)."""
+    board = DASHBOARD.read_text()
+    matchers = re.findall(r'event\s*=~?\s*\\"([^"\\]*)\\"', board)
+    assert matchers, "the dashboard selects no event"
+    events = set(metrics.EVENTS.values())
+    for matcher in matchers:
+        for alternative in matcher.split("|"):
+            matched = {e for e in events if re.fullmatch(alternative, e)}
+            assert matched, f"event=~{matcher!r}: {alternative!r} is no event of {sorted(events)}"
+
+
 @dataclass(frozen=True)
 class Served:
     """What the worker's endpoint serves: family names and (sample name, labels, value)."""

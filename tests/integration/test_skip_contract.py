@@ -152,7 +152,7 @@ def test_skip_whose_result_cannot_be_stored_is_left_to_celery(
     monkeypatch.setattr(task, "_singleton_store_skip", failing_store)
     task.__trace__ = build_tracer(task.name, task, app=task.app, eager=False)
     task_id = uuid.uuid4().hex
-    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
+    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.task"):
         result = task.__trace__(task_id, (), {"key": "store-fails"}, {"id": task_id})
     assert calls == ["store", "store"]  # once in front of the tracer, once in before_start
     assert result.info is not None

@@ -546,8 +546,11 @@ if os.environ.get("SINGLETON_TEST_METRICS_PORT"):
 
 
 def _step(key: str, prev: Any) -> list[str]:
-    """Log ``step <key>``; return the keys of the steps before (``prev``) and this one."""
+    """Log ``step <key>``; return the keys of the steps before (``prev``) and this one. A key
+    starting with ``fail-`` raises ValueError after logging (a run that fails)."""
     _log_event(f"step {key}")
+    if key.startswith("fail-"):
+        raise ValueError(key)
     return [*(prev if isinstance(prev, list) else []), key]
 
 
@@ -579,6 +582,18 @@ def step_retry(self: Any, prev: Any = None, key: str = "") -> list[str]:
 )
 def step_raise(self: Any, prev: Any = None, key: str = "") -> list[str]:
     """Like t.step, under the raise policy."""
+    return _step(key, prev)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.step_coalesce",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="coalesce",
+)
+def step_coalesce(self: Any, prev: Any = None, key: str = "") -> list[str]:
+    """Like t.step, under the coalesce policy."""
     return _step(key, prev)
 
 
