@@ -28,7 +28,7 @@ from . import signals
 from .core.backend import Completed
 from .core.completion import NO_ENDING, Ending
 
-__all__ = ["FINAL_STATES", "drop_completed", "ending_for"]
+__all__ = ["FINAL_STATES", "drop_completed", "dropped", "ending_for", "report_drop"]
 
 # The drop is logged in the run: through Celery's task logger, as task.py's lines are (its
 # %(task_name)s and %(task_id)s name the run); the package's logger exists first.
@@ -54,11 +54,9 @@ class _Dropped(Ignore):  # type: ignore[misc]
     """Ends a delivery whose message already completed: acked, no state written."""
 
 
-def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoReturn:
-    """Drop this delivery: its message (same task id, generation ``outcome.holder_generation``
-    or later) already ran to its end. Logged, signalled, acknowledged; the result the first run
-    stored is left as it is."""
-    generation = int(task.request.retries or 0)
+def report_drop(task: Any, key: str, outcome: Completed, task_id: str, retries: Any) -> None:
+    """The drop's one ``singleton: ...`` line and its ``redelivery_dropped`` signal."""
+    generation = int(retries or 0)
     logger.warning(
         "singleton: already completed, redelivery dropped: %s[%s] key=%s retries=%d "
         "completed_retries=%d",
@@ -75,4 +73,19 @@ def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoR
         generation=generation,
         completed_generation=outcome.holder_generation,
     )
-    raise _Dropped(f"singleton: {task_id} already completed")
+
+
+def dropped(task_id: str) -> _Dropped:
+    """The exception a dropped delivery ends with (an ``Ignore``: acknowledged, nothing
+    stored)."""
+    return _Dropped(f"singleton: {task_id} already completed")
+
+
+def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoReturn:
+    """Drop this delivery inside Celery's tracer (an eager run, or an acquire made in
+    ``before_start``): its message (same task id, generation ``outcome.holder_generation`` or
+    later) already ran to its end. Logged, signalled, acknowledged; the result the first run
+    stored is left as it is. A worker drops most copies before Celery's tracer (tracing.py),
+    where not even ``STARTED`` is written."""
+    report_drop(task, key, outcome, task_id, task.request.retries)
+    raise dropped(task_id)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
@@ -160,6 +161,49 @@ def test_an_acks_late_run_longer_than_the_visibility_timeout_runs_once(
     assert "singleton: redelivered while held" in logs
     assert runs_of(redis_client, key_prefix, result.id) == 1
     assert result.get(timeout=10)["run"] == 1
+
+
+def _dropped(client: redis.Redis, prefix: str, task_id: str) -> bool:
+    return f"redelivery_dropped {task_id}" in signals_logged(client, prefix)
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_final_failure_is_recorded_and_a_failure_celery_retries_is_not(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    pool: str,
+) -> None:
+    """Each message sent again by hand, as a broker redelivers it (same task id, same retries):
+
+    - a failure Celery acks (the default) is final: the copy is dropped before Celery's tracer
+      and the result stays FAILURE, although the task reports STARTED (``track_started``);
+    - a failure Celery retries (``autoretry_for``) records nothing: every retry runs, and only
+      the last generation's success is final: a copy of the first delivery is dropped.
+    """
+    worker = start(worker_factory, client_app, pool)
+
+    def state(task_id: str) -> str:
+        return str(AsyncResult(task_id, app=client_app).state)  # read again: not the cache
+
+    failed = client_app.send_task("t.fail_late", args=("final-failure",)).id
+    wait_for(lambda: state(failed) == "FAILURE", 20, "the failure", worker)
+    client_app.send_task("t.fail_late", args=("final-failure",), task_id=failed)
+    wait_for(lambda: _dropped(redis_client, key_prefix, failed), 20, "the copy dropped", worker)
+    assert runs_of(redis_client, key_prefix, failed) == 1
+    assert state(failed) == "FAILURE"
+    assert "run 1" in str(AsyncResult(failed, app=client_app).result)
+
+    retried = client_app.send_task("t.autoretry_late", args=("auto-retried", 2)).id
+    wait_for(lambda: state(retried) == "SUCCESS", 20, "the retries to succeed", worker)
+    assert runs_of(redis_client, key_prefix, retried) == 3  # generations 0 and 1 failed
+    client_app.send_task("t.autoretry_late", args=("auto-retried", 2), task_id=retried)
+    wait_for(lambda: _dropped(redis_client, key_prefix, retried), 20, "the copy dropped", worker)
+    assert runs_of(redis_client, key_prefix, retried) == 3
+    assert AsyncResult(retried, app=client_app).result == 3
+    assert "singleton: already completed, redelivery dropped: t.fail_late" in worker.log_text()
 
 
 # -- 2. at-least windows ------------------------------------------------------------------------
