@@ -4,8 +4,9 @@ The Celery side of :mod:`celery_singleton_lock.core.completion`:
 
 - :func:`ending_for`: what a run's release leaves behind, by the state it ended in. A
   completion record only for a run that will not run again (``SUCCESS``, or a ``FAILURE``:
-  Celery retries through ``RETRY``, which does not release); the at-least window for every
-  end that releases.
+  Celery retries through ``RETRY``, which does not release; not a ``FAILURE`` of a task acked
+  late whose failures are not acknowledged, which the broker may deliver again); the at-least
+  window for every end that releases.
 - :func:`drop_completed`: a delivery whose message already ran to its end (the acquire found
   its completion record) is acknowledged and dropped: one ``singleton: ...`` line, the
   ``redelivery_dropped`` signal, and no result written (the first run's stays).
@@ -40,10 +41,15 @@ FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
 
 
 @functools.lru_cache(maxsize=256)
-def ending_for(completion_ttl: float | None, at_least: float, state: str) -> Ending:
+def ending_for(
+    completion_ttl: float | None, at_least: float, state: str, failure_is_final: bool = True
+) -> Ending:
     """What the release of a run that ended in ``state`` leaves behind (worked out once per
-    task settings and state: an :class:`Ending` does not change)."""
-    keep_ms = round((completion_ttl or 0) * 1000) if state in FINAL_STATES else 0
+    task settings and state: an :class:`Ending` does not change). ``failure_is_final`` False:
+    a ``FAILURE`` records nothing, its message is left to the broker to deliver again
+    (``Options.failure_is_final``)."""
+    final = state in FINAL_STATES and (failure_is_final or state != states.FAILURE)
+    keep_ms = round((completion_ttl or 0) * 1000) if final else 0
     at_least_ms = round(at_least * 1000)
     if not keep_ms and not at_least_ms:
         return NO_ENDING

@@ -391,7 +391,9 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             return
         handle._held = None
         opts = self._singleton_opts or self.singleton_options()
-        held.ending = ending_for(opts.completion_ttl, opts.lock_at_least, state)
+        held.ending = ending_for(
+            opts.completion_ttl, opts.lock_at_least, state, opts.failure_is_final
+        )
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
             self._singleton_follow_up(held.key, state)

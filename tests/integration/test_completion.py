@@ -169,7 +169,7 @@ def _dropped(client: redis.Redis, prefix: str, task_id: str) -> bool:
 
 @pytest.mark.slow(seconds=8)
 @pytest.mark.parametrize("pool", POOLS)
-def test_a_final_failure_is_recorded_and_a_failure_celery_retries_is_not(
+def test_a_final_failure_is_recorded_and_a_failure_celery_or_the_broker_retries_is_not(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
@@ -180,6 +180,8 @@ def test_a_final_failure_is_recorded_and_a_failure_celery_retries_is_not(
 
     - a failure Celery acks (the default) is final: the copy is dropped before Celery's tracer
       and the result stays FAILURE, although the task reports STARTED (``track_started``);
+    - a failure left unacknowledged (``acks_on_failure_or_timeout=False``: SQS delivers it
+      again, a RabbitMQ dead-letter queue may route it back) is not final: the copy runs;
     - a failure Celery retries (``autoretry_for``) records nothing: every retry runs, and only
       the last generation's success is final: a copy of the first delivery is dropped.
     """
@@ -195,6 +197,13 @@ def test_a_final_failure_is_recorded_and_a_failure_celery_retries_is_not(
     assert runs_of(redis_client, key_prefix, failed) == 1
     assert state(failed) == "FAILURE"
     assert "run 1" in str(AsyncResult(failed, app=client_app).result)
+
+    unacked = client_app.send_task("t.fail_unacked", args=("unacked-failure",)).id
+    wait_for(lambda: state(unacked) == "FAILURE", 20, "the failure", worker)
+    client_app.send_task("t.fail_unacked", args=("unacked-failure",), task_id=unacked)
+    wait_for(lambda: state(unacked) == "SUCCESS", 20, "the copy to run and succeed", worker)
+    assert runs_of(redis_client, key_prefix, unacked) == 2
+    assert not _dropped(redis_client, key_prefix, unacked)
 
     retried = client_app.send_task("t.autoretry_late", args=("auto-retried", 2)).id
     wait_for(lambda: state(retried) == "SUCCESS", 20, "the retries to succeed", worker)

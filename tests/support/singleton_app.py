@@ -725,6 +725,24 @@ def fail_late(self: Any, key: str) -> None:
 @app.task(
     bind=True,
     base=SingletonTask,
+    name="t.fail_unacked",
+    singleton_key_args=("key",),
+    acks_late=True,
+    acks_on_failure_or_timeout=False,
+)
+def fail_unacked(self: Any, key: str) -> int:
+    """Acked late, a failure left unacknowledged (rejected: SQS delivers it again after its
+    visibility timeout, RabbitMQ may dead-letter it back): the first run fails, a later
+    delivery of the message succeeds."""
+    run = _count_run(self, key)
+    if run == 1:
+        raise ValueError("failed on purpose, left to the broker")
+    return run
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
     name="t.autoretry_late",
     singleton_key_args=("key",),
     acks_late=True,
