@@ -315,6 +315,7 @@ def test_the_cli_tells_a_window_from_a_running_holder(
 
 @pytest.mark.slow(seconds=12)
 @pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
 def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
     worker_factory: WorkerFactory,
@@ -324,19 +325,21 @@ def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
     redis_url: str,
     lock_urls: dict[str, str],
     store: str,
+    pool: str,
 ) -> None:
-    """The locks on a Sentinel's master, a Cluster or Redlock masters: a late-acked run longer
-    than the visibility timeout runs once, and a window skips a call made inside it."""
+    """The locks on a Sentinel's master, a Cluster or Redlock masters, on each pool: a
+    late-acked run longer than the visibility timeout runs once, and a window skips a call
+    made inside it."""
     env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_LOCK_URL": lock_urls[store]}
-    workers = [start(worker_factory, client_app, "prefork", env) for _ in "ab"]
-    late = client_app.send_task("t.once_late", args=(f"{store}-late", 4.0))
-    first = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    workers = [start(worker_factory, client_app, pool, env) for _ in "ab"]
+    late = client_app.send_task("t.once_late", args=(f"{store}-{pool}-late", 4.0))
+    first = client_app.send_task("t.window_skip", args=(f"{store}-{pool}-window", 0.1))
     first.get(timeout=20)
     task = client_task(client_app, key_prefix, redis_url, "t.window_skip")
-    lock_key = task.singleton_keys((f"{store}-window",), {}).lock
+    lock_key = task.singleton_keys((f"{store}-{pool}-window",), {}).lock
     locks = store_for(lock_urls[store])
     wait_for(lambda: "ended" in locks.holder(lock_key), 10, "the window", *workers)
-    skipped = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    skipped = client_app.send_task("t.window_skip", args=(f"{store}-{pool}-window", 0.1))
     info = skip_info(wait_for(lambda: skipped.ready() and skipped, 20, "the skip", *workers))
     assert info is not None
     assert info.holder == first.id
