@@ -101,6 +101,39 @@ def lock_urls() -> Iterator[dict[str, str]]:
 # -- 1. a finished message is not run again -------------------------------------------------------
 
 
+def kill_after_body(
+    factory: WorkerFactory,
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    *,
+    pool: str,
+    env: dict[str, str],
+) -> tuple[Any, WorkerProcess]:
+    """Run t.once_late (acked late, visibility 2 s) on a worker that dies as a whole right after
+    the body and task_postrun, before the ack; start another, and wait for it to drop the
+    restored message. The result, and the second worker."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_KILL_AFTER_BODY": "1", **env}
+    first = start(factory, app, pool, env)
+    result = app.send_task("t.once_late", args=(f"killed-after-body-{pool}", 0.2))
+    wait_for(
+        lambda: f"killed_after_body {result.id}" in signals_logged(client, prefix),
+        20,
+        "the kill after the body",
+        first,
+    )
+    wait_for(lambda: not first.is_running(), 10, "the worker to die", first)
+    second = start(factory, app, pool, env)
+    wait_for(
+        lambda: f"redelivery_dropped {result.id}" in signals_logged(client, prefix),
+        30,
+        "the restored message to be dropped",
+        second,
+    )
+    assert runs_of(client, prefix, result.id) == 1
+    return result, second
+
+
 @pytest.mark.slow(seconds=14)
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_worker_killed_after_the_body_before_the_ack_runs_the_message_once(
@@ -112,24 +145,9 @@ def test_a_worker_killed_after_the_body_before_the_ack_runs_the_message_once(
 ) -> None:
     """acks_late, visibility 2 s: the worker dies as a whole right after the body; the restored
     message reaches another worker, which drops it. One execution; the result is the first's."""
-    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_KILL_AFTER_BODY": "1"}
-    first = start(worker_factory, client_app, pool, env)
-    result = client_app.send_task("t.once_late", args=("killed-after-body", 0.2))
-    wait_for(
-        lambda: f"killed_after_body {result.id}" in signals_logged(redis_client, key_prefix),
-        20,
-        "the kill after the body",
-        first,
+    result, second = kill_after_body(
+        worker_factory, client_app, redis_client, key_prefix, pool=pool, env={}
     )
-    wait_for(lambda: not first.is_running(), 10, "the worker to die", first)
-    second = start(worker_factory, client_app, pool, env)
-    wait_for(
-        lambda: f"redelivery_dropped {result.id}" in signals_logged(redis_client, key_prefix),
-        30,
-        "the restored message to be dropped",
-        second,
-    )
-    assert runs_of(redis_client, key_prefix, result.id) == 1
     assert "singleton: already completed, redelivery dropped: t.once_late" in second.log_text()
     assert result.get(timeout=10)["run"] == 1  # the first run's result, untouched
     executions = load_history(redis_client, history_key(key_prefix))
@@ -197,6 +215,8 @@ def test_a_final_failure_is_recorded_and_a_failure_celery_or_the_broker_retries_
     assert runs_of(redis_client, key_prefix, failed) == 1
     assert state(failed) == "FAILURE"
     assert "run 1" in str(AsyncResult(failed, app=client_app).result)
+    unacked_key = f"{key_prefix}unacked"  # kombu's hash of delivered, unacknowledged messages
+    wait_for(lambda: not redis_client.hlen(unacked_key), 10, "the copy acknowledged", worker)
 
     unacked = client_app.send_task("t.fail_unacked", args=("unacked-failure",)).id
     wait_for(lambda: state(unacked) == "FAILURE", 20, "the failure", worker)
@@ -351,3 +371,27 @@ def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
         *workers,
     )
     assert runs_of(redis_client, key_prefix, late.id) == 1
+
+
+@pytest.mark.slow(seconds=14)
+@pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
+def test_a_worker_killed_after_the_body_over_every_store(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    lock_urls: dict[str, str],
+    store: str,
+) -> None:
+    """The kill right after the body and task_postrun, before the ack, with the locks on a
+    Sentinel's master, a Cluster or Redlock masters: the restored message is dropped."""
+    result, _ = kill_after_body(
+        worker_factory,
+        client_app,
+        redis_client,
+        key_prefix,
+        pool="prefork",
+        env={"SINGLETON_TEST_LOCK_URL": lock_urls[store]},
+    )
+    assert result.get(timeout=10)["run"] == 1
