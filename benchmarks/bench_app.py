@@ -36,7 +36,8 @@ message in the worker's main process, before any ``Request`` or pool:
 (section 4b).
 
 ``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks):
-counted in section 2c beside ``SingletonTask``.
+counted in section 2c beside ``SingletonTask``. So is ``bench.acked_late``, a ``SingletonTask``
+acked late: its release also records the run's completion (issue 17).
 
 ``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
 is not published (section 7).
@@ -79,6 +80,7 @@ ACK_ONLY = "bench.ack_only"
 ACK_STORE = "bench.ack_store"
 COALESCE = "bench.coalesce"
 SCOPED = "bench.scoped"
+ACKED_LATE = "bench.acked_late"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -294,6 +296,11 @@ def scoped(i: int) -> None:
     return None
 
 
+@app.task(name=ACKED_LATE, base=SingletonTask, acks_late=True)  # type: ignore[untyped-decorator]
+def acked_late(i: int) -> None:
+    return None
+
+
 @app.task(name=AT_PUBLISH, base=SingletonTask, singleton_lock_on="publish")  # type: ignore[untyped-decorator]
 def at_publish(i: int) -> None:
     return None
@@ -318,4 +325,7 @@ TASKS: dict[str, Any] = {
 }
 
 #: section 2c only: variants whose cost is counted, not timed, beside section 2's contenders
-COUNTED_ONLY: dict[str, Any] = {"SingletonTask with singleton_scope": scoped}
+COUNTED_ONLY: dict[str, Any] = {
+    "SingletonTask with singleton_scope": scoped,
+    "SingletonTask acked late (+ completion record)": acked_late,
+}

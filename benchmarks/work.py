@@ -10,7 +10,9 @@ task:
 
 - Python bytecodes executed and Python function calls, publish and run apart
   (``sys.settrace`` with opcode events);
-- Redis commands the server ran (``INFO commandstats``; the calls inside scripts included);
+- Redis commands the server ran (``INFO commandstats``; the calls inside scripts included),
+  and of them the script calls (``EVALSHA``, ``EVAL``): what the client sent, each call's
+  inner commands riding in it;
 - with ``--instructions`` (valgrind on PATH): CPU instructions in user space, from callgrind,
   in a child process that publishes and runs K tasks, minus one that does K/3 (start-up
   cancels out).
@@ -52,6 +54,8 @@ WARM_UP = 30
 CALLGRIND_TASKS = 150
 #: the commands this module sends itself while counting
 HARNESS_COMMANDS = STATS_COMMANDS
+#: the commands that run a script (``INFO commandstats`` names)
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro")
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Work:
     library_bytecodes: float = 0.0
     calls: float = 0.0
     redis_commands: float = 0.0
+    script_calls: float = 0.0
     instructions: float | None = None
     by_function: Counter[str] = field(default_factory=Counter, repr=False)
 
@@ -166,7 +171,9 @@ def count(url: str, names: Sequence[str], client: Any) -> list[Work]:
                 tasks.run(task_id, args)
             finally:
                 sys.settrace(None)
-        commands = command_stats(client).total_calls(HARNESS_COMMANDS)
+        stats = command_stats(client)
+        commands = stats.total_calls(HARNESS_COMMANDS)
+        work.script_calls = sum(stats.calls(name) for name in SCRIPT_COMMANDS) / TRACED
         work.publish_bytecodes = publish.total() / TRACED
         work.run_bytecodes = run.total() / TRACED
         work.calls = (publish.calls + run.calls) / TRACED
@@ -249,6 +256,7 @@ def _table(works: list[Work], with_instructions: bool) -> Table:
         "of it in celery_singleton_lock",
         "Python calls/task",
         "Redis cmds/task",
+        "of them script calls",
     ]
     if with_instructions:
         headers += ["instructions/task", "vs plain"]
@@ -263,6 +271,7 @@ def _table(works: list[Work], with_instructions: bool) -> Table:
             w.library_bytecodes,
             w.calls,
             w.redis_commands,
+            w.script_calls,
         ]
         if with_instructions:
             if w.instructions is None or plain.instructions is None:

@@ -4,8 +4,9 @@ The Celery side of :mod:`celery_singleton_lock.core.completion`:
 
 - :func:`ending_for`: what a run's release leaves behind, by the state it ended in. A
   completion record only for a run that will not run again (``SUCCESS``, or a ``FAILURE``:
-  Celery retries through ``RETRY``, which does not release); the at-least window for every
-  end that releases.
+  Celery retries through ``RETRY``, which does not release; not a ``FAILURE`` of a task acked
+  late whose failures are not acknowledged, which the broker may deliver again); the at-least
+  window for every end that releases.
 - :func:`drop_completed`: a delivery whose message already ran to its end (the acquire found
   its completion record) is acknowledged and dropped: one ``singleton: ...`` line, the
   ``redelivery_dropped`` signal, and no result written (the first run's stays).
@@ -17,33 +18,32 @@ no round trip for them (docs/design.md, "A finished message is not run again").
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, NoReturn
 
 from celery import states
 from celery.exceptions import Ignore
-from celery.utils.log import get_task_logger
 
 from . import signals
+from ._tasklog import logger
 from .core.backend import Completed
 from .core.completion import NO_ENDING, Ending
 
-__all__ = ["FINAL_STATES", "drop_completed", "ending_for"]
-
-# The drop is logged in the run: through Celery's task logger, as task.py's lines are (its
-# %(task_name)s and %(task_id)s name the run); the package's logger exists first.
-logging.getLogger(__package__)
-logger = get_task_logger(__name__)
+__all__ = ["FINAL_STATES", "drop_completed", "dropped", "ending_for", "report_drop"]
 
 #: The states after which the message will not run again: a completion is recorded.
 FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
 
 
 @functools.lru_cache(maxsize=256)
-def ending_for(completion_ttl: float | None, at_least: float, state: str) -> Ending:
+def ending_for(
+    completion_ttl: float | None, at_least: float, state: str, failure_is_final: bool = True
+) -> Ending:
     """What the release of a run that ended in ``state`` leaves behind (worked out once per
-    task settings and state: an :class:`Ending` does not change)."""
-    keep_ms = round((completion_ttl or 0) * 1000) if state in FINAL_STATES else 0
+    task settings and state: an :class:`Ending` does not change). ``failure_is_final`` False:
+    a ``FAILURE`` records nothing, its message is left to the broker to deliver again
+    (``Options.failure_is_final``)."""
+    final = state in FINAL_STATES and (failure_is_final or state != states.FAILURE)
+    keep_ms = round((completion_ttl or 0) * 1000) if final else 0
     at_least_ms = round(at_least * 1000)
     if not keep_ms and not at_least_ms:
         return NO_ENDING
@@ -54,11 +54,9 @@ class _Dropped(Ignore):  # type: ignore[misc]
     """Ends a delivery whose message already completed: acked, no state written."""
 
 
-def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoReturn:
-    """Drop this delivery: its message (same task id, generation ``outcome.holder_generation``
-    or later) already ran to its end. Logged, signalled, acknowledged; the result the first run
-    stored is left as it is."""
-    generation = int(task.request.retries or 0)
+def report_drop(task: Any, key: str, outcome: Completed, task_id: str, retries: Any) -> None:
+    """The drop's one ``singleton: ...`` line and its ``redelivery_dropped`` signal."""
+    generation = int(retries or 0)
     logger.warning(
         "singleton: already completed, redelivery dropped: %s[%s] key=%s retries=%d "
         "completed_retries=%d",
@@ -75,4 +73,19 @@ def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoR
         generation=generation,
         completed_generation=outcome.holder_generation,
     )
-    raise _Dropped(f"singleton: {task_id} already completed")
+
+
+def dropped(task_id: str) -> _Dropped:
+    """The exception a dropped delivery ends with (an ``Ignore``: acknowledged, nothing
+    stored)."""
+    return _Dropped(f"singleton: {task_id} already completed")
+
+
+def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoReturn:
+    """Drop this delivery inside Celery's tracer (an eager run, or an acquire made in
+    ``before_start``): its message (same task id, generation ``outcome.holder_generation`` or
+    later) already ran to its end. Logged, signalled, acknowledged; the result the first run
+    stored is left as it is. A worker drops most copies before Celery's tracer (tracing.py),
+    where not even ``STARTED`` is written."""
+    report_drop(task, key, outcome, task_id, task.request.retries)
+    raise dropped(task_id)

@@ -38,6 +38,7 @@ __all__ = [
     "BeatOptions",
     "Options",
     "default_completion_ttl",
+    "failure_is_final",
     "read_beat_options",
     "read_options",
     "resolve_redis_url",
@@ -125,6 +126,11 @@ class Options:
     completion_ttl: float | None = None
     #: the task's at-least window (0: none); never the app-wide (beat's) value
     lock_at_least: float = 0.0
+    #: not a setting: whether a run that ends in FAILURE ends its message (records its
+    #: completion). False for a task acked late whose failures are not acknowledged
+    #: (``acks_on_failure``/``acks_on_failure_or_timeout`` False): the broker may deliver the
+    #: message again (SQS after its visibility timeout, a dead-letter queue routed back)
+    failure_is_final: bool = True
 
     @functools.cached_property
     def ttl_ms(self) -> int:
@@ -195,6 +201,8 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
     values["redis_url"] = resolve_redis_url(conf)
     if values["completion_ttl"] is None and task is not None:
         values["completion_ttl"] = default_completion_ttl(conf, task)
+    if task is not None:
+        values["failure_is_final"] = failure_is_final(conf, task)
     if values["key_args"] is not None and values["key"] is not None:
         raise SingletonConfigError(
             f"task {task_name}: set singleton_key_args or singleton_key, not both"
@@ -279,13 +287,35 @@ def _broker_visibility(conf: ConfLike) -> float | None:
 def default_completion_ttl(conf: ConfLike, task: object) -> float:
     """``completion_ttl`` when not set: 0 for a task acked early; else the broker's visibility
     timeout + :data:`COMPLETION_MARGIN_S`, or :data:`DEFAULT_COMPLETION_TTL_S`."""
-    acks_late = getattr(task, "acks_late", None)
-    if acks_late is None:
-        acks_late = conf.get("task_acks_late")
-    if not acks_late:
+    if not _task_flag(conf, task, "acks_late"):
         return 0.0
     visibility = _broker_visibility(conf)
     return DEFAULT_COMPLETION_TTL_S if visibility is None else visibility + COMPLETION_MARGIN_S
+
+
+def _task_flag(conf: ConfLike, task: object, *names: str) -> Any:
+    """The first of the task attributes ``names`` that is set, else the first app setting
+    ``task_<name>`` that is; None when none is."""
+    for name in names:
+        value = getattr(task, name, None)
+        if value is not None:
+            return value
+    for name in names:
+        value = conf.get(f"task_{name}")
+        if value is not None:
+            return value
+    return None
+
+
+def failure_is_final(conf: ConfLike, task: object) -> bool:
+    """Whether a ``FAILURE`` ends the task's message: yes unless the task is acked late and
+    its failures are not acknowledged (Celery then rejects the message without requeueing
+    it, and SQS delivers it again after its visibility timeout, RabbitMQ to a dead-letter
+    exchange). ``acks_on_failure`` (Celery 5.7), else ``acks_on_failure_or_timeout``."""
+    if not _task_flag(conf, task, "acks_late"):
+        return True
+    acked = _task_flag(conf, task, "acks_on_failure", "acks_on_failure_or_timeout")
+    return acked is None or bool(acked)
 
 
 def describe_default_completion_ttl(conf: ConfLike) -> str:

@@ -379,7 +379,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         and the body went on), leave the lock for the retried message.
 
         Outside eager runs the release leaves the run's critical path: written at once, its
-        reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md).
+        reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md);
+        one that records a completion and cannot be written ahead is made in the run.
         """
         request = self.request
         handle = handle_of(request)
@@ -391,13 +392,19 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             return
         handle._held = None
         opts = self._singleton_opts or self.singleton_options()
-        held.ending = ending_for(opts.completion_ttl, opts.lock_at_least, state)
+        held.ending = ending_for(
+            opts.completion_ttl, opts.lock_at_least, state, opts.failure_is_final
+        )
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
             self._singleton_follow_up(held.key, state)
             return
-        if not request.is_eager:
-            renewer.release_later(held, state)
+        # A completion record must reach Redis before the message's acknowledgement, which
+        # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
+        # wait_replicas, a failed write) the release is made here, not left to the thread.
+        if not request.is_eager and renewer.release_later(
+            held, state, queue=not held.ending.completion_ttl_ms
+        ):
             return
         on_released(held, renewer.release_now(held), state)
 

@@ -14,7 +14,13 @@ attribute a property which wraps Celery's function in :func:`trace_run`:
    retval). What is returned is what Celery's tracer returns for a task that succeeded, so the
    worker's main process acknowledges the message and reports a finished task (the
    ``task-succeeded`` event) as for any other.
-3. Every other outcome (the lock taken, another policy, the run's own earlier delivery or the
+3. A copy of a message that already ran to its end (its completion record: completion.py)
+   ends here too, as Celery's tracer ends an ``Ignore``: one ``singleton: already completed``
+   line, ``redelivery_dropped``, the message acknowledged, and nothing stored, not even the
+   ``STARTED`` a task with ``track_started`` reports before ``before_start``: the first run's
+   result stays as it is (a ``FAILURE`` too, which Celery's backends do not protect as they
+   protect a ``SUCCESS``). No ``task_prerun``/``task_postrun``: nothing ran.
+4. Every other outcome (the lock taken, another policy, the run's own earlier delivery or the
    run that published it, Redis down) waits in a thread-local for ``before_start``, and
    Celery's tracer runs as before. A lock taken for a run that never reached
    ``before_start`` (Celery's tracer returned early) is released at once.
@@ -28,19 +34,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from billiard.einfo import ExceptionInfo
 from celery import signals as celery_signals
 from celery import states
 from celery._state import _task_stack
 from celery.app.task import Context
-from celery.app.trace import trace_ok_t
+from celery.app.trace import TraceInfo, trace_ok_t
+from celery.exceptions import Ignore
 from celery.utils.saferepr import saferepr
 
 from ._tasklog import about, logger
-from .core.backend import Acquired, Contended
+from .completion import dropped, report_drop
+from .core.backend import Acquired, Completed, Contended
 from .core.keys import LockKeys
 from .core.renewer import Renewer
 from .errors import LockUnavailableError, SingletonKeyError
@@ -94,6 +104,8 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
     first = None if request.get("is_eager") else _first_try(task, uuid, args, kwargs, request)
     if first is None:
         return celery_trace(uuid, args, kwargs, request)
+    if type(first.outcome) is Completed:  # a copy of a message that already ran: dropped
+        return _drop(task, first, args, kwargs, request)
     if (
         not isinstance(first.outcome, Acquired)  # the lock taken: the common case goes on
         and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
@@ -145,6 +157,21 @@ def _first_try(
     return FirstTry(uuid, keys, generation, outcome, renewer)
 
 
+@contextmanager
+def _as_run(
+    task: SingletonTask, request: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Iterator[Context]:
+    """The task and its request current, as Celery's tracer makes them for a run."""
+    context = Context(request, args=args, called_directly=False, kwargs=kwargs)
+    _task_stack.push(task)
+    task.request_stack.push(context)
+    try:
+        yield context
+    finally:
+        task.request_stack.pop()
+        _task_stack.pop()
+
+
 def _skip(
     task: SingletonTask,
     first: FirstTry,
@@ -156,10 +183,7 @@ def _skip(
     assert isinstance(first.outcome, Contended)
     started = time.monotonic()
     uuid = first.task_id
-    context = Context(request, args=args, called_directly=False, kwargs=kwargs)
-    _task_stack.push(task)
-    task.request_stack.push(context)
-    try:
+    with _as_run(task, request, args, kwargs) as context:
         # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
         marker = task._singleton_store_skip(first.keys, first.outcome.holder, uuid, context)
         if celery_signals.task_prerun.receivers:
@@ -177,10 +201,30 @@ def _skip(
                 retval=marker,
                 state=states.SUCCESS,
             )
-    finally:
-        task.request_stack.pop()
-        _task_stack.pop()
     return trace_ok_t(marker, None, time.monotonic() - started, saferepr(marker))
+
+
+def _drop(
+    task: SingletonTask,
+    first: FirstTry,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: dict[str, Any],
+) -> Any:
+    """End a copy of a message that already ran to its end as Celery's tracer ends an
+    ``Ignore`` raised by the task: the worker's main process acknowledges it, and nothing is
+    stored."""
+    assert isinstance(first.outcome, Completed)
+    started = time.monotonic()
+    with _as_run(task, request, args, kwargs):  # logged as the run: Celery's task logger
+        report_drop(task, first.keys.lock, first.outcome, first.task_id, first.generation)
+        if (task._singleton_opts or task.singleton_options()).lock_on != "execute":
+            task._singleton_forget_queued(first.task_id, first.keys, "start")
+    try:
+        raise dropped(first.task_id)
+    except Ignore as exc:  # what Celery's tracer returns for an Ignore (app/trace.py)
+        einfo = ExceptionInfo(internal=True)
+        return trace_ok_t(einfo, TraceInfo(states.IGNORED, exc), time.monotonic() - started, None)
 
 
 def _holder(first: FirstTry) -> str:

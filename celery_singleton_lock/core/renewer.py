@@ -258,8 +258,10 @@ class Renewer:
 
     # -- deferred releases -------------------------------------------------------------------
 
-    def release_later(self, held: HeldLock, reason: str) -> None:
-        """Stop renewing ``held`` and release it, off the caller's critical path.
+    def release_later(self, held: HeldLock, reason: str, *, queue: bool = True) -> bool:
+        """Stop renewing ``held`` and release it, off the caller's critical path; False when
+        it was neither written nor queued (``queue`` False, and it could not be written
+        ahead): the caller then releases it itself (:meth:`release_now`).
 
         On a single server the release is written at once on the store's send-ahead
         connection and its reply read later (:meth:`report_sent`): by the next acquire of
@@ -274,13 +276,16 @@ class Renewer:
         if self.store.release_ahead(
             held.key, held.owner, held.generation, tag, held.token, held.ending or None
         ):
-            return
+            return True
+        if not queue:
+            return False
         now = self.clock()
         with self._mutex:
             self._releases.append((held, reason))
             wake = self._deadline > now
         if wake:
             self._wake.set()
+        return True
 
     def report_sent(self) -> int:
         """Hand the outcome of every release written ahead to ``on_released``; how many."""

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
@@ -100,6 +101,39 @@ def lock_urls() -> Iterator[dict[str, str]]:
 # -- 1. a finished message is not run again -------------------------------------------------------
 
 
+def kill_after_body(
+    factory: WorkerFactory,
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    *,
+    pool: str,
+    env: dict[str, str],
+) -> tuple[Any, WorkerProcess]:
+    """Run t.once_late (acked late, visibility 2 s) on a worker that dies as a whole right after
+    the body and task_postrun, before the ack; start another, and wait for it to drop the
+    restored message. The result, and the second worker."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_KILL_AFTER_BODY": "1", **env}
+    first = start(factory, app, pool, env)
+    result = app.send_task("t.once_late", args=(f"killed-after-body-{pool}", 0.2))
+    wait_for(
+        lambda: f"killed_after_body {result.id}" in signals_logged(client, prefix),
+        20,
+        "the kill after the body",
+        first,
+    )
+    wait_for(lambda: not first.is_running(), 10, "the worker to die", first)
+    second = start(factory, app, pool, env)
+    wait_for(
+        lambda: f"redelivery_dropped {result.id}" in signals_logged(client, prefix),
+        30,
+        "the restored message to be dropped",
+        second,
+    )
+    assert runs_of(client, prefix, result.id) == 1
+    return result, second
+
+
 @pytest.mark.slow(seconds=14)
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_worker_killed_after_the_body_before_the_ack_runs_the_message_once(
@@ -111,24 +145,9 @@ def test_a_worker_killed_after_the_body_before_the_ack_runs_the_message_once(
 ) -> None:
     """acks_late, visibility 2 s: the worker dies as a whole right after the body; the restored
     message reaches another worker, which drops it. One execution; the result is the first's."""
-    env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_KILL_AFTER_BODY": "1"}
-    first = start(worker_factory, client_app, pool, env)
-    result = client_app.send_task("t.once_late", args=("killed-after-body", 0.2))
-    wait_for(
-        lambda: f"killed_after_body {result.id}" in signals_logged(redis_client, key_prefix),
-        20,
-        "the kill after the body",
-        first,
+    result, second = kill_after_body(
+        worker_factory, client_app, redis_client, key_prefix, pool=pool, env={}
     )
-    wait_for(lambda: not first.is_running(), 10, "the worker to die", first)
-    second = start(worker_factory, client_app, pool, env)
-    wait_for(
-        lambda: f"redelivery_dropped {result.id}" in signals_logged(redis_client, key_prefix),
-        30,
-        "the restored message to be dropped",
-        second,
-    )
-    assert runs_of(redis_client, key_prefix, result.id) == 1
     assert "singleton: already completed, redelivery dropped: t.once_late" in second.log_text()
     assert result.get(timeout=10)["run"] == 1  # the first run's result, untouched
     executions = load_history(redis_client, history_key(key_prefix))
@@ -160,6 +179,60 @@ def test_an_acks_late_run_longer_than_the_visibility_timeout_runs_once(
     assert "singleton: redelivered while held" in logs
     assert runs_of(redis_client, key_prefix, result.id) == 1
     assert result.get(timeout=10)["run"] == 1
+
+
+def _dropped(client: redis.Redis, prefix: str, task_id: str) -> bool:
+    return f"redelivery_dropped {task_id}" in signals_logged(client, prefix)
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_final_failure_is_recorded_and_a_failure_celery_or_the_broker_retries_is_not(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    pool: str,
+) -> None:
+    """Each message sent again by hand, as a broker redelivers it (same task id, same retries):
+
+    - a failure Celery acks (the default) is final: the copy is dropped before Celery's tracer
+      and the result stays FAILURE, although the task reports STARTED (``track_started``);
+    - a failure left unacknowledged (``acks_on_failure_or_timeout=False``: SQS delivers it
+      again, a RabbitMQ dead-letter queue may route it back) is not final: the copy runs;
+    - a failure Celery retries (``autoretry_for``) records nothing: every retry runs, and only
+      the last generation's success is final: a copy of the first delivery is dropped.
+    """
+    worker = start(worker_factory, client_app, pool)
+
+    def state(task_id: str) -> str:
+        return str(AsyncResult(task_id, app=client_app).state)  # read again: not the cache
+
+    failed = client_app.send_task("t.fail_late", args=("final-failure",)).id
+    wait_for(lambda: state(failed) == "FAILURE", 20, "the failure", worker)
+    client_app.send_task("t.fail_late", args=("final-failure",), task_id=failed)
+    wait_for(lambda: _dropped(redis_client, key_prefix, failed), 20, "the copy dropped", worker)
+    assert runs_of(redis_client, key_prefix, failed) == 1
+    assert state(failed) == "FAILURE"
+    assert "run 1" in str(AsyncResult(failed, app=client_app).result)
+    unacked_key = f"{key_prefix}unacked"  # kombu's hash of delivered, unacknowledged messages
+    wait_for(lambda: not redis_client.hlen(unacked_key), 10, "the copy acknowledged", worker)
+
+    unacked = client_app.send_task("t.fail_unacked", args=("unacked-failure",)).id
+    wait_for(lambda: state(unacked) == "FAILURE", 20, "the failure", worker)
+    client_app.send_task("t.fail_unacked", args=("unacked-failure",), task_id=unacked)
+    wait_for(lambda: state(unacked) == "SUCCESS", 20, "the copy to run and succeed", worker)
+    assert runs_of(redis_client, key_prefix, unacked) == 2
+    assert not _dropped(redis_client, key_prefix, unacked)
+
+    retried = client_app.send_task("t.autoretry_late", args=("auto-retried", 2)).id
+    wait_for(lambda: state(retried) == "SUCCESS", 20, "the retries to succeed", worker)
+    assert runs_of(redis_client, key_prefix, retried) == 3  # generations 0 and 1 failed
+    client_app.send_task("t.autoretry_late", args=("auto-retried", 2), task_id=retried)
+    wait_for(lambda: _dropped(redis_client, key_prefix, retried), 20, "the copy dropped", worker)
+    assert runs_of(redis_client, key_prefix, retried) == 3
+    assert AsyncResult(retried, app=client_app).result == 3
+    assert "singleton: already completed, redelivery dropped: t.fail_late" in worker.log_text()
 
 
 # -- 2. at-least windows ------------------------------------------------------------------------
@@ -262,6 +335,7 @@ def test_the_cli_tells_a_window_from_a_running_holder(
 
 @pytest.mark.slow(seconds=12)
 @pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
 def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
     worker_factory: WorkerFactory,
@@ -271,19 +345,21 @@ def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
     redis_url: str,
     lock_urls: dict[str, str],
     store: str,
+    pool: str,
 ) -> None:
-    """The locks on a Sentinel's master, a Cluster or Redlock masters: a late-acked run longer
-    than the visibility timeout runs once, and a window skips a call made inside it."""
+    """The locks on a Sentinel's master, a Cluster or Redlock masters, on each pool: a
+    late-acked run longer than the visibility timeout runs once, and a window skips a call
+    made inside it."""
     env = {"SINGLETON_TEST_VISIBILITY": "2", "SINGLETON_TEST_LOCK_URL": lock_urls[store]}
-    workers = [start(worker_factory, client_app, "prefork", env) for _ in "ab"]
-    late = client_app.send_task("t.once_late", args=(f"{store}-late", 4.0))
-    first = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    workers = [start(worker_factory, client_app, pool, env) for _ in "ab"]
+    late = client_app.send_task("t.once_late", args=(f"{store}-{pool}-late", 4.0))
+    first = client_app.send_task("t.window_skip", args=(f"{store}-{pool}-window", 0.1))
     first.get(timeout=20)
     task = client_task(client_app, key_prefix, redis_url, "t.window_skip")
-    lock_key = task.singleton_keys((f"{store}-window",), {}).lock
+    lock_key = task.singleton_keys((f"{store}-{pool}-window",), {}).lock
     locks = store_for(lock_urls[store])
     wait_for(lambda: "ended" in locks.holder(lock_key), 10, "the window", *workers)
-    skipped = client_app.send_task("t.window_skip", args=(f"{store}-window", 0.1))
+    skipped = client_app.send_task("t.window_skip", args=(f"{store}-{pool}-window", 0.1))
     info = skip_info(wait_for(lambda: skipped.ready() and skipped, 20, "the skip", *workers))
     assert info is not None
     assert info.holder == first.id
@@ -295,3 +371,27 @@ def test_completion_and_window_over_every_store(  # noqa: PLR0917 - fixtures
         *workers,
     )
     assert runs_of(redis_client, key_prefix, late.id) == 1
+
+
+@pytest.mark.slow(seconds=14)
+@pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
+def test_a_worker_killed_after_the_body_over_every_store(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    lock_urls: dict[str, str],
+    store: str,
+) -> None:
+    """The kill right after the body and task_postrun, before the ack, with the locks on a
+    Sentinel's master, a Cluster or Redlock masters: the restored message is dropped."""
+    result, _ = kill_after_body(
+        worker_factory,
+        client_app,
+        redis_client,
+        key_prefix,
+        pool="prefork",
+        env={"SINGLETON_TEST_LOCK_URL": lock_urls[store]},
+    )
+    assert result.get(timeout=10)["run"] == 1

@@ -100,6 +100,24 @@ def test_eager_duplicate_is_skipped_with_skip_info(eager_app: Celery, singleton_
     assert held_locks(eager_app, singleton_locks) == [lock]
 
 
+def test_eager_runs_record_their_completion(eager_app: Celery, singleton_locks: str) -> None:
+    """An eager run of a task acked late records its completion as a worker's run does: the
+    same task id applied again ends IGNORED, unrun (docs/design.md); a new id runs."""
+    runs: list[str] = []
+
+    @eager_app.task(bind=True, base=SingletonTask, name="e.late", shared=False, acks_late=True)
+    def late(self: Any, key: str) -> str:
+        runs.append(str(self.request.id))
+        return key
+
+    assert late.apply(("k",), task_id="eager-1").get() == "k"
+    again = late.apply(("k",), task_id="eager-1")
+    assert again.state == "IGNORED"
+    assert late.apply(("k",), task_id="eager-2").get() == "k"
+    assert runs == ["eager-1", "eager-2"]
+    assert held_locks(eager_app, singleton_locks) == []
+
+
 def test_eager_retry_policy_raises(eager_app: Celery, singleton_locks: str) -> None:
     """Under "retry" an eager duplicate fails with DuplicateTaskError (no queue to wait in)."""
     retry = eager_app.tasks["e.retry"]

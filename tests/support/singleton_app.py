@@ -712,6 +712,67 @@ window_raise = _window_task("t.window_raise", singleton_on_duplicate="raise")
 window_publish = _window_task("t.window_publish", singleton_lock_on="publish")
 
 
+# -- added for test_completion: which failures are final (recorded), and which run again ---------
+
+
+def _count_run(task: Any, key: str) -> int:
+    """Record this execution; the how-manyth run of its task id it is (``deliveries_key``)."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, task.request.id)))
+    _run(task, key, 0.1)
+    return run
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.fail_late",
+    singleton_key_args=("key",),
+    acks_late=True,
+    track_started=True,
+)
+def fail_late(self: Any, key: str) -> None:
+    """Acked late, reports STARTED, always fails: a final failure (Celery acks it)."""
+    run = _count_run(self, key)
+    raise ValueError(f"failed on purpose, run {run}")
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.fail_unacked",
+    singleton_key_args=("key",),
+    acks_late=True,
+    acks_on_failure_or_timeout=False,
+)
+def fail_unacked(self: Any, key: str) -> int:
+    """Acked late, a failure left unacknowledged (rejected: SQS delivers it again after its
+    visibility timeout, RabbitMQ may dead-letter it back): the first run fails, a later
+    delivery of the message succeeds."""
+    run = _count_run(self, key)
+    if run == 1:
+        raise ValueError("failed on purpose, left to the broker")
+    return run
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.autoretry_late",
+    singleton_key_args=("key",),
+    acks_late=True,
+    autoretry_for=(ValueError,),
+    max_retries=3,
+    default_retry_delay=0.2,
+)
+def autoretry_late(self: Any, key: str, failures: int) -> int:
+    """Acked late, retried by Celery (autoretry_for) ``failures`` times, then succeeds."""
+    run = _count_run(self, key)
+    if self.request.retries < failures:
+        raise ValueError(f"failed on purpose, run {run}")
+    return run
+
+
 # -- added for test_permits: up to N runs of one key at once (singleton_permits) ----------------
 # Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left
 # out there, unless SINGLETON_TEST_PERMITS=1 asks for the refusal (test_bad_settings).

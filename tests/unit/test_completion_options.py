@@ -105,3 +105,36 @@ def test_ending_for_nothing_to_leave() -> None:
 def test_done_key_shares_the_lock_hash_tag() -> None:
     assert done_key("p:{t.job:ab}:lock", "id-1") == "p:{t.job:ab}:done:id-1"
     assert done_key("p:{t.job:ab}:other", "id-1") == "p:{t.job:ab}:other:done:id-1"
+
+
+@pytest.mark.parametrize(
+    ("task", "conf", "expected"),
+    [
+        ({}, {}, True),  # acked early: the failure was acked before the run
+        ({"acks_late": True}, {}, True),  # Celery's default: a failure is acknowledged
+        ({"acks_late": True, "acks_on_failure_or_timeout": False}, {}, False),
+        ({"acks_late": True, "acks_on_failure": False}, {}, False),  # Celery 5.7's spelling
+        (
+            {"acks_late": True, "acks_on_failure": True, "acks_on_failure_or_timeout": False},
+            {},
+            True,
+        ),
+        (
+            {"acks_late": None},
+            {"task_acks_late": True, "task_acks_on_failure_or_timeout": False},
+            False,
+        ),
+        ({"acks_late": False, "acks_on_failure_or_timeout": False}, {}, True),
+    ],
+)
+def test_a_failure_is_final_unless_acked_late_and_not_acknowledged(
+    task: dict[str, Any], conf: dict[str, Any], expected: bool
+) -> None:
+    """A FAILURE the worker rejects instead of acknowledging (acks_late, acks_on_failure False)
+    may be delivered again by the broker (SQS, a dead-letter queue): it records no completion."""
+    opts = read_options({"broker_url": "sqs://", **conf}, _task(**task))
+    assert opts.failure_is_final is expected
+    ending = ending_for(opts.completion_ttl, 0, "FAILURE", opts.failure_is_final)
+    assert bool(ending.completion_ttl_ms) is (expected and bool(opts.completion_ttl))
+    assert ending_for(60, 5, "FAILURE", False) == Ending(0, 5_000)  # the window stays
+    assert ending_for(60, 0, "SUCCESS", False) == Ending(60_000, 0)
