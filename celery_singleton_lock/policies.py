@@ -117,9 +117,12 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             self._singleton_requeue(countdown, error)
         policy = opts.on_duplicate
         if policy == "retry" and not request.is_eager:
+            countdown = opts.retry_countdown
+            if held.finished:  # an at-least window: nothing can run before it ends, in pttl
+                countdown = max(countdown, held.pttl_ms / 1000)
             logger.info(
                 "singleton: duplicate retried in %ss: %s[%s] key=%s holder=%s",
-                opts.retry_countdown,
+                round(countdown, 3),
                 self.name,
                 task_id,
                 keys.lock,
@@ -130,9 +133,9 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 key=keys.lock,
                 task_id=task_id,
                 holder=held.holder,
-                countdown=opts.retry_countdown,
+                countdown=countdown,
             )
-            self._singleton_requeue(opts.retry_countdown, error)
+            self._singleton_requeue(countdown, error)
         if policy == "coalesce":
             wait = self._singleton_coalesce(
                 keys, held.holder, task_id, request.args or (), request.kwargs or {}, request

@@ -291,6 +291,13 @@ def test_a_window_meets_every_policy_and_survives_a_restart(  # noqa: PLR0917 - 
     runs = _executions(redis_client, key_prefix, "w-retry")
     assert len(runs) == 2, runs
     assert runs[1].start_us >= runs[0].start_us + AT_LEAST_S * 1e6, runs  # server clock
+    # requeued to the window's end, not every retry_countdown (0.2 s) until then
+    requeues = [
+        line
+        for line in worker.log_text().splitlines()
+        if "singleton: duplicate retried" in line and retried.id in line
+    ]
+    assert 1 <= len(requeues) <= 2, requeues
 
     wait_for(lambda: not redis_client.exists(lock), AT_LEAST_S, "the window to end", worker)
     again = client_app.send_task("t.window_skip", args=("w-skip", 0.1))
