@@ -130,6 +130,29 @@ def test_iter_locks_scans_a_database_with_many_keys(
     assert totals.by_host == {"w1@h": 25, "w2@h": 5}
 
 
+def test_task_filter_finds_the_locks_of_a_scoped_task(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """The keys of a task of a ``singleton_scope`` carry the scope's name, not the task's:
+    `list`, `stats` and `purge --all` with ``--task`` find the locks that task holds through
+    the app (``-A``), and leave those another task of the scope holds."""
+    prefix = f"{key_prefix}lock:"
+    imported = _plant(redis_client, prefix, "tenant-sync", b"a", "w1@h")  # the scope's lock
+    redis_client.hset(imported, "task", "t.tenant_import")
+    exported = _plant(redis_client, prefix, "tenant-sync", b"b", "w1@h")
+    redis_client.hset(exported, "task", "t.tenant_export")
+    listed = _celery(redis_url, key_prefix, "list", "--json", "--task", "t.tenant_import")
+    assert listed.returncode == 0, listed.stderr
+    assert [lock["key"] for lock in json.loads(listed.stdout)] == [imported]
+    counted = _celery(redis_url, key_prefix, "stats", "--json", "--task", "t.tenant_export")
+    assert counted.returncode == 0, counted.stderr
+    assert json.loads(counted.stdout)["by_task"] == {"t.tenant_export": 1}
+    purged = _celery(redis_url, key_prefix, "purge", "--all", "--yes", "--task", "t.tenant_import")
+    assert purged.returncode == 0, purged.stderr
+    assert "released 1 of 1 lock(s)" in purged.stdout, purged.stdout
+    assert (redis_client.exists(imported), redis_client.exists(exported)) == (0, 1)
+
+
 def test_force_release_leaves_a_lock_that_changed_hands(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
