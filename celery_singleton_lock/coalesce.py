@@ -10,8 +10,9 @@ is gone. A publish that fails puts the record back and logs it: nothing is dropp
 
 The follow-up is a new message of the same task with the latest duplicate's arguments, its
 task id fixed by the burst's first duplicate, sent to the exchange and routing key that
-duplicate arrived by; without the duplicate's countdown, eta, links or canvas (the duplicate's
-own canvas stops as a skip's does).
+duplicate arrived by, in the serializer its call was recorded in (the task's; else the first of
+the app's ``accept_content`` that can write it); without the duplicate's countdown, eta, links
+or canvas (the duplicate's own canvas stops as a skip's does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Task
-from kombu.serialization import dumps, loads, prepare_accept_content
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
 from .core.pending import Run, put_back, take_pending
 
@@ -34,10 +36,7 @@ def call_record(
     task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, str | bytes]:
     """A duplicate's call as pending-record fields: enough to publish it again."""
-    serializer = task.serializer or task.app.conf.task_serializer
-    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
-        [list(args), dict(kwargs)], serializer=serializer
-    )
+    content_type, encoding, body = _dumps(task, [list(args), dict(kwargs)])
     record: dict[str, str | bytes] = {
         "task": task.name,
         "by": str(_field(request, "id") or ""),
@@ -51,6 +50,27 @@ def call_record(
         if isinstance(value, str):
             record[name] = value
     return record
+
+
+def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
+    """``call`` in the task's serializer; else in the first of the app's ``accept_content``
+    that can write it. A message sent with another serializer than its task's (``pickle``
+    where the task's is ``json``) may carry what only that one writes: it came in one the app
+    accepts, so one of those does."""
+    first = task.serializer or task.app.conf.task_serializer
+    try:
+        return dumps(call, serializer=first)  # type: ignore[no-untyped-call, no-any-return]
+    except EncodeError as exc:
+        failed = exc
+    for item in task.app.conf.accept_content or ():
+        for content_type in sorted(prepare_accept_content([item])):  # type: ignore[no-untyped-call]
+            name = registry.type_to_name.get(content_type)
+            if name is not None and name != first:
+                try:
+                    return dumps(call, serializer=name)  # type: ignore[no-untyped-call, no-any-return]
+                except EncodeError:
+                    pass
+    raise failed
 
 
 def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
@@ -106,6 +126,9 @@ def _call_of(
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
     options = {field: record[field].decode() for field in _ROUTE if field in record}
+    serializer = registry.type_to_name.get(record["ctype"].decode())
+    if serializer is not None:  # sent as it was written: the task's may not take the call
+        options["serializer"] = serializer
     return list(args), dict(kwargs), options
 
 

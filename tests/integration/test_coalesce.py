@@ -257,3 +257,39 @@ def test_a_copy_of_the_holder_met_while_it_runs_waits_and_is_dropped(
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
     assert worker.log_text().count("singleton: coalesced follow-up published") == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A json task on a worker that also accepts pickle: a duplicate sent in pickle, carrying a
+    set (json cannot write one), is coalesced (its call recorded in pickle, the first accepted
+    serializer that writes it) and its follow-up is published in pickle and runs with the set."""
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        pool="prefork",
+        concurrency=2,
+        # C_FORCE_ROOT: Celery refuses pickle as root (a CI container)
+        env={"SINGLETON_TEST_ACCEPT": "json,pickle", "C_FORCE_ROOT": "1"},
+    )
+    worker.wait_ready(client_app)
+    task, key = "t.coalesce_repr", "pickled"
+    holder = client_app.send_task(task, kwargs={"key": key, "seconds": 2, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    duplicate = client_app.send_task(
+        task, kwargs={"key": key, "payload": {1, 2}}, serializer="pickle"
+    )
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    assert duplicate.state == "SUCCESS", duplicate.traceback
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+    assert holder.get(timeout=10)["payload"] == "'held'"
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "{1, 2}"
+    assert worker.log_text().count("singleton: coalesced follow-up published after SUCCESS") == 1
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert_no_overlap(check_history(executions), allow_unfinished=False)

@@ -71,13 +71,16 @@ def hold_raise(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
     return _run(self, key, seconds)
 
 
-@app.task(
-    bind=True,
-    base=SingletonTask,
-    name="t.hold_coalesce",
-    singleton_key_args=("key",),
-    singleton_on_duplicate="coalesce",
-)
+#: the options of the coalescing tasks keyed on ``key``
+COALESCING: dict[str, Any] = {
+    "bind": True,
+    "base": SingletonTask,
+    "singleton_key_args": ("key",),
+    "singleton_on_duplicate": "coalesce",
+}
+
+
+@app.task(name="t.hold_coalesce", **COALESCING)
 def hold_coalesce(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
     """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too."""
     return {**_run(self, key, seconds), "payload": payload}
@@ -792,19 +795,24 @@ merge_pull = _merge_task("t.merge_pull")
 merge_push = _merge_task("t.merge_push")
 
 
-@app.task(
-    bind=True,
-    base=SingletonTask,
-    name="t.coalesce_late",
-    singleton_key_args=("key",),
-    singleton_on_duplicate="coalesce",
-    acks_late=True,
-)
+@app.task(name="t.coalesce_late", acks_late=True, **COALESCING)
 def coalesce_late(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
     """Coalesces, acked late (completion records on); counts the runs of its task id."""
     client = _client(app.conf.singleton_test_redis_url)
     run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
     return {**_run(self, key, seconds), "payload": payload, "run": run}
+
+
+# SINGLETON_TEST_ACCEPT=json,pickle: the worker also accepts pickled messages (test_coalesce: a
+# duplicate sent in pickle to a json task, carrying what json cannot write)
+if os.environ.get("SINGLETON_TEST_ACCEPT"):
+    app.conf.accept_content = os.environ["SINGLETON_TEST_ACCEPT"].split(",")
+
+
+@app.task(name="t.coalesce_repr", **COALESCING)
+def coalesce_repr(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Like hold_coalesce, but returns the ``repr`` of its payload (any type, a json result)."""
+    return {**_run(self, key, seconds), "payload": repr(payload)}
 
 
 if not _REDLOCK:
