@@ -304,6 +304,53 @@ def test_the_main_process_releases_the_slot_of_a_killed_child(
     assert victim.state == "FAILURE"
 
 
+@pytest.mark.parametrize("ending", ["fail", "hard time limit", "revoke", "revoke SIGKILL"])
+@pytest.mark.slow(seconds=8)
+def test_a_run_frees_its_own_slot_on_every_path(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    ending: str,
+) -> None:
+    """Two permits, ttl 30 s: a run that fails, meets its hard time limit, or is revoked
+    (terminated with SIGTERM or SIGKILL) frees its own slot within 3 s, long before its ttl;
+    the slot of the run beside it stays held until that run ends."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_TTL": "30"}
+    )
+    worker.wait_ready(client_app)
+    task = "t.permits_outcome"
+    beside = client_app.send_task(task, ("a", "ok"), {"seconds": 6})
+    kind, seconds, limits = "ok", 10.0, {}
+    if ending == "fail":
+        kind, seconds = "fail", 0.5
+    elif ending == "hard time limit":
+        kind, seconds, limits = "limit", 3.0, {"soft_time_limit": 1, "time_limit": 2}
+    victim = client_app.send_task(task, ("a", kind), {"seconds": seconds}, **limits)
+
+    def slot_of(task_id: str) -> str | None:
+        held = _slots_held(redis_client, key_prefix)
+        return next((key for key, info in held.items() if info["owner"] == task_id), None)
+
+    own = wait_for(lambda: slot_of(victim.id), 15, "the run's slot", worker)
+    other = wait_for(lambda: slot_of(beside.id), 15, "the slot beside it", worker)
+    assert own != other
+    if ending.startswith("revoke"):
+        signum = "SIGKILL" if ending.endswith("SIGKILL") else "SIGTERM"
+        client_app.control.revoke(
+            victim.id, terminate=True, signal=signum, destination=[worker.nodename]
+        )
+    wait_for(victim.ready, 15, "the run's end", worker)
+    assert victim.state == ("REVOKED" if ending.startswith("revoke") else "FAILURE")
+    wait_for(lambda: not redis_client.exists(own), 3, "its slot released", worker)
+    assert slot_of(beside.id) == other  # the other run's slot is left alone
+    assert skip_info(beside.get(timeout=15)) is None
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)
+    assert "singleton: lock lost" not in worker.log_text()
+    assert_no_overlap(check_history(load_history(redis_client, history_key(key_prefix))))
+
+
 def test_the_cli_lists_and_shows_the_slots(
     redis_client: redis.Redis, redis_url: str, key_prefix: str
 ) -> None:

@@ -701,43 +701,35 @@ window_publish = _window_task("t.window_publish", singleton_lock_on="publish")
 
 
 # -- added for test_permits: up to N runs of one key at once (singleton_permits) ----------------
+
+#: the options every task keyed on ``tenant`` shares
+PER_TENANT: dict[str, Any] = {
+    "bind": True,
+    "base": SingletonTask,
+    "singleton_key_args": ("tenant",),
+}
 # Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left
 # out there, unless SINGLETON_TEST_PERMITS=1 asks for the refusal (test_bad_settings).
 _REDLOCK = "redlock" in str(app.conf.singleton_redis_url).split("://", 1)[0]
 if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.export_permits",
-        singleton_key_args=("tenant",),
-        singleton_permits=3,
-    )
+    @app.task(name="t.export_permits", singleton_permits=3, **PER_TENANT)
     def export_permits(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 3 exports of a tenant at once (skip); records the permit slot it holds."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
 
     @app.task(
-        bind=True,
-        base=SingletonTask,
         name="t.export_permits_retry",
-        singleton_key_args=("tenant",),
         singleton_permits=2,
         singleton_on_duplicate="retry",
         singleton_retry_countdown=0.2,
+        **PER_TENANT,
     )
     def export_permits_retry(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 2 at once; the others are requeued until a slot is free."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.export_permits_self_retry",
-        singleton_key_args=("tenant",),
-        singleton_permits=2,
-        max_retries=3,
-    )
+    @app.task(name="t.export_permits_self_retry", singleton_permits=2, max_retries=3, **PER_TENANT)
     def export_permits_self_retry(self: Any, tenant: str, times: int) -> dict[str, Any]:
         """Retries itself ``times`` times; each run records the slot it holds, re-entered or not."""
         client = _client(app.conf.singleton_test_redis_url)
@@ -750,6 +742,22 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
         if self.request.retries < times:
             raise self.retry(countdown=0.3)
         return result
+
+    @app.task(name="t.permits_outcome", singleton_permits=2, **PER_TENANT)
+    def permits_outcome(self: Any, tenant: str, kind: str, seconds: float = 0.0) -> dict[str, Any]:
+        """Two at once; ends with ``kind`` after ``seconds``: "ok", "fail" (ValueError) or
+        "limit" (sent with time limits: the soft one is swallowed, the hard one ends it)."""
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        try:
+            result = _run(self, self.singleton.key, seconds)
+        except SoftTimeLimitExceeded:
+            if kind == "limit":
+                time.sleep(seconds)
+            raise
+        if kind == "fail":
+            raise ValueError("failed on purpose")
+        return {**result, "key": self.singleton.key}
 
 
 # -- added for the seams where two features meet (test_coalesce, test_permits, test_scope) -------
@@ -818,12 +826,10 @@ def coalesce_repr(self: Any, key: str, seconds: float = 0.0, payload: Any = None
 if not _REDLOCK:
 
     @app.task(
-        bind=True,
-        base=SingletonTask,
         name="t.export_permits_window",
-        singleton_key_args=("tenant",),
         singleton_permits=2,
         singleton_lock_at_least=AT_LEAST,
+        **PER_TENANT,
     )
     def export_permits_window(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 2 exports of a tenant per AT_LEAST seconds: each run's slot is held for a
