@@ -293,3 +293,61 @@ def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
     executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+@pytest.mark.slow(seconds=6)
+def test_a_terminated_holder_still_gets_its_follow_up_published(
+    worker: WorkerProcess,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    signum: str,
+) -> None:
+    """revoke(terminate=True) of a holder with a pending follow-up: with SIGTERM the child's own
+    release publishes it, with SIGKILL the worker's main process does; once either way."""
+    key = f"revoked-{signum}"
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, TASK, key, 30, "after"
+    )
+    client_app.control.revoke(holder.id, terminate=True, signal=signum)
+    assert AsyncResult(follow_up, app=client_app).get(timeout=15)["payload"] == "after"
+    wait_for(lambda: holder.state == "REVOKED", 10, "the holder revoked", worker)
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after") == 1
+    if signum == "SIGKILL":
+        assert "singleton: coalesced follow-up published after terminate" in log
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert executions[1].finished
+    assert not redis_client.exists(pending_key(_lock_key(key_prefix, key)))
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_holder_that_retries_itself_keeps_the_burst_for_its_last_run(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A holder that calls self.retry() twice hands its lock over each time: duplicates met
+    during its runs and during the countdowns coalesce onto it, and one follow-up, with the
+    latest arguments, is published by its last run's release, never by a retry's."""
+    task, key = "t.coalesce_retrying", "retrying"
+    holder = client_app.send_task(task, kwargs={"key": key, "times": 2, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    burst = []
+    for n in range(3):  # one during the first run, two once the second started (1.5 s left)
+        burst.append(client_app.send_task(task, kwargs={"key": key, "payload": f"dup-{n}"}))
+        wait_for(burst[-1].ready, 10, "the duplicate coalesced", worker)
+        if n == 0:
+            wait_for(lambda: _runs(redis_client, key_prefix, key) == 2, 10, "the retry", worker)
+    assert {skip_info(r).holder for r in burst} == {holder.id}
+    follow_ups = {_coalesced(r) for r in burst}
+    assert len(follow_ups) == 1, follow_ups
+    (follow_up,) = follow_ups
+    assert holder.get(timeout=15)["retries"] == 2
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "dup-2"
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 4  # three runs of the holder, one follow-up
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
+    assert log.count("singleton: coalesced follow-up published") == 1

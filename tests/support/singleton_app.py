@@ -803,6 +803,15 @@ merge_pull = _merge_task("t.merge_pull")
 merge_push = _merge_task("t.merge_push")
 
 
+@app.task(name="t.coalesce_retrying", max_retries=5, **COALESCING)
+def coalesce_retrying(self: Any, key: str, times: int = 0, payload: Any = None) -> dict[str, Any]:
+    """Coalesces; retries itself ``times`` times (0.5 s countdown), each run 0.5 s long."""
+    result = _run(self, key, 0.5)
+    if self.request.retries < times:
+        raise self.retry(countdown=0.5)
+    return {**result, "payload": payload, "retries": self.request.retries}
+
+
 @app.task(name="t.coalesce_late", acks_late=True, **COALESCING)
 def coalesce_late(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
     """Coalesces, acked late (completion records on); counts the runs of its task id."""
