@@ -29,13 +29,17 @@ app.conf.singleton_key_prefix = app.conf.singleton_test_prefix + "lock:"
 app.conf.singleton_ttl = TTL
 
 
-def _run(task: Any, key: str, seconds: float) -> dict[str, Any]:
-    """Record this execution in the history while it sleeps ``seconds``."""
+def _run(task: Any, key: str, seconds: float, until: str | None = None) -> dict[str, Any]:
+    """Record this execution in the history while it sleeps ``seconds``; with ``until``, while
+    it waits (at most 60 s) for the test to push to that list instead."""
     client = _client(app.conf.singleton_test_redis_url)
     hkey = history_key(app.conf.singleton_test_prefix)
     token = task.singleton.fencing_token
     exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
-    time.sleep(seconds)
+    if until is None:
+        time.sleep(seconds)
+    else:
+        client.blpop([until], timeout=60)
     record_end(client, hkey, exec_id)
     return {"token": token, "lost": task.singleton.lost, "pid": os.getpid()}
 
@@ -81,9 +85,12 @@ COALESCING: dict[str, Any] = {
 
 
 @app.task(name="t.hold_coalesce", **COALESCING)
-def hold_coalesce(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
-    """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too."""
-    return {**_run(self, key, seconds), "payload": payload}
+def hold_coalesce(
+    self: Any, key: str, seconds: float = 0.0, payload: Any = None, until: str | None = None
+) -> dict[str, Any]:
+    """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too. With
+    ``until``, it holds the lock until the test pushes to that list (``_run``)."""
+    return {**_run(self, key, seconds, until), "payload": payload}
 
 
 @app.task(bind=True, base=SingletonTask, name="t.retrying", max_retries=5)
