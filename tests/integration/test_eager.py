@@ -162,6 +162,24 @@ def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
     assert held_locks(eager_app, singleton_locks) == []
 
 
+def test_a_run_ended_before_its_body_publishes_the_follow_up_left_meanwhile(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """A worker's run whose lock was taken, but which Celery's tracer ended before the body
+    (tracing.py: the lock is abandoned), publishes the follow-up a duplicate left beside it in
+    that moment, as any release of a coalescing run does (here eager: it runs in place)."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    keys = coalesce.singleton_keys(("k",), {})
+    lock = _hold_elsewhere(coalesce, "k")
+    info = skip_info(coalesce.delay("k", "left"))
+    assert info is not None
+    assert info.holder == "other-run"
+    coalesce._singleton_abandon(keys, "other-run", 0)
+    assert eager_app.eager_runs == ["left"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert held_locks(eager_app, singleton_locks) == []
+
+
 def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
     eager_app: Celery, singleton_locks: str
 ) -> None:
