@@ -394,3 +394,32 @@ def test_a_holder_that_retries_itself_keeps_the_burst_for_its_last_run(
     log = worker.log_text()
     assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
     assert log.count("singleton: coalesced follow-up published") == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_coalesced_duplicates_canvas_stops_and_its_follow_up_carries_none(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A coalesced duplicate that is a chain's first step, with a link callback: the chain stops
+    there as after a skip (the caller's result is the marker naming the follow-up), and the
+    follow-up runs the duplicate's call alone: neither the next step nor the callback runs."""
+    key, gate = "canvas", f"{key_prefix}gate:canvas"
+    holder = client_app.send_task(TASK, kwargs={"key": key, "payload": "held", "until": gate})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    after = client_app.signature("t.hold", kwargs={"key": "after-step"})
+    callback = client_app.signature("t.hold", kwargs={"key": "callback"})
+    duplicate = client_app.signature(TASK, kwargs={"key": key, "payload": "dup"})
+    chained = (duplicate.set(link=callback) | after).apply_async()
+    info = skip_info(chained.get(timeout=10))  # the next step's result: the marker
+    assert info is not None
+    assert (info.holder, info.task_id) == (holder.id, chained.parent.id)
+    assert info.follow_up is not None
+    redis_client.rpush(gate, "go")
+    assert AsyncResult(info.follow_up, app=client_app).get(timeout=10)["payload"] == "dup"
+    wait_for(lambda: not redis_client.exists(_lock_key(key_prefix, key)), 5, "released", worker)
+    # whatever the follow-up published would be received before a call sent after it ended
+    sentinel = client_app.send_task("t.hold", kwargs={"key": "sentinel"})
+    sentinel.get(timeout=10)
+    ran = {e.key for e in load_history(redis_client, history_key(key_prefix))}
+    assert ran == {key, "sentinel"}
+    assert f"[{chained.id}] received" not in worker.log_text()
