@@ -26,8 +26,10 @@ receive, run and acknowledge, and nothing more (the floor of the flood rows, 4c)
 ``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up
 (section 4b).
 
-``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks):
-counted in section 2c beside ``SingletonTask``.
+``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks),
+and ``bench.permits`` one with ``singleton_permits=3``: counted in section 2c beside
+``SingletonTask``, as is ``bench.coalesce`` run without a duplicate (its release is made in
+place, and looks for a pending follow-up).
 
 ``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
 is not published (section 7).
@@ -68,6 +70,7 @@ AT_PUBLISH = "bench.at_publish"
 NO_RESULT = "bench.no_result"
 COALESCE = "bench.coalesce"
 SCOPED = "bench.scoped"
+PERMITS = "bench.permits"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -245,6 +248,11 @@ def scoped(i: int) -> None:
     return None
 
 
+@app.task(name=PERMITS, base=SingletonTask, singleton_permits=3)  # type: ignore[untyped-decorator]
+def permits(i: int) -> None:
+    return None
+
+
 @app.task(name=AT_PUBLISH, base=SingletonTask, singleton_lock_on="publish")  # type: ignore[untyped-decorator]
 def at_publish(i: int) -> None:
     return None
@@ -269,4 +277,8 @@ TASKS: dict[str, Any] = {
 }
 
 #: section 2c only: variants whose cost is counted, not timed, beside section 2's contenders
-COUNTED_ONLY: dict[str, Any] = {"SingletonTask with singleton_scope": scoped}
+COUNTED_ONLY: dict[str, Any] = {
+    "SingletonTask with singleton_scope": scoped,
+    "SingletonTask with singleton_permits=3": permits,
+    "SingletonTask with coalesce (no duplicate)": coalesce,
+}

@@ -21,6 +21,7 @@ from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.pending import take_pending
 from celery_singleton_lock.core.store import LockStore
 
 from .report import Table, median, paired_ratio, spread
@@ -41,6 +42,10 @@ OURS_COMPLETION = "celery-singleton-lock, release in next acquire + completion r
 #: singleton_permits=N (issue 19): the cycle takes the last free slot while the others are held
 OURS_PERMITS_3 = "celery-singleton-lock, 3 permits (2 held)"
 OURS_PERMITS_10 = "celery-singleton-lock, 10 permits (9 held)"
+
+#: singleton_on_duplicate="coalesce" (issue 19): the release is made at once, then the pending
+#: follow-up is looked for (take_pending.lua), as a coalescing run ends
+OURS_COALESCE = "celery-singleton-lock, coalesce: release + look for a follow-up"
 
 #: the lock ttl every contender uses (seconds)
 TTL_S = 30
@@ -108,6 +113,27 @@ def _ours_permits(url: str, permits: int) -> Cycle:
             raise AssertionError(f"ours ({permits} permits): not acquired: {outcome}")
         if store.release(last, owner, 0) is not ReleaseStatus.RELEASED:
             raise AssertionError(f"ours ({permits} permits): not released")
+
+    return cycle
+
+
+def _ours_coalesce(url: str) -> Cycle:
+    """:func:`_ours`, then the pending record looked for (none is there), as a coalescing
+    task's run ends: three round trips."""
+    store = LockStore(cast(redis.Redis, client_for(url)))
+    keys = lock_keys("bench:", "bench.cycle-coalesce", b"a")
+    owner = uuid.uuid4().hex
+    meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
+    ttl_ms = TTL_S * 1000
+
+    def cycle() -> None:
+        outcome = store.acquire(keys, owner, 0, ttl_ms, meta)
+        if type(outcome) is not Acquired:
+            raise AssertionError(f"ours (coalesce): not acquired: {outcome}")
+        if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
+            raise AssertionError("ours (coalesce): not released")
+        if take_pending(store.run_script, keys.lock) is not None:
+            raise AssertionError("ours (coalesce): a follow-up")
 
     return cycle
 
@@ -215,6 +241,7 @@ CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     OURS_COMPLETION: _ours_completion,
     OURS_PERMITS_3: lambda url: _ours_permits(url, 3),
     OURS_PERMITS_10: lambda url: _ours_permits(url, 10),
+    OURS_COALESCE: _ours_coalesce,
     "redis-py Lock": _redis_py,
     "python-redis-lock": _python_redis_lock,
     "celery-singleton backend": _celery_singleton,
@@ -231,6 +258,7 @@ ROUND_TRIPS = {
     OURS_COMPLETION: "1 (the same two calls; the record is a SET inside the release)",
     OURS_PERMITS_3: "1 + 1 (EVALSHA reading 3 slots, EVALSHA)",
     OURS_PERMITS_10: "1 + 1 (EVALSHA reading 10 slots, EVALSHA)",
+    OURS_COALESCE: "1 + 1 + 1 (EVALSHA, EVALSHA, EVALSHA take_pending)",
     "redis-py Lock": "1 + 1 (SET NX, EVALSHA)",
     "python-redis-lock": "2 + 1 (GET, SET NX, EVALSHA)",
     "celery-singleton backend": "1 + 1 (SET NX, DEL)",
@@ -299,6 +327,10 @@ def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[Cycl
         "(a SET in the release, a GET in the acquire; no round trip added). With "
         "singleton_permits an acquire reads every slot: 3 permits cost "
         f"{paired_ratio(samples[OURS_PERMITS_3], ours):.2f}x the single lock's cycle, 10 "
-        f"permits {paired_ratio(samples[OURS_PERMITS_10], ours):.2f}x (still one round trip)."
+        f"permits {paired_ratio(samples[OURS_PERMITS_10], ours):.2f}x (still one round trip). "
+        "A coalescing task's run releases at once and looks for a pending follow-up: "
+        f"{paired_ratio(samples[OURS_COALESCE], ours):.2f}x the single lock's cycle, "
+        f"{paired_ratio(samples[OURS_COALESCE], samples[OURS_DEFERRED]):.2f}x the cycle "
+        "SingletonTask runs otherwise."
     )
     return table, results
