@@ -51,9 +51,11 @@ OURS_COALESCE = "celery-singleton-lock, coalesce: release + look for a follow-up
 TTL_S = 30
 
 
-def _ours(url: str) -> Cycle:
+def _ours(url: str, coalesce: bool = False) -> Cycle:
+    """Acquire, release; with ``coalesce``, then look for a pending follow-up (none is there),
+    as a coalescing task's run ends: three round trips."""
     store = LockStore(cast(redis.Redis, client_for(url)))
-    keys = lock_keys("bench:", "bench.cycle", b"a")
+    keys = lock_keys("bench:", "bench.cycle-coalesce" if coalesce else "bench.cycle", b"a")
     owner = uuid.uuid4().hex
     # the metadata SingletonTask writes with every acquire
     meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
@@ -65,6 +67,8 @@ def _ours(url: str) -> Cycle:
             raise AssertionError(f"ours: not acquired: {outcome}")
         if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
             raise AssertionError("ours: not released")
+        if coalesce and take_pending(store.run_script, keys.lock) is not None:
+            raise AssertionError("ours (coalesce): a follow-up")
 
     return cycle
 
@@ -113,27 +117,6 @@ def _ours_permits(url: str, permits: int) -> Cycle:
             raise AssertionError(f"ours ({permits} permits): not acquired: {outcome}")
         if store.release(last, owner, 0) is not ReleaseStatus.RELEASED:
             raise AssertionError(f"ours ({permits} permits): not released")
-
-    return cycle
-
-
-def _ours_coalesce(url: str) -> Cycle:
-    """:func:`_ours`, then the pending record looked for (none is there), as a coalescing
-    task's run ends: three round trips."""
-    store = LockStore(cast(redis.Redis, client_for(url)))
-    keys = lock_keys("bench:", "bench.cycle-coalesce", b"a")
-    owner = uuid.uuid4().hex
-    meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
-    ttl_ms = TTL_S * 1000
-
-    def cycle() -> None:
-        outcome = store.acquire(keys, owner, 0, ttl_ms, meta)
-        if type(outcome) is not Acquired:
-            raise AssertionError(f"ours (coalesce): not acquired: {outcome}")
-        if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
-            raise AssertionError("ours (coalesce): not released")
-        if take_pending(store.run_script, keys.lock) is not None:
-            raise AssertionError("ours (coalesce): a follow-up")
 
     return cycle
 
@@ -241,7 +224,7 @@ CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     OURS_COMPLETION: _ours_completion,
     OURS_PERMITS_3: lambda url: _ours_permits(url, 3),
     OURS_PERMITS_10: lambda url: _ours_permits(url, 10),
-    OURS_COALESCE: _ours_coalesce,
+    OURS_COALESCE: lambda url: _ours(url, coalesce=True),
     "redis-py Lock": _redis_py,
     "python-redis-lock": _python_redis_lock,
     "celery-singleton backend": _celery_singleton,
