@@ -82,8 +82,10 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         return None
     follow_up = record.get("id", b"").decode(errors="replace")
     name = record.get("task", b"").decode(errors="replace") or task.name
+    target = task.app.tasks.get(name)
     try:
         args, kwargs, options = _call_of(task, record)
+        _check_lock(target, args, kwargs, lock_key)
     except Exception as exc:  # not written by this app: never loaded, never put back
         logger.error(
             "singleton: coalesced follow-up dropped, not a call this app wrote or accepts: "
@@ -95,8 +97,7 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         )
         return None
     try:
-        target = task.app.tasks.get(name)
-        if target is None:
+        if target is None:  # a task of the scope this app does not have
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
         else:  # Celery's own publish: no publish-time dedup against its own pending call
             Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
@@ -130,6 +131,20 @@ def _call_of(
     if serializer is not None:  # sent as it was written: the task's may not take the call
         options["serializer"] = serializer
     return list(args), dict(kwargs), options
+
+
+def _check_lock(target: Any, args: list[Any], kwargs: dict[str, Any], lock_key: str) -> None:
+    """Raise ValueError unless the call of ``target`` (a task of this app; None: one it does not
+    have, not checked) takes the lock at ``lock_key``: a record naming any other task or call
+    was not left by a duplicate of this lock, and is not published."""
+    if target is None:
+        return
+    keys_of = getattr(target, "singleton_keys", None)
+    if keys_of is None:
+        raise ValueError(f"{target.name} is no SingletonTask")
+    lock = keys_of(args, kwargs).lock
+    if lock[lock.index("{") :] != lock_key[lock_key.find("{") :]:  # the prefix aside
+        raise ValueError(f"its call takes another lock, {lock}")
 
 
 def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:

@@ -24,7 +24,7 @@ from celery_singleton_lock.core.admin import (
     stale_reason,
     stats,
 )
-from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.keys import derive_keys, lock_keys
 from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP
@@ -374,11 +374,22 @@ def test_list_and_show_tell_a_pending_follow_up(
     assert rows[quiet][9] == "-"
 
 
-def _plant_pending(client: redis.Redis, key_prefix: str, ident: bytes, follow_up: str) -> str:
-    """A t.hold lock of a dead holder with a coalesced call ``t.hold(key=ident)`` left beside
-    it as ``follow_up``; return the lock's key."""
-    key = _plant(client, f"{key_prefix}lock:", "t.hold", ident, "w-gone@nowhere")
-    body = json.dumps([[], {"key": ident.decode(), "seconds": 0}])
+def _hold_signature(key: str, seconds: float = 0.0, payload: Any = None) -> None:
+    """The parameters of t.hold."""
+
+
+def _plant_pending(
+    client: redis.Redis, key_prefix: str, ident: bytes, follow_up: str, call_key: str = ""
+) -> str:
+    """The lock of ``t.hold(key=ident)``, its holder dead, with a coalesced call
+    ``t.hold(key=call_key or ident)`` left beside it as ``follow_up``; return the lock's key."""
+    keys = derive_keys(
+        f"{key_prefix}lock:", "t.hold", _hold_signature, (), {"key": ident.decode()}, ("key",)
+    )
+    meta = {"task": "t.hold", "host": "w-gone@nowhere", "pid": "4242"}
+    LockStore(client).acquire(keys, f"owner-{ident.decode()}", 0, 60_000, meta)
+    key = keys.lock
+    body = json.dumps([[], {"key": call_key or ident.decode(), "seconds": 0}])
     call = {"task": "t.hold", "body": body, "ctype": "application/json", "cenc": "utf-8"}
     run = LockStore(client).run_script
     assert leave_pending(run, key, f"owner-{ident.decode()}", follow_up, call).count == 1
@@ -416,3 +427,20 @@ def test_purge_publishes_a_follow_up_whose_lock_expired(
     assert client_app.control.purge() == 1
     again = _celery(redis_url, key_prefix, "purge", "--yes")
     assert "nothing to purge" in again.stdout
+
+
+def test_purge_drops_a_follow_up_whose_call_takes_another_lock(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A pending record beside a lock whose call would not take that lock (another key's call;
+    written by hand or by another app on the prefix) was not left by a duplicate of the lock:
+    `purge` takes it and drops it with an ERROR line, and publishes nothing."""
+    key = _plant_pending(redis_client, key_prefix, b"mine", "follow-up-4", call_key="theirs")
+    redis_client.delete(key)  # the lock expired
+    purged = _celery(redis_url, key_prefix, "purge", "--yes")
+    assert purged.returncode == 0, purged.stderr
+    assert "published 0 of 1 orphaned follow-up(s)" in purged.stdout
+    assert "singleton: coalesced follow-up dropped" in purged.stderr
+    assert "its call takes another lock" in purged.stderr
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 0

@@ -247,8 +247,16 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         {"id": "f-1", "count": "1"},  # no call at all
         {"id": "f-2", "body": "{not json", "ctype": "application/json", "cenc": "utf-8"},
         {"id": "f-3", "body": '{"a": 1}', "ctype": "application/json", "cenc": "utf-8"},
+        {  # a call of another key: not left by a duplicate of this lock
+            **{"id": "f-4", "task": "e.coalesce", "ctype": "application/json", "cenc": "utf-8"},
+            "body": '[["other", "x"], {}]',
+        },
+        {  # a task that takes no lock at all
+            **{"id": "f-5", "task": "celery.backend_cleanup", "ctype": "application/json"},
+            **{"cenc": "utf-8", "body": "[[], {}]"},
+        },
     ],
-    ids=["no-call", "not-json", "not-a-call"],
+    ids=["no-call", "not-json", "not-a-call", "another-lock", "not-a-singleton-task"],
 )
 def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
     eager_app: Celery,
