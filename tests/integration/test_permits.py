@@ -34,6 +34,7 @@ from tests.support.history import (
     max_at_once,
     permit_group,
 )
+from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 
@@ -221,6 +222,29 @@ def test_the_admin_lists_and_reads_slots(redis_client: redis.Redis, key_prefix: 
     assert info.as_dict()["permit"] == 2
 
 
+@pytest.mark.parametrize("permits", [2, 10, 1000])
+def test_an_acquire_is_one_script_call_however_many_permits(permits: int) -> None:
+    """Taking the last free slot of ``permits`` (the others held) and meeting them all full are
+    one EVALSHA each, one round trip, whatever N (a private server's command counts)."""
+    with RedisServer() as server:
+        client = server.client()
+        store = LockStore(client)
+        keys = _keys("cslt:permits:", permits)
+        for i in range(permits - 1):
+            _take(store, keys, f"run-{i}")
+        client.config_resetstat()
+        assert _take(store, keys, "last").slot == permits
+        assert isinstance(store.acquire(keys, "one-too-many", 0, 5000), Contended)
+        calls = {
+            name: stats["calls"]
+            for name, stats in client.info("commandstats").items()
+            if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_script")
+        }
+        assert calls.get("cmdstat_evalsha") == 2, calls
+        assert "cmdstat_eval" not in calls, calls  # the script was loaded by the first ones
+        client.close()
+
+
 @pytest.mark.parametrize("permits", [0, 1001])
 def test_permits_are_bounded(permits: int) -> None:
     with pytest.raises(ValueError, match="permits"):
@@ -246,9 +270,10 @@ def test_at_most_n_exports_of_a_tenant_run_at_once(
     key_prefix: str,
     redis_client: redis.Redis,
 ) -> None:
-    """Five exports of one tenant on a worker of five processes: three run, each in a slot of
-    its own with its own token, two are skipped naming a holder; another tenant runs beside
-    them; never more than three of a tenant at once, no slot held twice."""
+    """Five exports of one tenant on a worker of five processes: three run for 2 s (the ttl is
+    1 s: each slot is renewed), each in a slot of its own with its own token, two are skipped
+    naming a holder; another tenant runs beside them; never more than three of a tenant at
+    once, no slot held twice."""
     worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=6)
     worker.wait_ready(client_app)
     sent = [client_app.send_task("t.export_permits", ("a",), {"seconds": 2}) for _ in range(5)]
@@ -257,6 +282,7 @@ def test_at_most_n_exports_of_a_tenant_run_at_once(
     ran = [value for value in values if skip_info(value) is None]
     skipped = [skip_info(value) for value in values if skip_info(value) is not None]
     assert len(ran) == 3
+    assert not any(value["lost"] for value in ran)  # each slot renewed past its ttl of 1 s
     held = sorted(value["key"] for value in ran)  # each run's own slot, slot 1 included
     assert [key.rsplit(":", 1)[1] for key in held] == ["1", "2", "3"], held
     assert len({value["token"] for value in ran}) == 3
