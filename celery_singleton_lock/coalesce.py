@@ -27,7 +27,14 @@ from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
 from .core.pending import Run, put_back, take_pending
 
-__all__ = ["call_record", "publish_follow_up"]
+__all__ = ["FOLLOW_UP_HEADER", "call_record", "is_follow_up", "publish_follow_up"]
+
+#: Message header of a published follow-up. A follow-up that meets a run holding its lock is not
+#: coalesced again: that run took the lock after the follow-up's call was taken (only a release
+#: with no holder takes it), so after every duplicate the follow-up carries; it is newer, and
+#: the follow-up ends like a skip naming it. Coalesced again, its older call would overwrite a
+#: newer one left beside that run, or run after it.
+FOLLOW_UP_HEADER = "singleton_follow_up"
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +124,18 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
 
 def _call_of(
     task: Task, record: Mapping[str, bytes]
-) -> tuple[list[Any], dict[str, Any], dict[str, str]]:
-    """The args, kwargs and route of a pending record, read with the app's ``accept_content``
-    (a content type it does not accept raises ``ContentDisallowed``, before any decoding)."""
+) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """The args, kwargs and publish options (route, serializer, :data:`FOLLOW_UP_HEADER`) of a
+    pending record, read with the app's ``accept_content`` (a content type it does not accept
+    raises ``ContentDisallowed``, before any decoding)."""
     accept = prepare_accept_content(task.app.conf.accept_content)  # type: ignore[no-untyped-call]
     args, kwargs = loads(  # type: ignore[no-untyped-call]
         record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=accept
     )
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
-    options = {field: record[field].decode() for field in _ROUTE if field in record}
+    options: dict[str, Any] = {f: record[f].decode() for f in _ROUTE if f in record}
+    options["headers"] = {FOLLOW_UP_HEADER: True}
     serializer = registry.type_to_name.get(record["ctype"].decode())
     if serializer is not None:  # sent as it was written: the task's may not take the call
         options["serializer"] = serializer
@@ -170,6 +179,16 @@ def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc:
 
 #: The delivery fields a follow-up is sent by (the latest duplicate's)
 _ROUTE = ("exchange", "routing_key")
+
+
+def is_follow_up(request: Any) -> bool:
+    """Whether the message of ``request`` (a Context, or the dict a worker's tracer gets) is a
+    published follow-up (:data:`FOLLOW_UP_HEADER`: a field of a worker's request, in the
+    ``headers`` of an eager one)."""
+    if _field(request, FOLLOW_UP_HEADER) is True:
+        return True
+    headers = _field(request, "headers")
+    return isinstance(headers, Mapping) and headers.get(FOLLOW_UP_HEADER) is True
 
 
 def _field(request: Any, name: str) -> Any:

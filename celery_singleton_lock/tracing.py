@@ -40,6 +40,7 @@ from celery.app.task import Context
 from celery.app.trace import trace_ok_t
 from celery.utils.saferepr import saferepr
 
+from .coalesce import is_follow_up
 from .core.backend import Acquired, Contended
 from .core.keys import LockKeys
 from .core.renewer import Renewer
@@ -101,6 +102,7 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
         and (
             task.singleton_options().on_duplicate != "coalesce"
+            or is_follow_up(request)  # never coalesced again: ends as a skip (coalesce.py)
             or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
             is None
         )

@@ -423,3 +423,54 @@ def test_a_coalesced_duplicates_canvas_stops_and_its_follow_up_carries_none(
     ran = {e.key for e in load_history(redis_client, history_key(key_prefix))}
     assert ran == {key, "sentinel"}
     assert f"[{chained.id}] received" not in worker.log_text()
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_late_follow_up_never_replaces_a_newer_call(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A follow-up that reaches a worker only after another run took the lock (its queue was
+    slow) carries a call older than that run, and older than a call coalesced onto that run
+    meanwhile: it must not overwrite it. It ends like a skip naming that run (which started
+    after its call), and the last run has the latest call's arguments."""
+    main = client_app.conf.task_default_queue
+    side = f"{main}-side"
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", f"{main},{side}")
+    )
+    worker.wait_ready(client_app)
+    key, lock = "late", _lock_key(key_prefix, "late")
+    gates = [f"{key_prefix}gate:late:{n}" for n in range(2)]
+
+    def hold(payload: str, gate: str) -> AsyncResult:
+        holder = client_app.send_task(TASK, kwargs={"key": key, "payload": payload, "until": gate})
+        wait_for(lambda: redis_client.hget(lock, "owner") == holder.id.encode(), 10, "held")
+        return holder
+
+    def coalesce(payload: str, **options: Any) -> str:
+        duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": payload}, **options)
+        follow_up = wait_for(lambda: _coalesced(duplicate), 10, "coalesced", worker)
+        return str(follow_up)
+
+    first = hold("H0", gates[0])
+    stale = coalesce("A", queue=side)  # its follow-up goes back to the side queue
+    client_app.control.cancel_consumer(side, destination=[worker.nodename], reply=True)
+    redis_client.rpush(gates[0], "go")  # H0 ends: the follow-up of A waits in the side queue
+    first.get(timeout=10)
+    second = hold("B", gates[1])
+    latest = coalesce("X")
+    client_app.control.add_consumer(side, destination=[worker.nodename], reply=True)
+    wait_for(lambda: AsyncResult(stale, app=client_app).ready(), 10, "the late follow-up", worker)
+    redis_client.rpush(gates[1], "go")
+    second.get(timeout=10)
+    assert AsyncResult(latest, app=client_app).get(timeout=10)["payload"] == "X"
+    wait_for(lambda: not redis_client.exists(lock), 5, "the last release", worker)
+    info = skip_info(AsyncResult(stale, app=client_app))
+    assert info is not None
+    assert (info.holder, info.follow_up) == (second.id, None)
+    runs = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(runs) == 3  # H0, B and the follow-up with X: the late one of A did not run
+    assert_no_overlap(check_history(runs), allow_unfinished=False)

@@ -11,6 +11,7 @@ import redis
 from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
+from celery_singleton_lock.coalesce import FOLLOW_UP_HEADER
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.testing import held_locks, isolated_locks
@@ -160,6 +161,21 @@ def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
     assert eager_app.eager_runs == ["next", "coalesced"]  # type: ignore[attr-defined]
     assert not redis_client.exists(pending_key(lock))
     assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_a_follow_up_that_meets_a_run_ends_as_a_skip_and_leaves_nothing(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """A message with the follow-up header that meets a run holding its lock is not coalesced
+    again (that run is newer): its result is a skip marker naming that run, no follow-up."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = _hold_elsewhere(coalesce, "k")
+    late = coalesce.apply_async(("k", "old"), headers={FOLLOW_UP_HEADER: True})
+    info = skip_info(late)
+    assert info is not None
+    assert (info.holder, info.follow_up) == ("other-run", None)
+    assert not redis_client.exists(pending_key(lock))
+    assert eager_app.eager_runs == []  # type: ignore[attr-defined]
 
 
 def test_a_run_ended_before_its_body_publishes_the_follow_up_left_meanwhile(
