@@ -38,8 +38,10 @@ def _run(task: Any, key: str, seconds: float, until: str | None = None) -> dict[
     exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
     if until is None:
         time.sleep(seconds)
-    else:
-        client.blpop([until], timeout=60)
+    else:  # short blocking reads: redis-py gives up on one blocked for more than 5 s
+        deadline = time.monotonic() + 60
+        while not client.blpop([until], timeout=1) and time.monotonic() < deadline:
+            pass
     record_end(client, hkey, exec_id)
     return {"token": token, "lost": task.singleton.lost, "pid": os.getpid()}
 
