@@ -35,9 +35,11 @@ message in the worker's main process, before any ``Request`` or pool:
 ``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up
 (section 4b).
 
-``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks):
-counted in section 2c beside ``SingletonTask``. So is ``bench.acked_late``, a ``SingletonTask``
-acked late: its release also records the run's completion (issue 17).
+``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks),
+and ``bench.permits`` one with ``singleton_permits=3``: counted in section 2c beside
+``SingletonTask``, as is ``bench.coalesce`` run without a duplicate (its release is made in
+place, and looks for a pending follow-up), and ``bench.acked_late``, a ``SingletonTask`` acked
+late: its release also records the run's completion (issue 17).
 
 ``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
 is not published (section 7).
@@ -81,6 +83,7 @@ ACK_STORE = "bench.ack_store"
 COALESCE = "bench.coalesce"
 SCOPED = "bench.scoped"
 ACKED_LATE = "bench.acked_late"
+PERMITS = "bench.permits"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -301,6 +304,11 @@ def acked_late(i: int) -> None:
     return None
 
 
+@app.task(name=PERMITS, base=SingletonTask, singleton_permits=3)  # type: ignore[untyped-decorator]
+def permits(i: int) -> None:
+    return None
+
+
 @app.task(name=AT_PUBLISH, base=SingletonTask, singleton_lock_on="publish")  # type: ignore[untyped-decorator]
 def at_publish(i: int) -> None:
     return None
@@ -328,4 +336,6 @@ TASKS: dict[str, Any] = {
 COUNTED_ONLY: dict[str, Any] = {
     "SingletonTask with singleton_scope": scoped,
     "SingletonTask acked late (+ completion record)": acked_late,
+    "SingletonTask with singleton_permits=3": permits,
+    "SingletonTask with coalesce (no duplicate)": coalesce,
 }

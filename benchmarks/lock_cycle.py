@@ -21,6 +21,7 @@ from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.pending import take_pending
 from celery_singleton_lock.core.store import LockStore
 
 from .report import Table, median, paired_ratio, spread
@@ -42,13 +43,19 @@ OURS_COMPLETION = "celery-singleton-lock, release in next acquire + completion r
 OURS_PERMITS_3 = "celery-singleton-lock, 3 permits (2 held)"
 OURS_PERMITS_10 = "celery-singleton-lock, 10 permits (9 held)"
 
+#: singleton_on_duplicate="coalesce" (issue 19): the release is made at once, then the pending
+#: follow-up is looked for (take_pending.lua), as a coalescing run ends
+OURS_COALESCE = "celery-singleton-lock, coalesce: release + look for a follow-up"
+
 #: the lock ttl every contender uses (seconds)
 TTL_S = 30
 
 
-def _ours(url: str) -> Cycle:
+def _ours(url: str, coalesce: bool = False) -> Cycle:
+    """Acquire, release; with ``coalesce``, then look for a pending follow-up (none is there),
+    as a coalescing task's run ends: three round trips."""
     store = LockStore(cast(redis.Redis, client_for(url)))
-    keys = lock_keys("bench:", "bench.cycle", b"a")
+    keys = lock_keys("bench:", "bench.cycle-coalesce" if coalesce else "bench.cycle", b"a")
     owner = uuid.uuid4().hex
     # the metadata SingletonTask writes with every acquire
     meta = {"task": "bench.cycle", "host": "bench@localhost", "pid": "12345"}
@@ -60,6 +67,8 @@ def _ours(url: str) -> Cycle:
             raise AssertionError(f"ours: not acquired: {outcome}")
         if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
             raise AssertionError("ours: not released")
+        if coalesce and take_pending(store.run_script, keys.lock) is not None:
+            raise AssertionError("ours (coalesce): a follow-up")
 
     return cycle
 
@@ -215,6 +224,7 @@ CONTENDERS: dict[str, Callable[[str], Cycle]] = {
     OURS_COMPLETION: _ours_completion,
     OURS_PERMITS_3: lambda url: _ours_permits(url, 3),
     OURS_PERMITS_10: lambda url: _ours_permits(url, 10),
+    OURS_COALESCE: lambda url: _ours(url, coalesce=True),
     "redis-py Lock": _redis_py,
     "python-redis-lock": _python_redis_lock,
     "celery-singleton backend": _celery_singleton,
@@ -231,6 +241,7 @@ ROUND_TRIPS = {
     OURS_COMPLETION: "1 (the same two calls; the record is a SET inside the release)",
     OURS_PERMITS_3: "1 + 1 (EVALSHA reading 3 slots, EVALSHA)",
     OURS_PERMITS_10: "1 + 1 (EVALSHA reading 10 slots, EVALSHA)",
+    OURS_COALESCE: "1 + 1 + 1 (EVALSHA, EVALSHA, EVALSHA take_pending)",
     "redis-py Lock": "1 + 1 (SET NX, EVALSHA)",
     "python-redis-lock": "2 + 1 (GET, SET NX, EVALSHA)",
     "celery-singleton backend": "1 + 1 (SET NX, DEL)",
@@ -299,6 +310,10 @@ def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[Cycl
         "(a SET in the release, a GET in the acquire; no round trip added). With "
         "singleton_permits an acquire reads every slot: 3 permits cost "
         f"{paired_ratio(samples[OURS_PERMITS_3], ours):.2f}x the single lock's cycle, 10 "
-        f"permits {paired_ratio(samples[OURS_PERMITS_10], ours):.2f}x (still one round trip)."
+        f"permits {paired_ratio(samples[OURS_PERMITS_10], ours):.2f}x (still one round trip). "
+        "A coalescing task's run releases at once and looks for a pending follow-up: "
+        f"{paired_ratio(samples[OURS_COALESCE], ours):.2f}x the single lock's cycle, "
+        f"{paired_ratio(samples[OURS_COALESCE], samples[OURS_DEFERRED]):.2f}x the cycle "
+        "SingletonTask runs otherwise."
     )
     return table, results

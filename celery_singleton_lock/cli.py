@@ -101,11 +101,19 @@ def singleton(ctx: click.Context, url: str | None, prefix: str | None) -> None:
 
 def _locks(target: _Target, task: str | None) -> Iterator[LockInfo]:
     try:
-        yield from iter_locks(target.client, target.prefix, task)
+        yield from iter_locks(target.client, target.prefix, task, scope=_scope_of(target, task))
     except REDIS_ERRORS as exc:
         target.fail(exc)
     except SingletonConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _scope_of(target: _Target, task: str | None) -> str | None:
+    """The ``singleton_scope`` of ``task`` in the app (its locks carry the scope's name, not
+    the task's); None when it has none, or the app does not know it."""
+    found = None if task is None or target.app is None else target.app.tasks.get(task)
+    options = getattr(found, "singleton_options", None)
+    return None if options is None else options().scope
 
 
 def _seconds(value: float | None) -> str:

@@ -10,8 +10,9 @@ is gone. A publish that fails puts the record back and logs it: nothing is dropp
 
 The follow-up is a new message of the same task with the latest duplicate's arguments, its
 task id fixed by the burst's first duplicate, sent to the exchange and routing key that
-duplicate arrived by; without the duplicate's countdown, eta, links or canvas (the duplicate's
-own canvas stops as a skip's does).
+duplicate arrived by, in the serializer its call was recorded in (the task's; else the first of
+the app's ``accept_content`` that can write it); without the duplicate's countdown, eta, links
+or canvas (the duplicate's own canvas stops as a skip's does).
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Task
-from kombu.serialization import dumps, loads, prepare_accept_content
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
 from .core.pending import Run, put_back, take_pending
 
-__all__ = ["call_record", "publish_follow_up"]
+__all__ = ["FOLLOW_UP_HEADER", "call_record", "is_follow_up", "publish_follow_up"]
+
+#: Message header of a published follow-up. A follow-up that meets a run holding its lock is not
+#: coalesced again: that run took the lock after the follow-up's call was taken (only a release
+#: with no holder takes it), so after every duplicate the follow-up carries; it is newer, and
+#: the follow-up ends like a skip naming it. Coalesced again, its older call would overwrite a
+#: newer one left beside that run, or run after it.
+FOLLOW_UP_HEADER = "singleton_follow_up"
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +43,7 @@ def call_record(
     task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, str | bytes]:
     """A duplicate's call as pending-record fields: enough to publish it again."""
-    serializer = task.serializer or task.app.conf.task_serializer
-    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
-        [list(args), dict(kwargs)], serializer=serializer
-    )
+    content_type, encoding, body = _dumps(task, [list(args), dict(kwargs)])
     record: dict[str, str | bytes] = {
         "task": task.name,
         "by": str(_field(request, "id") or ""),
@@ -53,6 +59,27 @@ def call_record(
     return record
 
 
+def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
+    """``call`` in the task's serializer; else in the first of the app's ``accept_content``
+    that can write it. A message sent with another serializer than its task's (``pickle``
+    where the task's is ``json``) may carry what only that one writes: it came in one the app
+    accepts, so one of those does."""
+    first = task.serializer or task.app.conf.task_serializer
+    try:
+        return dumps(call, serializer=first)  # type: ignore[no-untyped-call, no-any-return]
+    except EncodeError as exc:
+        failed = exc
+    for item in task.app.conf.accept_content or ():
+        for content_type in sorted(prepare_accept_content([item])):  # type: ignore[no-untyped-call]
+            name = registry.type_to_name.get(content_type)
+            if name is not None and name != first:
+                try:
+                    return dumps(call, serializer=name)  # type: ignore[no-untyped-call, no-any-return]
+                except EncodeError:
+                    pass
+    raise failed
+
+
 def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
     """Take ``lock_key``'s pending record if no run holds the lock, and publish it; the
     follow-up's task id, or None when there was nothing to publish (or it failed: then logged
@@ -62,8 +89,10 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         return None
     follow_up = record.get("id", b"").decode(errors="replace")
     name = record.get("task", b"").decode(errors="replace") or task.name
+    target = task.app.tasks.get(name)
     try:
         args, kwargs, options = _call_of(task, record)
+        _check_lock(target, args, kwargs, lock_key)
     except Exception as exc:  # not written by this app: never loaded, never put back
         logger.error(
             "singleton: coalesced follow-up dropped, not a call this app wrote or accepts: "
@@ -75,8 +104,7 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         )
         return None
     try:
-        target = task.app.tasks.get(name)
-        if target is None:
+        if target is None:  # a task of the scope this app does not have
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
         else:  # Celery's own publish: no publish-time dedup against its own pending call
             Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
@@ -96,17 +124,36 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
 
 def _call_of(
     task: Task, record: Mapping[str, bytes]
-) -> tuple[list[Any], dict[str, Any], dict[str, str]]:
-    """The args, kwargs and route of a pending record, read with the app's ``accept_content``
-    (a content type it does not accept raises ``ContentDisallowed``, before any decoding)."""
+) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """The args, kwargs and publish options (route, serializer, :data:`FOLLOW_UP_HEADER`) of a
+    pending record, read with the app's ``accept_content`` (a content type it does not accept
+    raises ``ContentDisallowed``, before any decoding)."""
     accept = prepare_accept_content(task.app.conf.accept_content)  # type: ignore[no-untyped-call]
     args, kwargs = loads(  # type: ignore[no-untyped-call]
         record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=accept
     )
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
-    options = {field: record[field].decode() for field in _ROUTE if field in record}
+    options: dict[str, Any] = {f: record[f].decode() for f in _ROUTE if f in record}
+    options["headers"] = {FOLLOW_UP_HEADER: True}
+    serializer = registry.type_to_name.get(record["ctype"].decode())
+    if serializer is not None:  # sent as it was written: the task's may not take the call
+        options["serializer"] = serializer
     return list(args), dict(kwargs), options
+
+
+def _check_lock(target: Any, args: list[Any], kwargs: dict[str, Any], lock_key: str) -> None:
+    """Raise ValueError unless the call of ``target`` (a task of this app; None: one it does not
+    have, not checked) takes the lock at ``lock_key``: a record naming any other task or call
+    was not left by a duplicate of this lock, and is not published."""
+    if target is None:
+        return
+    keys_of = getattr(target, "singleton_keys", None)
+    if keys_of is None:
+        raise ValueError(f"{target.name} is no SingletonTask")
+    lock = keys_of(args, kwargs).lock
+    if lock[lock.index("{") :] != lock_key[lock_key.find("{") :]:  # the prefix aside
+        raise ValueError(f"its call takes another lock, {lock}")
 
 
 def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:
@@ -132,6 +179,16 @@ def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc:
 
 #: The delivery fields a follow-up is sent by (the latest duplicate's)
 _ROUTE = ("exchange", "routing_key")
+
+
+def is_follow_up(request: Any) -> bool:
+    """Whether the message of ``request`` (a Context, or the dict a worker's tracer gets) is a
+    published follow-up (:data:`FOLLOW_UP_HEADER`: a field of a worker's request, in the
+    ``headers`` of an eager one)."""
+    if _field(request, FOLLOW_UP_HEADER) is True:
+        return True
+    headers = _field(request, "headers")
+    return isinstance(headers, Mapping) and headers.get(FOLLOW_UP_HEADER) is True
 
 
 def _field(request: Any, name: str) -> Any:

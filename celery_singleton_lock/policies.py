@@ -20,7 +20,7 @@ from kombu.utils.uuid import uuid
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
 from .canvas import store_skip
-from .coalesce import call_record
+from .coalesce import call_record, is_follow_up
 from .core.backend import Acquired, Contended
 from .core.connection import store_for
 from .core.keys import LockKeys
@@ -136,7 +136,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 countdown=countdown,
             )
             self._singleton_requeue(countdown, error)
-        if policy == "coalesce":
+        if policy == "coalesce" and not is_follow_up(request):  # a follow-up: as a skip
             wait = self._singleton_coalesce(
                 keys, held.holder, task_id, request.args or (), request.kwargs or {}, request
             )

@@ -17,13 +17,22 @@ __all__ = ["check_scopes"]
 def check_scopes(tasks: Iterable[SingletonTask]) -> None:
     """Raise :class:`SingletonConfigError` unless the tasks sharing a scope all key on the same
     argument names (or all on a ``singleton_key`` callable), take the same number of permits,
-    and all coalesce or none does (checked at worker start)."""
+    and all coalesce or none does, and no scope has the name of a task outside any scope (its
+    keys would be that task's); checked at worker start."""
     scopes: dict[str, dict[str, SingletonTask]] = {}
+    unscoped: set[str] = set()
     for task in tasks:
         scope = task.singleton_options().scope
         if scope is not None:
             scopes.setdefault(scope, {})[task.name] = task
+        else:
+            unscoped.add(task.name)
     for scope, members in sorted(scopes.items()):
+        if scope in unscoped:  # its keys are that task's: they would exclude each other
+            raise SingletonConfigError(
+                f"scope {scope!r} is the name of task {scope}, whose locks it would share: "
+                "give the scope another name"
+            )
         names = {name: task._singleton_scope_names() for name, task in members.items()}
         if len(set(names.values())) > 1:
             keyed = "; ".join(

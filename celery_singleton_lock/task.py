@@ -339,7 +339,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         self, keys: LockKeys, task_id: str, generation: int, slot: int = 1
     ) -> None:
         """Release a lock (permit ``slot``) taken for a run that Celery's tracer ended before
-        ``before_start``."""
+        ``before_start``, and publish the follow-up a duplicate left beside it meanwhile."""
         key = keys.slot(slot)
         try:
             store_for(self.singleton_options().redis_url).release(key, task_id, generation)
@@ -352,6 +352,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 key,
                 exc,
             )
+            return
+        self._singleton_follow_up(key, "a run that did not start")
 
     # -- hand-over and release ----------------------------------------------------------------
 

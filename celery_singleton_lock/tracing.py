@@ -49,6 +49,7 @@ from celery.exceptions import Ignore
 from celery.utils.saferepr import saferepr
 
 from ._tasklog import about, logger
+from .coalesce import is_follow_up
 from .completion import dropped, report_drop
 from .core.backend import Acquired, Completed, Contended
 from .core.keys import LockKeys
@@ -111,6 +112,7 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
         and (
             task.singleton_options().on_duplicate != "coalesce"
+            or is_follow_up(request)  # never coalesced again: ends as a skip (coalesce.py)
             or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
             is None
         )

@@ -126,15 +126,17 @@ class LockInfo:
         return {**asdict(self), "state": self.state}
 
 
-def lock_pattern(prefix: str, task: str | None = None) -> str:
+def lock_pattern(prefix: str, task: str | None = None, scope: str | None = None) -> str:
     """The SCAN MATCH pattern of every lock under ``prefix`` (of ``task`` only, if given).
 
-    ``check_prefix`` keeps glob characters out of prefixes and ``safe_name`` out of task
-    names, so the pattern matches literally. Different task names may share a safe name:
-    :func:`iter_locks` also compares the ``task`` field.
+    A task of a ``singleton_scope`` has the scope's name in its keys, not its own: give
+    ``scope`` too. ``check_prefix`` keeps glob characters out of prefixes and ``safe_name``
+    out of task names, so the pattern matches literally. Different task names may share a
+    safe name (and the tasks of a scope share its keys): :func:`iter_locks` also compares
+    the ``task`` field.
     """
     check_prefix(prefix)
-    name = "*" if task is None else f"{safe_name(task)}:*"
+    name = "*" if task is None else f"{safe_name(scope or task)}:*"
     return f"{prefix}{{{name}}}:lock*"  # and the permit slots, ``:lock:<i>``
 
 
@@ -240,9 +242,15 @@ def _batches(items: Iterable[T], size: int) -> Iterator[list[T]]:
 
 
 def iter_locks(
-    client: Client, prefix: str, task: str | None = None, batch: int = BATCH
+    client: Client,
+    prefix: str,
+    task: str | None = None,
+    batch: int = BATCH,
+    *,
+    scope: str | None = None,
 ) -> Iterator[LockInfo]:
-    """Every lock under ``prefix`` (only ``task``'s if given), read ``batch`` keys at a time.
+    """Every lock under ``prefix`` (only those ``task`` holds if given: with ``scope``, the
+    scope ``task`` belongs to), read ``batch`` keys at a time.
 
     Keys the SCAN glob matches that are not lock keys of this library are skipped unread.
 
@@ -251,7 +259,7 @@ def iter_locks(
     """
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch!r}")
-    found = _scan(client, lock_pattern(prefix, task), batch)
+    found = _scan(client, lock_pattern(prefix, task, scope), batch)
     locks = (key for key in found if lock_key_problem(prefix, key) is None)
     for keys in _batches(locks, batch):
         for info in _read_batch(client, keys, prefix):

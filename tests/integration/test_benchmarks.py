@@ -49,6 +49,8 @@ def test_the_fast_sections_run_and_count_what_they_claim(tmp_path: Path) -> None
     cycle = _column(tables["1"], "µs/cycle (median)")
     assert all(us > 0 for us in cycle.values()), cycle
     assert "celery-singleton-lock, release in next acquire" in cycle
+    for row in ("3 permits (2 held)", "10 permits (9 held)", "coalesce: release + look for a"):
+        assert any(row in name for name in cycle), (row, cycle)
 
     # 2c: the floor sends exactly SingletonTask's Redis traffic, with (almost) none of its Python
     commands = _column(tables["2c"], "Redis cmds/task")
@@ -63,6 +65,11 @@ def test_the_fast_sections_run_and_count_what_they_claim(tmp_path: Path) -> None
     late = "SingletonTask acked late (+ completion record)"
     assert scripts[late] == scripts["SingletonTask"] == 2, scripts
     assert commands[late] == commands["SingletonTask"] + 2, commands
+    # issue 19: a scope adds nothing on the wire; permits read their slots in the one acquire;
+    # a coalescing run releases in its own call and looks for a follow-up in one more
+    assert commands["SingletonTask with singleton_scope"] == commands["SingletonTask"]
+    assert commands["SingletonTask with singleton_permits=3"] > commands["SingletonTask"]
+    assert commands["SingletonTask with coalesce (no duplicate)"] > commands["SingletonTask"]
 
     # 4: our acquire is one round trip per attempt (a retried NOSCRIPT aside)
     trips = _column(tables["4"], "round trips/attempt")

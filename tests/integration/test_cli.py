@@ -24,7 +24,7 @@ from celery_singleton_lock.core.admin import (
     stale_reason,
     stats,
 )
-from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.keys import derive_keys, lock_keys
 from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP
@@ -128,6 +128,29 @@ def test_iter_locks_scans_a_database_with_many_keys(
     assert totals.locks == 30
     assert totals.by_task == {"t.a": 25, "t.b": 5}
     assert totals.by_host == {"w1@h": 25, "w2@h": 5}
+
+
+def test_task_filter_finds_the_locks_of_a_scoped_task(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """The keys of a task of a ``singleton_scope`` carry the scope's name, not the task's:
+    `list`, `stats` and `purge --all` with ``--task`` find the locks that task holds through
+    the app (``-A``), and leave those another task of the scope holds."""
+    prefix = f"{key_prefix}lock:"
+    imported = _plant(redis_client, prefix, "tenant-sync", b"a", "w1@h")  # the scope's lock
+    redis_client.hset(imported, "task", "t.tenant_import")
+    exported = _plant(redis_client, prefix, "tenant-sync", b"b", "w1@h")
+    redis_client.hset(exported, "task", "t.tenant_export")
+    listed = _celery(redis_url, key_prefix, "list", "--json", "--task", "t.tenant_import")
+    assert listed.returncode == 0, listed.stderr
+    assert [lock["key"] for lock in json.loads(listed.stdout)] == [imported]
+    counted = _celery(redis_url, key_prefix, "stats", "--json", "--task", "t.tenant_export")
+    assert counted.returncode == 0, counted.stderr
+    assert json.loads(counted.stdout)["by_task"] == {"t.tenant_export": 1}
+    purged = _celery(redis_url, key_prefix, "purge", "--all", "--yes", "--task", "t.tenant_import")
+    assert purged.returncode == 0, purged.stderr
+    assert "released 1 of 1 lock(s)" in purged.stdout, purged.stdout
+    assert (redis_client.exists(imported), redis_client.exists(exported)) == (0, 1)
 
 
 def test_force_release_leaves_a_lock_that_changed_hands(
@@ -355,11 +378,22 @@ def test_list_and_show_tell_a_pending_follow_up(
     assert rows[quiet][9] == "-"
 
 
-def _plant_pending(client: redis.Redis, key_prefix: str, ident: bytes, follow_up: str) -> str:
-    """A t.hold lock of a dead holder with a coalesced call ``t.hold(key=ident)`` left beside
-    it as ``follow_up``; return the lock's key."""
-    key = _plant(client, f"{key_prefix}lock:", "t.hold", ident, "w-gone@nowhere")
-    body = json.dumps([[], {"key": ident.decode(), "seconds": 0}])
+def _hold_signature(key: str, seconds: float = 0.0, payload: Any = None) -> None:
+    """The parameters of t.hold."""
+
+
+def _plant_pending(
+    client: redis.Redis, key_prefix: str, ident: bytes, follow_up: str, call_key: str = ""
+) -> str:
+    """The lock of ``t.hold(key=ident)``, its holder dead, with a coalesced call
+    ``t.hold(key=call_key or ident)`` left beside it as ``follow_up``; return the lock's key."""
+    keys = derive_keys(
+        f"{key_prefix}lock:", "t.hold", _hold_signature, (), {"key": ident.decode()}, ("key",)
+    )
+    meta = {"task": "t.hold", "host": "w-gone@nowhere", "pid": "4242"}
+    LockStore(client).acquire(keys, f"owner-{ident.decode()}", 0, 60_000, meta)
+    key = keys.lock
+    body = json.dumps([[], {"key": call_key or ident.decode(), "seconds": 0}])
     call = {"task": "t.hold", "body": body, "ctype": "application/json", "cenc": "utf-8"}
     run = LockStore(client).run_script
     assert leave_pending(run, key, f"owner-{ident.decode()}", follow_up, call).count == 1
@@ -397,3 +431,20 @@ def test_purge_publishes_a_follow_up_whose_lock_expired(
     assert client_app.control.purge() == 1
     again = _celery(redis_url, key_prefix, "purge", "--yes")
     assert "nothing to purge" in again.stdout
+
+
+def test_purge_drops_a_follow_up_whose_call_takes_another_lock(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A pending record beside a lock whose call would not take that lock (another key's call;
+    written by hand or by another app on the prefix) was not left by a duplicate of the lock:
+    `purge` takes it and drops it with an ERROR line, and publishes nothing."""
+    key = _plant_pending(redis_client, key_prefix, b"mine", "follow-up-4", call_key="theirs")
+    redis_client.delete(key)  # the lock expired
+    purged = _celery(redis_url, key_prefix, "purge", "--yes")
+    assert purged.returncode == 0, purged.stderr
+    assert "published 0 of 1 orphaned follow-up(s)" in purged.stdout
+    assert "singleton: coalesced follow-up dropped" in purged.stderr
+    assert "its call takes another lock" in purged.stderr
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 0

@@ -31,12 +31,12 @@ from celery_singleton_lock.core.backend import (
     ReleaseStatus,
     RenewItem,
     RenewStatus,
-    release_lost_slot,
 )
 from celery_singleton_lock.core.cluster import ClusterStore
 from celery_singleton_lock.core.compare_delete import native_command
 from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
+from celery_singleton_lock.core.pending import pending_key
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,
@@ -49,6 +49,8 @@ from tests.integration.test_beat_mixin import (
     paused,
     set_clock,
 )
+from tests.integration.test_coalesce import check_pending_scripts
+from tests.integration.test_permits import check_permit_slots
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
@@ -274,18 +276,18 @@ def test_permit_slots_on_a_cluster(cluster: Cluster, wait: str) -> None:
         assert {client.keyslot(key) for key in [k.lock, k.fence, *k.slots]} == {
             client.keyslot(k.lock)
         }
-        taken = [store.acquire(k, owner, 0, TTL_MS) for owner in ("a", "b", "c")]
-        assert [t.slot for t in taken if isinstance(t, Acquired)] == [1, 2, 3]
-        held = store.acquire(k, "d", 0, TTL_MS)
-        assert isinstance(held, Contended)
-        assert release_lost_slot(store, k, "b", 0, 0) == (k.slot(2), ReleaseStatus.RELEASED)
-        again = store.acquire(k, "d", 0, TTL_MS)
-        assert isinstance(again, Acquired)
-        assert again.slot == 2
-        for owner, slot in (("a", 1), ("d", 2), ("c", 3)):
-            assert store.release(k.slot(slot), owner, 0) is ReleaseStatus.RELEASED
+        check_permit_slots(store, k)
     finally:
         store.client.close()
+
+
+def test_pending_follow_up_on_a_cluster(store: ClusterStore) -> None:
+    """A coalesced follow-up's record shares its lock's cluster slot: each of its scripts is
+    one call on the lock's node, owner-checked as on one server."""
+    k = many_keys(1)[0]
+    client = cluster_client(store)
+    assert client.keyslot(pending_key(k.lock)) == client.keyslot(k.lock)
+    check_pending_scripts(store, k)
 
 
 def test_run_claims_on_a_cluster(cluster: Cluster) -> None:

@@ -15,8 +15,10 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
-from celery_singleton_lock.core.keys import derive_keys
-from celery_singleton_lock.core.pending import pending_key
+from celery_singleton_lock.core.backend import Acquired, LockBackend, ReleaseStatus
+from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_keys
+from celery_singleton_lock.core.pending import leave_pending, pending_key, put_back, take_pending
+from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key
 from tests.support.history import assert_no_overlap, check_history, load_history, server_time_us
@@ -64,6 +66,30 @@ def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
     return holder, duplicate, follow_up
 
 
+def check_pending_scripts(store: LockBackend, keys: LockKeys) -> None:
+    """The pending record's three scripts through ``store`` (one server, Sentinel, Cluster,
+    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id),
+    taken only once nobody holds the lock, and only once; put back when nothing newer is."""
+    run = store.run_script
+    assert isinstance(store.acquire(keys, "holder", 0, 30_000), Acquired)
+    left = [leave_pending(run, keys.lock, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
+    assert [(x.follow_up, x.count) for x in left] == [("f-0", 1), ("f-0", 2), ("f-0", 3)]
+    assert leave_pending(run, keys.lock, "someone", "f-9", {"call": "x"}).follow_up is None
+    assert take_pending(run, keys.lock) is None  # held: the holder's release takes it
+    assert store.release(keys.lock, "holder", 0) is ReleaseStatus.RELEASED
+    assert leave_pending(run, keys.lock, "holder", "f-9", {"call": "late"}).follow_up is None
+    record = take_pending(run, keys.lock)
+    assert record is not None
+    assert (record["id"], record["count"], record["call"]) == (b"f-0", b"3", b"c2")
+    assert take_pending(run, keys.lock) is None  # taken once
+    assert put_back(run, keys.lock, record)
+    assert take_pending(run, keys.lock) == record
+
+
+def test_pending_scripts_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
+    check_pending_scripts(LockStore(redis_client), lock_keys(key_prefix, "t.c", b"one"))
+
+
 @pytest.fixture
 def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     started = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
@@ -71,41 +97,58 @@ def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     return started
 
 
-@pytest.mark.slow(seconds=8)
+#: duplicates in the burst test: "a burst of 1,000 webhooks for one account" (issue #19)
+BURST = 1000
+
+
+@pytest.mark.slow(seconds=20)
 def test_burst_collapses_into_one_follow_up_with_the_latest_arguments(
     worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    """1,000 duplicates met by one running holder, then one more: every one ends at once naming
+    the same follow-up, and after the holder exactly one follow-up runs, with the last
+    duplicate's arguments: two runs in all, not 1,002, not one."""
     key, lock = "burst", _lock_key(key_prefix, "burst")
-    holder = client_app.send_task(TASK, kwargs={"key": key, "seconds": 3, "payload": "first"})
+    gate = f"{key_prefix}gate:burst"
+    holder = client_app.send_task(TASK, kwargs={"key": key, "payload": "first", "until": gate})
     wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
-    burst = [
-        client_app.send_task(TASK, kwargs={"key": key, "payload": f"burst-{i}"}) for i in range(150)
-    ]
-    wait_for(lambda: all(r.ready() for r in burst), 20, "the burst coalesced", worker)
+    with client_app.producer_or_acquire() as producer:
+        burst = [
+            client_app.send_task(TASK, kwargs={"key": key, "payload": f"b-{i}"}, producer=producer)
+            for i in range(BURST)
+        ]
+
+    def coalesced() -> int:
+        return int(redis_client.hget(pending_key(lock), "count") or 0)
+
+    wait_for(lambda: coalesced() == BURST, 60, "the burst coalesced", worker)
     last = client_app.send_task(TASK, kwargs={"key": key, "payload": "last"})
-    wait_for(last.ready, 10, "the last duplicate coalesced", worker)
+    wait_for(lambda: coalesced() == BURST + 1, 10, "the last duplicate coalesced", worker)
+    wait_for(lambda: all(r.ready() for r in [*burst, last]), 10, "every result", worker)
+    assert not holder.ready()
+    redis_client.rpush(gate, "go")
+    assert holder.get(timeout=10)["payload"] == "first"
 
     follow_ups = {_coalesced(r) for r in [*burst, last]}
     assert len(follow_ups) == 1, follow_ups
     follow_up = follow_ups.pop()
     assert follow_up is not None
-    for result in [*burst, last]:
+    for result in [*burst[:10], last]:
         info = skip_info(result)
         assert info is not None
-        assert info.holder == holder.id
-        assert info.key == lock
-    assert int(redis_client.hget(pending_key(lock), "count") or 0) == 151
-    assert holder.get(timeout=10)["payload"] == "first"
-
+        assert (info.holder, info.key) == (holder.id, lock)
     value = AsyncResult(follow_up, app=client_app).get(timeout=10)
     assert value["payload"] == "last"
     wait_for(lambda: not redis_client.exists(lock), 5, "the follow-up's release", worker)
     assert not redis_client.exists(pending_key(lock))
     executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
-    assert len(executions) == 2  # the holder and one follow-up: not 152, not 1
+    assert len(executions) == 2  # the holder and one follow-up
     assert all(e.finished for e in executions)
     assert_no_overlap(check_history(executions), allow_unfinished=False)
-    assert worker.log_text().count("singleton: coalesced follow-up published after SUCCESS") == 1
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
+    assert f"duplicates={BURST + 1}" in log
+    redis_client.delete(gate)
 
 
 def test_no_duplicate_no_follow_up(
@@ -257,3 +300,177 @@ def test_a_copy_of_the_holder_met_while_it_runs_waits_and_is_dropped(
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
     assert worker.log_text().count("singleton: coalesced follow-up published") == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A json task on a worker that also accepts pickle: a duplicate sent in pickle, carrying a
+    set (json cannot write one), is coalesced (its call recorded in pickle, the first accepted
+    serializer that writes it) and its follow-up is published in pickle and runs with the set."""
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        pool="prefork",
+        concurrency=2,
+        # C_FORCE_ROOT: Celery refuses pickle as root (a CI container)
+        env={"SINGLETON_TEST_ACCEPT": "json,pickle", "C_FORCE_ROOT": "1"},
+    )
+    worker.wait_ready(client_app)
+    task, key = "t.coalesce_repr", "pickled"
+    holder = client_app.send_task(task, kwargs={"key": key, "seconds": 2, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    duplicate = client_app.send_task(
+        task, kwargs={"key": key, "payload": {1, 2}}, serializer="pickle"
+    )
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    assert duplicate.state == "SUCCESS", duplicate.traceback
+    follow_up = _coalesced(duplicate)
+    assert follow_up is not None
+    assert holder.get(timeout=10)["payload"] == "'held'"
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "{1, 2}"
+    assert worker.log_text().count("singleton: coalesced follow-up published after SUCCESS") == 1
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+@pytest.mark.slow(seconds=6)
+def test_a_terminated_holder_still_gets_its_follow_up_published(
+    worker: WorkerProcess,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    signum: str,
+) -> None:
+    """revoke(terminate=True) of a holder with a pending follow-up: with SIGTERM the child's own
+    release publishes it, with SIGKILL the worker's main process does; once either way."""
+    key = f"revoked-{signum}"
+    holder, _, follow_up = _coalesce_one(
+        worker, client_app, redis_client, key_prefix, TASK, key, 30, "after"
+    )
+    client_app.control.revoke(holder.id, terminate=True, signal=signum)
+    assert AsyncResult(follow_up, app=client_app).get(timeout=15)["payload"] == "after"
+    wait_for(lambda: holder.state == "REVOKED", 10, "the holder revoked", worker)
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after") == 1
+    if signum == "SIGKILL":
+        assert "singleton: coalesced follow-up published after terminate" in log
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 2
+    assert executions[1].finished
+    assert not redis_client.exists(pending_key(_lock_key(key_prefix, key)))
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_holder_that_retries_itself_keeps_the_burst_for_its_last_run(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A holder that calls self.retry() twice hands its lock over each time: duplicates met
+    during its runs and during the countdowns coalesce onto it, and one follow-up, with the
+    latest arguments, is published by its last run's release, never by a retry's."""
+    task, key = "t.coalesce_retrying", "retrying"
+    holder = client_app.send_task(task, kwargs={"key": key, "times": 2, "payload": "held"})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    burst = []
+    for n in range(3):  # one during the first run, two once the second started (1.5 s left)
+        burst.append(client_app.send_task(task, kwargs={"key": key, "payload": f"dup-{n}"}))
+        wait_for(burst[-1].ready, 10, "the duplicate coalesced", worker)
+        if n == 0:
+            wait_for(lambda: _runs(redis_client, key_prefix, key) == 2, 10, "the retry", worker)
+    assert {skip_info(r).holder for r in burst} == {holder.id}
+    follow_ups = {_coalesced(r) for r in burst}
+    assert len(follow_ups) == 1, follow_ups
+    (follow_up,) = follow_ups
+    assert holder.get(timeout=15)["retries"] == 2
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "dup-2"
+    executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(executions) == 4  # three runs of the holder, one follow-up
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
+    assert log.count("singleton: coalesced follow-up published") == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_coalesced_duplicates_canvas_stops_and_its_follow_up_carries_none(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A coalesced duplicate that is a chain's first step, with a link callback: the chain stops
+    there as after a skip (the caller's result is the marker naming the follow-up), and the
+    follow-up runs the duplicate's call alone: neither the next step nor the callback runs."""
+    key, gate = "canvas", f"{key_prefix}gate:canvas"
+    holder = client_app.send_task(TASK, kwargs={"key": key, "payload": "held", "until": gate})
+    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    after = client_app.signature("t.hold", kwargs={"key": "after-step"})
+    callback = client_app.signature("t.hold", kwargs={"key": "callback"})
+    duplicate = client_app.signature(TASK, kwargs={"key": key, "payload": "dup"})
+    chained = (duplicate.set(link=callback) | after).apply_async()
+    info = skip_info(chained.get(timeout=10))  # the next step's result: the marker
+    assert info is not None
+    assert (info.holder, info.task_id) == (holder.id, chained.parent.id)
+    assert info.follow_up is not None
+    redis_client.rpush(gate, "go")
+    assert AsyncResult(info.follow_up, app=client_app).get(timeout=10)["payload"] == "dup"
+    wait_for(lambda: not redis_client.exists(_lock_key(key_prefix, key)), 5, "released", worker)
+    # whatever the follow-up published would be received before a call sent after it ended
+    sentinel = client_app.send_task("t.hold", kwargs={"key": "sentinel"})
+    sentinel.get(timeout=10)
+    ran = {e.key for e in load_history(redis_client, history_key(key_prefix))}
+    assert ran == {key, "sentinel"}
+    assert f"[{chained.id}] received" not in worker.log_text()
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_late_follow_up_never_replaces_a_newer_call(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A follow-up that reaches a worker only after another run took the lock (its queue was
+    slow) carries a call older than that run, and older than a call coalesced onto that run
+    meanwhile: it must not overwrite it. It ends like a skip naming that run (which started
+    after its call), and the last run has the latest call's arguments."""
+    main = client_app.conf.task_default_queue
+    side = f"{main}-side"
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", f"{main},{side}")
+    )
+    worker.wait_ready(client_app)
+    key, lock = "late", _lock_key(key_prefix, "late")
+    gates = [f"{key_prefix}gate:late:{n}" for n in range(2)]
+
+    def hold(payload: str, gate: str) -> AsyncResult:
+        holder = client_app.send_task(TASK, kwargs={"key": key, "payload": payload, "until": gate})
+        wait_for(lambda: redis_client.hget(lock, "owner") == holder.id.encode(), 10, "held")
+        return holder
+
+    def coalesce(payload: str, **options: Any) -> str:
+        duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": payload}, **options)
+        follow_up = wait_for(lambda: _coalesced(duplicate), 10, "coalesced", worker)
+        return str(follow_up)
+
+    first = hold("H0", gates[0])
+    stale = coalesce("A", queue=side)  # its follow-up goes back to the side queue
+    client_app.control.cancel_consumer(side, destination=[worker.nodename], reply=True)
+    redis_client.rpush(gates[0], "go")  # H0 ends: the follow-up of A waits in the side queue
+    first.get(timeout=10)
+    second = hold("B", gates[1])
+    latest = coalesce("X")
+    client_app.control.add_consumer(side, destination=[worker.nodename], reply=True)
+    wait_for(lambda: AsyncResult(stale, app=client_app).ready(), 10, "the late follow-up", worker)
+    redis_client.rpush(gates[1], "go")
+    second.get(timeout=10)
+    assert AsyncResult(latest, app=client_app).get(timeout=10)["payload"] == "X"
+    wait_for(lambda: not redis_client.exists(lock), 5, "the last release", worker)
+    info = skip_info(AsyncResult(stale, app=client_app))
+    assert info is not None
+    assert (info.holder, info.follow_up) == (second.id, None)
+    runs = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
+    assert len(runs) == 3  # H0, B and the follow-up with X: the late one of A did not run
+    assert_no_overlap(check_history(runs), allow_unfinished=False)

@@ -11,6 +11,7 @@ import redis
 from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
+from celery_singleton_lock.coalesce import FOLLOW_UP_HEADER
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.testing import held_locks, isolated_locks
@@ -180,6 +181,39 @@ def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
     assert held_locks(eager_app, singleton_locks) == []
 
 
+def test_a_follow_up_that_meets_a_run_ends_as_a_skip_and_leaves_nothing(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """A message with the follow-up header that meets a run holding its lock is not coalesced
+    again (that run is newer): its result is a skip marker naming that run, no follow-up."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    lock = _hold_elsewhere(coalesce, "k")
+    late = coalesce.apply_async(("k", "old"), headers={FOLLOW_UP_HEADER: True})
+    info = skip_info(late)
+    assert info is not None
+    assert (info.holder, info.follow_up) == ("other-run", None)
+    assert not redis_client.exists(pending_key(lock))
+    assert eager_app.eager_runs == []  # type: ignore[attr-defined]
+
+
+def test_a_run_ended_before_its_body_publishes_the_follow_up_left_meanwhile(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """A worker's run whose lock was taken, but which Celery's tracer ended before the body
+    (tracing.py: the lock is abandoned), publishes the follow-up a duplicate left beside it in
+    that moment, as any release of a coalescing run does (here eager: it runs in place)."""
+    coalesce = eager_app.tasks["e.coalesce"]
+    keys = coalesce.singleton_keys(("k",), {})
+    lock = _hold_elsewhere(coalesce, "k")
+    info = skip_info(coalesce.delay("k", "left"))
+    assert info is not None
+    assert info.holder == "other-run"
+    coalesce._singleton_abandon(keys, "other-run", 0)
+    assert eager_app.eager_runs == ["left"]  # type: ignore[attr-defined]
+    assert not redis_client.exists(pending_key(lock))
+    assert held_locks(eager_app, singleton_locks) == []
+
+
 def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
     eager_app: Celery, singleton_locks: str
 ) -> None:
@@ -247,8 +281,16 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         {"id": "f-1", "count": "1"},  # no call at all
         {"id": "f-2", "body": "{not json", "ctype": "application/json", "cenc": "utf-8"},
         {"id": "f-3", "body": '{"a": 1}', "ctype": "application/json", "cenc": "utf-8"},
+        {  # a call of another key: not left by a duplicate of this lock
+            **{"id": "f-4", "task": "e.coalesce", "ctype": "application/json", "cenc": "utf-8"},
+            "body": '[["other", "x"], {}]',
+        },
+        {  # a task that takes no lock at all
+            **{"id": "f-5", "task": "celery.backend_cleanup", "ctype": "application/json"},
+            **{"cenc": "utf-8", "body": "[[], {}]"},
+        },
     ],
-    ids=["no-call", "not-json", "not-a-call"],
+    ids=["no-call", "not-json", "not-a-call", "another-lock", "not-a-singleton-task"],
 )
 def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
     eager_app: Celery,

@@ -17,6 +17,7 @@ from celery_singleton_lock.core.backend import (
     Acquired,
     Completed,
     Contended,
+    LockBackend,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
@@ -33,8 +34,30 @@ from tests.support.history import (
     max_at_once,
     permit_group,
 )
+from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
+
+
+def check_permit_slots(store: LockBackend, keys: LockKeys) -> None:
+    """Three permits through ``store`` (one server, Sentinel, Cluster): three owners take slots
+    1 to 3 with increasing tokens, the fourth meets a holder, the main process's search finds a
+    lost run's slot, and the freed slot is taken again."""
+    taken = [store.acquire(keys, owner, 0, 30_000) for owner in ("a", "b", "c")]
+    assert [t.slot for t in taken if isinstance(t, Acquired)] == [1, 2, 3]
+    tokens = [t.token for t in taken if isinstance(t, Acquired)]
+    assert tokens == sorted(set(tokens))
+    assert isinstance(store.acquire(keys, "d", 0, 30_000), Contended)
+    assert release_lost_slot(store, keys, "b", 0, 0) == (keys.slot(2), ReleaseStatus.RELEASED)
+    again = store.acquire(keys, "d", 0, 30_000)
+    assert isinstance(again, Acquired)
+    assert (again.slot, again.token > tokens[-1]) == (2, True)
+    for owner, slot in (("a", 1), ("d", 2), ("c", 3)):
+        assert store.release(keys.slot(slot), owner, 0) is ReleaseStatus.RELEASED
+
+
+def test_permit_slots_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
+    check_permit_slots(LockStore(redis_client), _keys(key_prefix))
 
 
 def _keys(prefix: str, permits: int = 3) -> LockKeys:
@@ -199,6 +222,29 @@ def test_the_admin_lists_and_reads_slots(redis_client: redis.Redis, key_prefix: 
     assert info.as_dict()["permit"] == 2
 
 
+@pytest.mark.parametrize("permits", [2, 10, 1000])
+def test_an_acquire_is_one_script_call_however_many_permits(permits: int) -> None:
+    """Taking the last free slot of ``permits`` (the others held) and meeting them all full are
+    one EVALSHA each, one round trip, whatever N (a private server's command counts)."""
+    with RedisServer() as server:
+        client = server.client()
+        store = LockStore(client)
+        keys = _keys("cslt:permits:", permits)
+        for i in range(permits - 1):
+            _take(store, keys, f"run-{i}")
+        client.config_resetstat()
+        assert _take(store, keys, "last").slot == permits
+        assert isinstance(store.acquire(keys, "one-too-many", 0, 5000), Contended)
+        calls = {
+            name: stats["calls"]
+            for name, stats in client.info("commandstats").items()
+            if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_script")
+        }
+        assert calls.get("cmdstat_evalsha") == 2, calls
+        assert "cmdstat_eval" not in calls, calls  # the script was loaded by the first ones
+        client.close()
+
+
 @pytest.mark.parametrize("permits", [0, 1001])
 def test_permits_are_bounded(permits: int) -> None:
     with pytest.raises(ValueError, match="permits"):
@@ -224,9 +270,10 @@ def test_at_most_n_exports_of_a_tenant_run_at_once(
     key_prefix: str,
     redis_client: redis.Redis,
 ) -> None:
-    """Five exports of one tenant on a worker of five processes: three run, each in a slot of
-    its own with its own token, two are skipped naming a holder; another tenant runs beside
-    them; never more than three of a tenant at once, no slot held twice."""
+    """Five exports of one tenant on a worker of five processes: three run for 2 s (the ttl is
+    1 s: each slot is renewed), each in a slot of its own with its own token, two are skipped
+    naming a holder; another tenant runs beside them; never more than three of a tenant at
+    once, no slot held twice."""
     worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=6)
     worker.wait_ready(client_app)
     sent = [client_app.send_task("t.export_permits", ("a",), {"seconds": 2}) for _ in range(5)]
@@ -235,6 +282,7 @@ def test_at_most_n_exports_of_a_tenant_run_at_once(
     ran = [value for value in values if skip_info(value) is None]
     skipped = [skip_info(value) for value in values if skip_info(value) is not None]
     assert len(ran) == 3
+    assert not any(value["lost"] for value in ran)  # each slot renewed past its ttl of 1 s
     held = sorted(value["key"] for value in ran)  # each run's own slot, slot 1 included
     assert [key.rsplit(":", 1)[1] for key in held] == ["1", "2", "3"], held
     assert len({value["token"] for value in ran}) == 3
@@ -302,6 +350,53 @@ def test_the_main_process_releases_the_slot_of_a_killed_child(
     victim = next(r for r in sent if r.id == held[victim_key]["owner"])
     wait_for(victim.ready, 10, "the killed run's result", worker)
     assert victim.state == "FAILURE"
+
+
+@pytest.mark.parametrize("ending", ["fail", "hard time limit", "revoke", "revoke SIGKILL"])
+@pytest.mark.slow(seconds=8)
+def test_a_run_frees_its_own_slot_on_every_path(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    ending: str,
+) -> None:
+    """Two permits, ttl 30 s: a run that fails, meets its hard time limit, or is revoked
+    (terminated with SIGTERM or SIGKILL) frees its own slot within 3 s, long before its ttl;
+    the slot of the run beside it stays held until that run ends."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_TTL": "30"}
+    )
+    worker.wait_ready(client_app)
+    task = "t.permits_outcome"
+    beside = client_app.send_task(task, ("a", "ok"), {"seconds": 6})
+    kind, seconds, limits = "ok", 10.0, {}
+    if ending == "fail":
+        kind, seconds = "fail", 0.5
+    elif ending == "hard time limit":
+        kind, seconds, limits = "limit", 3.0, {"soft_time_limit": 1, "time_limit": 2}
+    victim = client_app.send_task(task, ("a", kind), {"seconds": seconds}, **limits)
+
+    def slot_of(task_id: str) -> str | None:
+        held = _slots_held(redis_client, key_prefix)
+        return next((key for key, info in held.items() if info["owner"] == task_id), None)
+
+    own = wait_for(lambda: slot_of(victim.id), 15, "the run's slot", worker)
+    other = wait_for(lambda: slot_of(beside.id), 15, "the slot beside it", worker)
+    assert own != other
+    if ending.startswith("revoke"):
+        signum = "SIGKILL" if ending.endswith("SIGKILL") else "SIGTERM"
+        client_app.control.revoke(
+            victim.id, terminate=True, signal=signum, destination=[worker.nodename]
+        )
+    wait_for(victim.ready, 15, "the run's end", worker)
+    assert victim.state == ("REVOKED" if ending.startswith("revoke") else "FAILURE")
+    wait_for(lambda: not redis_client.exists(own), 3, "its slot released", worker)
+    assert slot_of(beside.id) == other  # the other run's slot is left alone
+    assert skip_info(beside.get(timeout=15)) is None
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)
+    assert "singleton: lock lost" not in worker.log_text()
+    assert_no_overlap(check_history(load_history(redis_client, history_key(key_prefix))))
 
 
 def test_the_cli_lists_and_shows_the_slots(

@@ -17,6 +17,7 @@ from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import Acquired, Contended
 from celery_singleton_lock.core.connection import client_for, redlock_clients, store_for
 from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.pending import pending_key, put_back, take_pending
 from celery_singleton_lock.core.redlock import RedlockStore
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import parse_lock_url, redact_url
@@ -33,6 +34,7 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
+from tests.integration.test_coalesce import check_pending_scripts
 from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
@@ -125,6 +127,21 @@ def test_store_for_builds_a_redlock_store_with_retries_off(
     assert store.release(keys.lock, "owner-1", 0) == 1
     with pytest.raises(ValueError, match="redlock_clients"):
         client_for(url)
+
+
+def test_pending_follow_ups_over_redlock(
+    masters: list[RedisServer], request: pytest.FixtureRequest
+) -> None:
+    """Coalesce's pending record over Redlock: its scripts run on the first master (as
+    publish-time markers do), against that master's copy of the lock."""
+    store = store_for(redlock_url(masters))
+    request.addfinalizer(singleton_connection.reset)
+    assert isinstance(store, RedlockStore)
+    keys = lock_keys("cslt:rlurl:", "t.pending", b"k")
+    check_pending_scripts(store, keys)
+    assert put_back(store.run_script, keys.lock, {"id": "f-1"})
+    assert [c.exists(pending_key(keys.lock)) for c in store.clients] == [1, 0, 0]
+    assert take_pending(store.run_script, keys.lock) == {"id": b"f-1"}
 
 
 def test_worker_runs_over_redlock_and_survives_a_dead_master(

@@ -127,6 +127,15 @@ def test_a_scope_that_coalesces_in_part_is_refused(other: str) -> None:
     both.close()
 
 
+def test_a_scope_named_like_a_task_is_refused() -> None:
+    """A scope's keys carry its name where a task's carry the task's: a scope named like a task
+    outside any scope would share that task's locks. Refused, naming both."""
+    app, t = _app_with(**{"export": {**SHARED, "singleton_scope": "s.import"}})
+    with pytest.raises(SingletonConfigError, match=r"scope 's\.import' is the name of task"):
+        check_scopes([t["import"], t["export"]])
+    app.close()
+
+
 @pytest.mark.parametrize("bad", ["", "has space", "{brace}", "x" * 65, 3])
 def test_a_scope_name_is_checked(bad: Any) -> None:
     app, t = _app_with(**{"import": {"singleton_scope": bad}})

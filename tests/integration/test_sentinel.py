@@ -38,6 +38,8 @@ from tests.integration.test_beat_mixin import (
     long_lease_leader_app,
     paused,
 )
+from tests.integration.test_coalesce import check_pending_scripts
+from tests.integration.test_permits import check_permit_slots
 from tests.support.topologies import SentinelSet, wait_until
 
 #: store_for caches per URL and process: every test starts and ends without any
@@ -80,6 +82,17 @@ def test_lock_cycle_through_sentinel(sentinels: SentinelSet) -> None:
         assert master.exists(keys.lock) == 0
     finally:
         master.close()
+        close(store)
+
+
+def test_permits_and_pending_follow_ups_through_sentinel(sentinels: SentinelSet) -> None:
+    """singleton_permits and coalesce's pending record work through a sentinel URL as on one
+    server (the slots and the record on the master)."""
+    store = store_for(sentinels.url())
+    try:
+        check_permit_slots(store, new_keys("permits").with_permits(3))
+        check_pending_scripts(store, new_keys("pending"))
+    finally:
         close(store)
 
 

@@ -29,13 +29,19 @@ app.conf.singleton_key_prefix = app.conf.singleton_test_prefix + "lock:"
 app.conf.singleton_ttl = TTL
 
 
-def _run(task: Any, key: str, seconds: float) -> dict[str, Any]:
-    """Record this execution in the history while it sleeps ``seconds``."""
+def _run(task: Any, key: str, seconds: float, until: str | None = None) -> dict[str, Any]:
+    """Record this execution in the history while it sleeps ``seconds``; with ``until``, while
+    it waits (at most 60 s) for the test to push to that list instead."""
     client = _client(app.conf.singleton_test_redis_url)
     hkey = history_key(app.conf.singleton_test_prefix)
     token = task.singleton.fencing_token
     exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
-    time.sleep(seconds)
+    if until is None:
+        time.sleep(seconds)
+    else:  # short blocking reads: redis-py gives up on one blocked for more than 5 s
+        deadline = time.monotonic() + 60
+        while not client.blpop([until], timeout=1) and time.monotonic() < deadline:
+            pass
     record_end(client, hkey, exec_id)
     return {"token": token, "lost": task.singleton.lost, "pid": os.getpid()}
 
@@ -71,16 +77,22 @@ def hold_raise(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
     return _run(self, key, seconds)
 
 
-@app.task(
-    bind=True,
-    base=SingletonTask,
-    name="t.hold_coalesce",
-    singleton_key_args=("key",),
-    singleton_on_duplicate="coalesce",
-)
-def hold_coalesce(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
-    """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too."""
-    return {**_run(self, key, seconds), "payload": payload}
+#: the options of the coalescing tasks keyed on ``key``
+COALESCING: dict[str, Any] = {
+    "bind": True,
+    "base": SingletonTask,
+    "singleton_key_args": ("key",),
+    "singleton_on_duplicate": "coalesce",
+}
+
+
+@app.task(name="t.hold_coalesce", **COALESCING)
+def hold_coalesce(
+    self: Any, key: str, seconds: float = 0.0, payload: Any = None, until: str | None = None
+) -> dict[str, Any]:
+    """Like hold, but duplicates coalesce into one follow-up; returns its ``payload`` too. With
+    ``until``, it holds the lock until the test pushes to that list (``_run``)."""
+    return {**_run(self, key, seconds, until), "payload": payload}
 
 
 @app.task(bind=True, base=SingletonTask, name="t.retrying", max_retries=5)
@@ -774,43 +786,35 @@ def autoretry_late(self: Any, key: str, failures: int) -> int:
 
 
 # -- added for test_permits: up to N runs of one key at once (singleton_permits) ----------------
+
+#: the options every task keyed on ``tenant`` shares
+PER_TENANT: dict[str, Any] = {
+    "bind": True,
+    "base": SingletonTask,
+    "singleton_key_args": ("tenant",),
+}
 # Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left
 # out there, unless SINGLETON_TEST_PERMITS=1 asks for the refusal (test_bad_settings).
 _REDLOCK = "redlock" in str(app.conf.singleton_redis_url).split("://", 1)[0]
 if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.export_permits",
-        singleton_key_args=("tenant",),
-        singleton_permits=3,
-    )
+    @app.task(name="t.export_permits", singleton_permits=3, **PER_TENANT)
     def export_permits(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 3 exports of a tenant at once (skip); records the permit slot it holds."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
 
     @app.task(
-        bind=True,
-        base=SingletonTask,
         name="t.export_permits_retry",
-        singleton_key_args=("tenant",),
         singleton_permits=2,
         singleton_on_duplicate="retry",
         singleton_retry_countdown=0.2,
+        **PER_TENANT,
     )
     def export_permits_retry(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 2 at once; the others are requeued until a slot is free."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.export_permits_self_retry",
-        singleton_key_args=("tenant",),
-        singleton_permits=2,
-        max_retries=3,
-    )
+    @app.task(name="t.export_permits_self_retry", singleton_permits=2, max_retries=3, **PER_TENANT)
     def export_permits_self_retry(self: Any, tenant: str, times: int) -> dict[str, Any]:
         """Retries itself ``times`` times; each run records the slot it holds, re-entered or not."""
         client = _client(app.conf.singleton_test_redis_url)
@@ -823,6 +827,22 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
         if self.request.retries < times:
             raise self.retry(countdown=0.3)
         return result
+
+    @app.task(name="t.permits_outcome", singleton_permits=2, **PER_TENANT)
+    def permits_outcome(self: Any, tenant: str, kind: str, seconds: float = 0.0) -> dict[str, Any]:
+        """Two at once; ends with ``kind`` after ``seconds``: "ok", "fail" (ValueError) or
+        "limit" (sent with time limits: the soft one is swallowed, the hard one ends it)."""
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        try:
+            result = _run(self, self.singleton.key, seconds)
+        except SoftTimeLimitExceeded:
+            if kind == "limit":
+                time.sleep(seconds)
+            raise
+        if kind == "fail":
+            raise ValueError("failed on purpose")
+        return {**result, "key": self.singleton.key}
 
 
 # -- added for the seams where two features meet (test_coalesce, test_permits, test_scope) -------
@@ -868,14 +888,16 @@ merge_pull = _merge_task("t.merge_pull")
 merge_push = _merge_task("t.merge_push")
 
 
-@app.task(
-    bind=True,
-    base=SingletonTask,
-    name="t.coalesce_late",
-    singleton_key_args=("key",),
-    singleton_on_duplicate="coalesce",
-    acks_late=True,
-)
+@app.task(name="t.coalesce_retrying", max_retries=5, **COALESCING)
+def coalesce_retrying(self: Any, key: str, times: int = 0, payload: Any = None) -> dict[str, Any]:
+    """Coalesces; retries itself ``times`` times (0.5 s countdown), each run 0.5 s long."""
+    result = _run(self, key, 0.5)
+    if self.request.retries < times:
+        raise self.retry(countdown=0.5)
+    return {**result, "payload": payload, "retries": self.request.retries}
+
+
+@app.task(name="t.coalesce_late", acks_late=True, **COALESCING)
 def coalesce_late(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
     """Coalesces, acked late (completion records on); counts the runs of its task id."""
     client = _client(app.conf.singleton_test_redis_url)
@@ -883,15 +905,25 @@ def coalesce_late(self: Any, key: str, seconds: float = 0.0, payload: Any = None
     return {**_run(self, key, seconds), "payload": payload, "run": run}
 
 
+# SINGLETON_TEST_ACCEPT=json,pickle: the worker also accepts pickled messages (test_coalesce: a
+# duplicate sent in pickle to a json task, carrying what json cannot write)
+if os.environ.get("SINGLETON_TEST_ACCEPT"):
+    app.conf.accept_content = os.environ["SINGLETON_TEST_ACCEPT"].split(",")
+
+
+@app.task(name="t.coalesce_repr", **COALESCING)
+def coalesce_repr(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Like hold_coalesce, but returns the ``repr`` of its payload (any type, a json result)."""
+    return {**_run(self, key, seconds), "payload": repr(payload)}
+
+
 if not _REDLOCK:
 
     @app.task(
-        bind=True,
-        base=SingletonTask,
         name="t.export_permits_window",
-        singleton_key_args=("tenant",),
         singleton_permits=2,
         singleton_lock_at_least=AT_LEAST,
+        **PER_TENANT,
     )
     def export_permits_window(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
         """At most 2 exports of a tenant per AT_LEAST seconds: each run's slot is held for a

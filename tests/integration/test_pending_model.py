@@ -1,0 +1,225 @@
+"""Model-based tests (hypothesis stateful) of issue #19's scripts against real Redis: the
+pending follow-up of a coalescing lock (coalesce.lua, take_pending.lua, put_back_pending.lua)
+and the permit slots of a key (acquire_permit.lua with release.lua).
+
+Pending record: runs take and lose the lock (released, or expired with their node) while
+duplicates, each having met some holder (maybe one gone by now), leave their calls, releases
+take the record and failed publishes put it back. After every step Redis holds what the model
+says: a call is left only beside the holder it met, every duplicate of one holder's tenure joins
+one follow-up (one id, a count of them, the latest call), the record is taken only while no run
+holds the lock, and only once.
+
+Permit slots: owners take, release and lose (expiry) slots of one key with N permits, and
+redelivered copies and retries of their messages come back. After every step: at most N holders,
+never one owner in two slots, tokens strictly increasing per key, each slot's holder as the model
+says.
+
+``SINGLETON_MODEL_EXAMPLES`` and ``SINGLETON_MODEL_STEPS`` size the run as for
+test_protocol_model.py.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_singleton_lock.core.backend import Acquired, Completed, Contended, ReleaseStatus
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.pending import leave_pending, pending_key, put_back, take_pending
+from celery_singleton_lock.core.store import LockStore
+from tests.conftest import delete_prefix
+
+TTL_MS = 30_000
+EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))
+STEPS = int(os.environ.get("SINGLETON_MODEL_STEPS", "30"))
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class _OnRedis(RuleBasedStateMachine):
+    """A private prefix on the test Redis, deleted at the end of each example."""
+
+    def __init__(self, redis_url: str, permits: int = 1) -> None:
+        super().__init__()
+        self.client = redis.Redis.from_url(redis_url)
+        self.namespace = f"cslt:{uuid.uuid4().hex[:8]}:"
+        self.store = LockStore(self.client)
+        self.keys = lock_keys(self.namespace, "m.model", b"k").with_permits(permits)
+
+    def teardown(self) -> None:
+        delete_prefix(self.client, self.namespace)
+        self.client.close()
+
+
+class PendingModel(_OnRedis):
+    def __init__(self, redis_url: str) -> None:
+        super().__init__(redis_url)
+        self.lock = self.keys.lock
+        self.run = self.store.run_script
+        self.holder: str | None = None
+        self.holders: list[str] = []  # every run that held the lock, gone or not
+        #: the record: follow-up id, how many duplicates, the latest call
+        self.pending: tuple[str, int, str] | None = None
+        self.taken: list[dict[str, bytes]] = []
+        self.ids: set[str] = set()  # follow-up ids taken so far: a burst is taken once
+
+    @precondition(lambda self: self.holder is None)
+    @rule()
+    def a_run_takes_the_lock(self) -> None:
+        owner = uuid.uuid4().hex
+        assert isinstance(self.store.acquire(self.keys, owner, 0, TTL_MS), Acquired)
+        self.holder = owner
+        self.holders.append(owner)
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data(), call=st.text("abc", min_size=1, max_size=3))
+    def a_duplicate_leaves_its_call(self, data: st.DataObject, call: str) -> None:
+        met = data.draw(st.sampled_from(self.holders), label="the holder it met")
+        fresh = uuid.uuid4().hex
+        left = leave_pending(self.run, self.lock, met, fresh, {"call": call})
+        if met != self.holder:  # gone since (released or expired): nothing written
+            assert left.follow_up is None
+            return
+        follow_up, count = (fresh, 1) if self.pending is None else self.pending[:2]
+        if self.pending is not None:
+            count += 1
+        assert (left.follow_up, left.count) == (follow_up, count)
+        self.pending = (follow_up, count, call)
+
+    @precondition(lambda self: self.holder is not None)
+    @rule()
+    def the_run_releases(self) -> None:
+        assert self.holder is not None
+        assert self.store.release(self.lock, self.holder, 0) is ReleaseStatus.RELEASED
+        self.holder = None
+
+    @precondition(lambda self: self.holder is not None)
+    @rule()
+    def the_lock_expires(self) -> None:
+        self.client.delete(self.lock)  # its node died: nobody released it
+        self.holder = None
+
+    @rule()
+    def a_release_or_purge_takes_the_record(self) -> None:
+        record = take_pending(self.run, self.lock)
+        if self.holder is not None or self.pending is None:
+            assert record is None
+            return
+        assert record is not None
+        follow_up, count, call = self.pending
+        assert record == {"id": follow_up.encode(), "count": b"%d" % count, "call": call.encode()}
+        assert follow_up not in self.ids, "a burst's follow-up taken twice"
+        self.ids.add(follow_up)
+        self.taken.append(record)
+        self.pending = None
+
+    @precondition(lambda self: self.taken)
+    @rule()
+    def a_failed_publish_puts_it_back(self) -> None:
+        record = self.taken.pop()
+        back = put_back(self.run, self.lock, record)
+        assert back == (self.pending is None)
+        if back:
+            self.ids.discard(record["id"].decode())
+            self.pending = (record["id"].decode(), int(record["count"]), record["call"].decode())
+
+    @invariant()
+    def redis_holds_what_the_model_says(self) -> None:
+        stored = self.client.hgetall(pending_key(self.lock))
+        if self.pending is None:
+            assert stored == {}
+        else:
+            follow_up, count, call = self.pending
+            assert stored == {
+                b"id": follow_up.encode(),
+                b"count": b"%d" % count,
+                b"call": call.encode(),
+            }
+        owner = self.client.hget(self.lock, "owner")
+        assert owner == (None if self.holder is None else self.holder.encode())
+
+
+def test_the_pending_record_against_the_model(redis_url: str) -> None:
+    run_state_machine_as_test(lambda: PendingModel(redis_url), settings=SETTINGS)
+
+
+PERMITS = 3
+OWNERS = ("a", "b", "c", "d", "e")
+
+
+class PermitModel(_OnRedis):
+    def __init__(self, redis_url: str) -> None:
+        super().__init__(redis_url, PERMITS)
+        #: slot (1..N) -> the (owner, generation) holding it
+        self.slots: dict[int, tuple[str, int]] = {}
+        self.tokens: dict[int, int] = {}
+        self.last_token = 0
+
+    def slot_of(self, owner: str) -> int | None:
+        return next((i for i, (o, _) in self.slots.items() if o == owner), None)
+
+    @rule(owner=st.sampled_from(OWNERS), retry=st.booleans())
+    def a_message_starts(self, owner: str, retry: bool) -> None:
+        """A message of ``owner`` (a new one, a redelivered copy, or its retry) acquires."""
+        own = self.slot_of(owner)
+        generation = 0 if own is None else self.slots[own][1] + int(retry)
+        outcome: Any = self.store.acquire(self.keys, owner, generation, TTL_MS)
+        assert not isinstance(outcome, Completed)
+        if own is not None and not retry:  # a copy of the running message meets its own slot
+            assert isinstance(outcome, Contended)
+            assert (outcome.holder, outcome.holder_generation) == (owner, generation)
+            return
+        if own is None and len(self.slots) == PERMITS:
+            assert isinstance(outcome, Contended)
+            assert outcome.holder in {o for o, _ in self.slots.values()}
+            return
+        assert isinstance(outcome, Acquired), outcome
+        free = min(set(range(1, PERMITS + 1)) - set(self.slots)) if own is None else own
+        assert (outcome.slot, outcome.reentered) == (free, own is not None)
+        assert outcome.token > self.last_token  # one counter for every slot
+        self.last_token = outcome.token
+        self.slots[free] = (owner, generation)
+        self.tokens[free] = outcome.token
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data(), expire=st.booleans())
+    def a_run_ends(self, data: st.DataObject, expire: bool) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.slots)), label="slot")
+        owner, generation = self.slots.pop(slot)
+        token = self.tokens.pop(slot)
+        if expire:
+            self.client.delete(self.keys.slot(slot))
+            return
+        status = self.store.release(self.keys.slot(slot), owner, generation, token)
+        assert status is ReleaseStatus.RELEASED
+
+    @invariant()
+    def slots_hold_what_the_model_says(self) -> None:
+        held = {}
+        for slot in range(1, PERMITS + 1):
+            fields = self.client.hmget(self.keys.slot(slot), "owner", "gen")
+            if fields[0] is not None:
+                held[slot] = (fields[0].decode(), int(fields[1]))
+        assert held == self.slots
+        assert len({owner for owner, _ in held.values()}) == len(held)  # one slot per owner
+        assert not self.client.exists(self.keys.lock)  # N > 1: the bare key is never written
+
+
+def test_the_permit_slots_against_the_model(redis_url: str) -> None:
+    run_state_machine_as_test(lambda: PermitModel(redis_url), settings=SETTINGS)
