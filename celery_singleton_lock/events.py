@@ -37,83 +37,67 @@ def on_released(held: HeldLock, status: ReleaseStatus | LockUnavailableError, re
     task = held.context
     if status is ReleaseStatus.RELEASED:  # the run's path: no call for a line not logged,
         if task_logger.isEnabledFor(logging.DEBUG):  # nor for a signal nobody receives
-            name = getattr(task, "name", "?")
-            task_logger.debug(
-                "singleton: released %s[%s] key=%s",
-                name,
-                held.owner,
-                held.key,
-                extra=about(name, held.owner),
-            )
+            _log_run(logging.DEBUG, held, "singleton: released %s[%s] key=%s")
         if signals.lock_released.receivers:
             signals.lock_released.send(sender=task, key=held.key, task_id=held.owner, reason=reason)
     elif isinstance(status, LockUnavailableError):
-        name = getattr(task, "name", "?")
-        task_logger.warning(
+        _log_run(
+            logging.WARNING,
+            held,
             "singleton: release failed, lock expires in its ttl: %s[%s] key=%s: %s",
-            name,
-            held.owner,
-            held.key,
             status,
-            extra=about(name, held.owner),
         )
     elif not held.lost:
-        name = getattr(task, "name", "?")
-        task_logger.warning(
-            "singleton: lock was no longer ours at release: %s[%s] key=%s",
-            name,
-            held.owner,
-            held.key,
-            extra=about(name, held.owner),
+        _log_run(
+            logging.WARNING, held, "singleton: lock was no longer ours at release: %s[%s] key=%s"
         )
 
 
 def _on_lost(held: HeldLock, status: RenewStatus) -> None:
     reason = "taken" if status is RenewStatus.TAKEN else "gone"
-    task = held.context
-    name = getattr(task, "name", "?")
-    task_logger.error(
+    _log_run(
+        logging.ERROR,
+        held,
         "singleton: lock lost: %s[%s] key=%s token=%d reason=%s",
-        name,
-        held.owner,
-        held.key,
         held.token,
         reason,
-        extra=about(name, held.owner),
     )
     signals.lock_lost.send(
-        sender=task, key=held.key, task_id=held.owner, token=held.token, reason=reason
+        sender=held.context, key=held.key, task_id=held.owner, token=held.token, reason=reason
     )
 
 
 def _on_max_hold(held: HeldLock) -> None:
-    task = held.context
-    name = getattr(task, "name", "?")
-    task_logger.error(
+    _log_run(
+        logging.ERROR,
+        held,
         "singleton: max hold reached, no longer renewing: %s[%s] key=%s held=%ss",
-        name,
-        held.owner,
-        held.key,
         held.max_hold_s,
-        extra=about(name, held.owner),
     )
-    signals.lock_max_hold.send(sender=task, key=held.key, task_id=held.owner, token=held.token)
+    signals.lock_max_hold.send(
+        sender=held.context, key=held.key, task_id=held.owner, token=held.token
+    )
 
 
 def _on_late(held: HeldLock, left_s: float) -> None:
-    task = held.context
-    name = getattr(task, "name", "?")
-    task_logger.warning(
+    _log_run(
+        logging.WARNING,
+        held,
         "singleton: lock renewed late: %s[%s] key=%s left=%.3fs ttl=%ss",
-        name,
-        held.owner,
-        held.key,
         left_s,
         held.ttl_ms / 1000,
-        extra=about(name, held.owner),
     )
     signals.lock_renewed_late.send(
-        sender=task, key=held.key, task_id=held.owner, token=held.token, left=left_s
+        sender=held.context, key=held.key, task_id=held.owner, token=held.token, left=left_s
+    )
+
+
+def _log_run(level: int, held: HeldLock, message: str, *more: object) -> None:
+    """Log ``message`` about ``held``'s run: its task name, task id and key come first, and the
+    line names that run in ``worker_task_log_format`` wherever it is logged from."""
+    name = getattr(held.context, "name", "?")
+    task_logger.log(
+        level, message, name, held.owner, held.key, *more, extra=about(name, held.owner)
     )
 
 
