@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
+from .core.keys import LockKeys
 from .core.pending import Run, put_back, take_pending
 
-__all__ = ["FOLLOW_UP_HEADER", "call_record", "is_follow_up", "publish_follow_up"]
+__all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
 
 #: Message header of a published follow-up. A follow-up that meets a run holding its lock is not
 #: coalesced again: that run took the lock after the follow-up's call was taken (only a release
@@ -80,26 +82,36 @@ def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
     raise failed
 
 
-def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
-    """Take ``lock_key``'s pending record if no run holds the lock, and publish it; the
-    follow-up's task id, or None when there was nothing to publish (or it failed: then logged
-    and put back; or the record is no call this app wrote: then logged and dropped)."""
-    record = take_pending(run, lock_key)
+@dataclass(frozen=True)
+class Taken:
+    """A pending record :func:`publish_follow_up` took and published: its follow-up's task
+    id."""
+
+    follow_up: str
+
+
+def publish_follow_up(task: Task, run: Run, keys: LockKeys, reason: str) -> Taken | None:
+    """Take the pending record of ``keys`` if a slot is not held by a run, and publish it.
+
+    None when there was nothing to publish (or it failed: then logged and put back; or the
+    record is no call this app wrote: then logged and dropped)."""
+    record = take_pending(run, keys)
     if record is None:
         return None
     follow_up = record.get("id", b"").decode(errors="replace")
     name = record.get("task", b"").decode(errors="replace") or task.name
     target = task.app.tasks.get(name)
+    count = record.get("count", b"?").decode(errors="replace")
     try:
         args, kwargs, options = _call_of(task, record)
-        _check_lock(target, args, kwargs, lock_key)
+        _check_lock(target, args, kwargs, keys.lock)
     except Exception as exc:  # not written by this app: never loaded, never put back
         logger.error(
             "singleton: coalesced follow-up dropped, not a call this app wrote or accepts: "
             "%s[%s] key=%s: %r",
             name,
             follow_up,
-            lock_key,
+            keys.lock,
             exc,
         )
         return None
@@ -109,17 +121,17 @@ def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str |
         else:  # Celery's own publish: no publish-time dedup against its own pending call
             Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
     except Exception as exc:
-        _put_back(run, lock_key, record, f"{name}[{follow_up}]", exc)
+        _put_back(run, keys, record, f"{name}[{follow_up}]", exc)
         return None
     logger.info(
         "singleton: coalesced follow-up published after %s: %s[%s] key=%s duplicates=%s",
         reason,
         name,
         follow_up,
-        lock_key,
-        record.get("count", b"?").decode(errors="replace"),
+        keys.lock,
+        count,
     )
-    return follow_up
+    return Taken(follow_up)
 
 
 def _call_of(
@@ -156,9 +168,12 @@ def _check_lock(target: Any, args: list[Any], kwargs: dict[str, Any], lock_key: 
         raise ValueError(f"its call takes another lock, {lock}")
 
 
-def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:
+def _put_back(
+    run: Run, keys: LockKeys, record: dict[str, bytes], what: str, exc: Exception
+) -> None:
+    lock_key = keys.lock
     try:
-        back = put_back(run, lock_key, record)
+        back = put_back(run, keys, record)
     except Exception as again:
         logger.error(
             "singleton: coalesced follow-up LOST, publish and put-back failed: %s key=%s: %s; %s",

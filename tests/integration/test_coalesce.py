@@ -68,22 +68,23 @@ def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
 
 def check_pending_scripts(store: LockBackend, keys: LockKeys) -> None:
     """The pending record's three scripts through ``store`` (one server, Sentinel, Cluster,
-    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id),
-    taken only once nobody holds the lock, and only once; put back when nothing newer is."""
+    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id, the
+    holder named), taken only once nobody holds the lock, and only once; put back when nothing
+    newer is."""
     run = store.run_script
     assert isinstance(store.acquire(keys, "holder", 0, 30_000), Acquired)
-    left = [leave_pending(run, keys.lock, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
+    left = [leave_pending(run, keys, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
     assert [(x.follow_up, x.count) for x in left] == [("f-0", 1), ("f-0", 2), ("f-0", 3)]
-    assert leave_pending(run, keys.lock, "someone", "f-9", {"call": "x"}).follow_up is None
-    assert take_pending(run, keys.lock) is None  # held: the holder's release takes it
+    assert leave_pending(run, keys, "someone", "f-9", {"call": "x"}).follow_up is None
+    assert take_pending(run, keys) is None  # held: the holder's release takes it
     assert store.release(keys.lock, "holder", 0) is ReleaseStatus.RELEASED
-    assert leave_pending(run, keys.lock, "holder", "f-9", {"call": "late"}).follow_up is None
-    record = take_pending(run, keys.lock)
+    assert leave_pending(run, keys, "holder", "f-9", {"call": "late"}).follow_up is None
+    record = take_pending(run, keys)
     assert record is not None
     assert (record["id"], record["count"], record["call"]) == (b"f-0", b"3", b"c2")
-    assert take_pending(run, keys.lock) is None  # taken once
-    assert put_back(run, keys.lock, record)
-    assert take_pending(run, keys.lock) == record
+    assert take_pending(run, keys) is None  # taken once
+    assert put_back(run, keys, record)
+    assert take_pending(run, keys) == record
 
 
 def test_pending_scripts_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
