@@ -263,11 +263,18 @@ def _operator() -> str:
     return f"{user}@{socket.gethostname()}:{current_pid()}"
 
 
-def _publish_pending(
-    target: _Target, keys: LockKeys, task_name: str | None, pending: str | None, reason: str
+def _publish_pending(  # noqa: PLR0917 - the lock, its follow-up, and who let it go
+    target: _Target,
+    keys: LockKeys,
+    task_name: str | None,
+    pending: str | None,
+    reason: str,
+    releaser: str | None = None,
 ) -> bool:
-    """Publish the coalesced follow-up waiting beside a lock that is gone (coalesce.py); without
-    the task in this app, say where it stays. True when published."""
+    """Publish the coalesced follow-up waiting beside a lock a release or purge freed
+    (coalesce.py): ``releaser`` is the owner of the lock released (None: an orphan's, whose
+    lock is gone); a follow-up it supersedes is not published. Without the task in this app,
+    say where it stays. True when published."""
     task = None if target.app is None else target.app.tasks.get(task_name or "")
     if task is None:
         click.echo(
@@ -278,11 +285,18 @@ def _publish_pending(
         return False
     from .coalesce import publish_follow_up  # the Celery side, only when there is one
 
+    run = store_for(target.redis_url).run_script
     try:
-        taken = publish_follow_up(task, store_for(target.redis_url).run_script, keys, reason)
+        taken = publish_follow_up(task, run, keys, reason, releaser)
     except REDIS_ERRORS as exc:
         target.fail(exc)
     if taken is None:
+        return False
+    if taken.superseded_by is not None:
+        click.echo(
+            f"{keys.lock}: its pending follow-up {taken.follow_up} was superseded by the newer "
+            f"run {taken.superseded_by}: not published (its result is the skip marker)"
+        )
         return False
     click.echo(f"{keys.lock}: published its pending follow-up {taken.follow_up}")
     return True
@@ -314,7 +328,7 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
         )
         if info.pending_follow_up is not None:
             keys = keys_of(info.key, info.permits or 1)
-            _publish_pending(target, keys, info.task, info.pending_follow_up, reason)
+            _publish_pending(target, keys, info.task, info.pending_follow_up, reason, info.owner)
     elif status is ForceStatus.CHANGED:
         logger.warning(
             "singleton: force release skipped, the lock changed hands: key=%s owner=%s",

@@ -13,6 +13,11 @@ task id fixed by the burst's first duplicate, sent to the exchange and routing k
 duplicate arrived by, in the serializer its call was recorded in (the task's; else the first of
 the app's ``accept_content`` that can write it); without the duplicate's countdown, eta, links
 or canvas (the duplicate's own canvas stops as a skip's does).
+
+A record taken at the release of a run that is not among the runs its duplicates met (its own
+holders' node died and their locks expired: an orphan) is *superseded* by that newer run
+(core/pending.py ``superseded_by``): it is not published but ends like a skip naming that run,
+its result the skip marker, as a follow-up that meets a newer run on a worker does.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
+from celery.app.task import Context
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
+from . import signals
+from .canvas import store_skip
 from .core.keys import LockKeys
-from .core.pending import Run, put_back, take_pending
+from .core.pending import Run, put_back, superseded_by, take_pending
+from .skips import skip_marker
 
 __all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
 
@@ -84,14 +93,19 @@ def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
 
 @dataclass(frozen=True)
 class Taken:
-    """A pending record :func:`publish_follow_up` took and published: its follow-up's task
-    id."""
+    """A pending record :func:`publish_follow_up` took: its follow-up's task id, and the newer
+    run that superseded it (None: published)."""
 
     follow_up: str
+    superseded_by: str | None = None
 
 
-def publish_follow_up(task: Task, run: Run, keys: LockKeys, reason: str) -> Taken | None:
-    """Take the pending record of ``keys`` if a slot is not held by a run, and publish it.
+def publish_follow_up(
+    task: Task, run: Run, keys: LockKeys, reason: str, releaser: str | None = None
+) -> Taken | None:
+    """Take the pending record of ``keys`` if a slot is not held by a run, and publish it; or,
+    when ``releaser`` (the task id of the run whose release this is; None: no run's) is a
+    newer run than every call the record carries, end it as that run's skip.
 
     None when there was nothing to publish (or it failed: then logged and put back; or the
     record is no call this app wrote: then logged and dropped)."""
@@ -115,6 +129,10 @@ def publish_follow_up(task: Task, run: Run, keys: LockKeys, reason: str) -> Take
             exc,
         )
         return None
+    newer = superseded_by(record, releaser)
+    if newer is not None:
+        _supersede(task if target is None else target, name, keys.lock, follow_up, newer, count)
+        return Taken(follow_up, newer)
     try:
         if target is None:  # a task of the scope this app does not have
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
@@ -132,6 +150,39 @@ def publish_follow_up(task: Task, run: Run, keys: LockKeys, reason: str) -> Take
         count,
     )
     return Taken(follow_up)
+
+
+def _supersede(  # noqa: PLR0917 - the record, and the run that superseded it
+    task: Task, name: str, lock_key: str, follow_up: str, newer: str, count: str
+) -> None:
+    """End the follow-up ``follow_up`` of ``name`` (``task``, or the releasing task for a task
+    of the scope this app does not have) without publishing it, like a skip naming ``newer``:
+    its result is the skip marker (a caller waiting on it learns why), one INFO line and
+    ``duplicate_skipped``."""
+    marker = skip_marker(lock_key, newer, follow_up)
+    request = Context(id=follow_up, task=name, ignore_result=bool(task.ignore_result))
+    try:
+        store_skip(task.backend, follow_up, marker, request)
+    except Exception as exc:  # the backend failed: the call must not run all the same
+        logger.error(
+            "singleton: could not store the result of a superseded follow-up: %s[%s] key=%s "
+            "holder=%s: %r",
+            name,
+            follow_up,
+            lock_key,
+            newer,
+            exc,
+        )
+    logger.info(
+        "singleton: coalesced follow-up superseded by a newer run, not published: %s[%s] "
+        "key=%s holder=%s duplicates=%s",
+        name,
+        follow_up,
+        lock_key,
+        newer,
+        count,
+    )
+    signals.duplicate_skipped.send(sender=task, key=lock_key, task_id=follow_up, holder=newer)
 
 
 def _call_of(

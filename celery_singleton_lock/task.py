@@ -353,7 +353,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 exc,
             )
             return
-        self._singleton_follow_up(keys, "a run that did not start")
+        self._singleton_follow_up(keys, "a run that did not start")  # it ran nothing: no newer run
 
     # -- hand-over and release ----------------------------------------------------------------
 
@@ -399,7 +399,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         )
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
-            self._singleton_follow_up(keys_of(held.key, opts.permits), state)
+            self._singleton_follow_up(keys_of(held.key, opts.permits), state, held.owner)
             return
         # A completion record must reach Redis before the message's acknowledgement, which
         # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
@@ -410,14 +410,21 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             return
         on_released(held, renewer.release_now(held), state)
 
-    def _singleton_follow_up(self, keys: LockKeys, reason: str) -> None:
+    def _singleton_follow_up(
+        self, keys: LockKeys, reason: str, releaser: str | None = None
+    ) -> None:
         """Publish the pending follow-up of ``keys``, if it has one and a slot is free
-        (coalesce.py); only under the coalesce policy."""
+        (coalesce.py); only under the coalesce policy. ``releaser``: the task id of the run
+        whose release this is (a follow-up left beside older runs only is superseded by it)."""
         if self.singleton_options().on_duplicate != "coalesce":
             return
         try:
             publish_follow_up(
-                self, store_for(self.singleton_options().redis_url).run_script, keys, reason
+                self,
+                store_for(self.singleton_options().redis_url).run_script,
+                keys,
+                reason,
+                releaser,
             )
         except LOGGED_ERRORS as exc:
             logger.warning(
@@ -484,7 +491,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 extra=about(self.name, task_id),
             )
         if status in (ReleaseStatus.RELEASED, ReleaseStatus.NOT_HELD):  # or it expired
-            self._singleton_follow_up(keys, reason)
+            self._singleton_follow_up(keys, reason, task_id)
         return status
 
 

@@ -18,7 +18,9 @@ one round trip, each given the lock's key or all N of its permit slots:
   newer one was left meanwhile.
 
 The record outlives the lock by :data:`PENDING_TTL_MS`, so a lock that expired (its holder's
-worker killed outright) still has its follow-up for whoever releases or takes the key next.
+worker killed outright) still has its follow-up for whoever releases or takes the key next. A
+record taken at the release of a run that is not among its ``holders`` is *superseded*
+(:func:`superseded_by`): that run took its slot after every call the record carries.
 Knows nothing of Celery: the call's fields are the caller's (coalesce.py).
 """
 
@@ -44,6 +46,7 @@ __all__ = [
     "lock_key_of",
     "pending_key",
     "put_back",
+    "superseded_by",
     "take_pending",
 ]
 
@@ -152,6 +155,21 @@ def holders_of(value: str | bytes | None) -> list[str] | None:
     if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
         return None
     return holders
+
+
+def superseded_by(record: Mapping[str, bytes], releaser: str | None) -> str | None:
+    """``releaser`` when its release took a record it is not among the ``holders`` of: the
+    record was left beside older runs (their node died, their locks expired) and ``releaser``
+    took its slot after every call the record carries, so its run is newer and the follow-up
+    would only run an older call after it. None when the record is the releaser's own, when
+    nobody's run released (a purge, a run that never started) or the record names no holders
+    (published as it is)."""
+    if releaser is None:
+        return None
+    holders = holders_of(record.get(HOLDERS_FIELD))
+    if holders is None or releaser in holders:
+        return None
+    return releaser
 
 
 def _raw(value: bytes | str) -> bytes:

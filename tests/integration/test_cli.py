@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
+from celery_singleton_lock import SkipInfo, skip_info
 from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.core.admin import (
     ForceStatus,
@@ -500,3 +502,26 @@ def test_the_follow_up_of_a_permit_lock_is_listed_released_and_purged(
     assert "published 1 of 1 orphaned follow-up(s)" in purged.stdout, purged.stdout
     assert client_app.control.purge() == 1
     assert not redis_client.exists(pending_key(keys.lock))
+
+
+def test_release_of_a_newer_runs_lock_supersedes_an_orphaned_follow_up(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A follow-up left beside a holder whose lock expired (its node died), and a newer run
+    took the lock since: `release` of that run's lock takes the record but does not publish it
+    (the newer run is not among the holders its duplicates met): the follow-up's result is the
+    skip marker naming that run, and nothing is sent."""
+    key = _plant_pending(redis_client, key_prefix, b"orphan", "follow-up-5")
+    redis_client.delete(key)  # the lock expired
+    meta = {"task": "t.hold", "host": "w-gone@nowhere", "pid": "4243"}
+    LockStore(redis_client).acquire(keys_of(key), "newer-run", 0, 60_000, meta)
+    released = _celery(redis_url, key_prefix, "release", key, "--yes")
+    assert released.returncode == 0, released.stderr
+    assert (
+        f"{key}: its pending follow-up follow-up-5 was superseded by the newer run newer-run: "
+        "not published"
+    ) in released.stdout
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 0
+    result = AsyncResult("follow-up-5", app=client_app)
+    assert skip_info(result) == SkipInfo(key=key, holder="newer-run", task_id="follow-up-5")

@@ -8,7 +8,8 @@ now), leave their calls, releases (of any run that held a slot) and purges take 
 failed publishes put it back. After every step Redis holds what the model says: a call is left
 only while every slot is held, the holder it met among them, every duplicate until the record is
 taken joins one follow-up (one id, a count of them, the latest call, the holders met last), the
-record is taken only while a slot is free, and only once.
+record is taken only while a slot is free, and only once; taken at the release of a run not
+among its holders, it is superseded by that run.
 
 Permit slots: owners take, release and lose (expiry) slots of one key with N permits, and
 redelivered copies and retries of their messages come back. After every step: at most N holders,
@@ -44,6 +45,7 @@ from celery_singleton_lock.core.pending import (
     leave_pending,
     pending_key,
     put_back,
+    superseded_by,
     take_pending,
 )
 from celery_singleton_lock.core.store import LockStore
@@ -129,8 +131,10 @@ class PendingModel(_OnRedis):
         status = self.store.release(self.keys.slot(slot), owner, 0)
         assert status is ReleaseStatus.RELEASED
 
-    @rule()
-    def a_release_or_purge_takes_the_record(self) -> None:
+    @rule(data=st.data())
+    def a_release_or_purge_takes_the_record(self, data: st.DataObject) -> None:
+        """Taken at the release of a run (any that held a slot) or by a purge (None)."""
+        releaser = data.draw(st.sampled_from([None, *self.holders]), label="whose release")
         record = take_pending(self.run, self.keys)
         if len(self.slots) == self.permits or self.pending is None:
             assert record is None
@@ -143,6 +147,8 @@ class PendingModel(_OnRedis):
             "call": call.encode(),
             "holders": holders,
         }
+        newer = None if releaser is None or releaser in holders else releaser
+        assert superseded_by(record, releaser) == newer
         assert follow_up not in self.ids, "a burst's follow-up taken twice"
         self.ids.add(follow_up)
         self.taken.append(record)

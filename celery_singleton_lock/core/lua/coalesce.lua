@@ -5,8 +5,10 @@
 --
 -- KEYS[1]   the pending follow-up (same hash slot as the lock): a hash with field id (the
 --           follow-up's task id, kept from the first duplicate of a burst), count (duplicates
---           coalesced), holders (the owners of the slots at the latest write, a JSON array)
---           and the latest duplicate's call (overwritten by each later duplicate)
+--           coalesced), holders (the owners of the slots at the latest write, a JSON array: a
+--           release by a run not among them is by a newer run, which took its slot after every
+--           call the record carries) and the latest duplicate's call (overwritten by each later
+--           duplicate)
 -- KEYS[2]   the completion record of the duplicate (same hash slot, as release.lua writes it):
 --           once its call is left, the follow-up carries it, so a copy of the duplicate's
 --           message (a broker redelivery) is dropped by acquire.lua, not run with stale args
