@@ -40,11 +40,12 @@ from .skips import skip_marker
 
 __all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
 
-#: Message header of a published follow-up. A follow-up that meets a run holding its lock is not
-#: coalesced again: that run took the lock after the follow-up's call was taken (only a release
-#: with no holder takes it), so after every duplicate the follow-up carries; it is newer, and
-#: the follow-up ends like a skip naming it. Coalesced again, its older call would overwrite a
-#: newer one left beside that run, or run after it.
+#: Message header of a published follow-up. A follow-up that meets a run holding its lock (with
+#: permits: a full set of slots) is not coalesced again: that run (one of them) took its slot
+#: after the follow-up's call was taken (only a release that left a slot free takes it), so
+#: after every duplicate the follow-up carries; it is newer, and the follow-up ends like a skip
+#: naming it. Coalesced again, its older call would overwrite a newer one left beside that run,
+#: or run after it.
 FOLLOW_UP_HEADER = "singleton_follow_up"
 
 logger = logging.getLogger(__name__)
