@@ -67,7 +67,7 @@ def _ours(url: str, coalesce: bool = False) -> Cycle:
             raise AssertionError(f"ours: not acquired: {outcome}")
         if store.release(keys.lock, owner, 0) is not ReleaseStatus.RELEASED:
             raise AssertionError("ours: not released")
-        if coalesce and take_pending(store.run_script, keys.lock) is not None:
+        if coalesce and take_pending(store.run_script, keys) is not None:
             raise AssertionError("ours (coalesce): a follow-up")
 
     return cycle

@@ -36,6 +36,7 @@ from .core.admin import (
 )
 from .core.backend import REDIS_ERRORS, Client
 from .core.connection import client_for, store_for
+from .core.keys import LockKeys, keys_of
 from .core.urls import redact_url, repr_without_password
 from .errors import SingletonConfigError
 from .options import read_options
@@ -193,7 +194,8 @@ def _describe(info: LockInfo) -> str:
             f"stays blocked for {_seconds(info.ttl_s)} more"
         )
     if info.pending_follow_up is not None:
-        lines.append(f"pending:   {_pending(info)} (published when the run releases)")
+        who = "the run releases" if info.permit is None else "the first of the key's runs releases"
+        lines.append(f"pending:   {_pending(info)} (published when {who})")
     return "\n".join(lines)
 
 
@@ -261,28 +263,42 @@ def _operator() -> str:
     return f"{user}@{socket.gethostname()}:{current_pid()}"
 
 
-def _publish_pending(
-    target: _Target, key: str, task_name: str | None, pending: str | None, reason: str
+def _publish_pending(  # noqa: PLR0917 - the lock, its follow-up, and who let it go
+    target: _Target,
+    keys: LockKeys,
+    task_name: str | None,
+    pending: str | None,
+    reason: str,
+    releaser: str | None = None,
 ) -> bool:
-    """Publish the coalesced follow-up waiting beside a lock that is gone (coalesce.py); without
-    the task in this app, say where it stays. True when published."""
+    """Publish the coalesced follow-up waiting beside a lock a release or purge freed
+    (coalesce.py): ``releaser`` is the owner of the lock released (None: an orphan's, whose
+    lock is gone); a follow-up it supersedes is not published. Without the task in this app,
+    say where it stays. True when published."""
     task = None if target.app is None else target.app.tasks.get(task_name or "")
     if task is None:
         click.echo(
-            f"{key}: its pending follow-up {pending} was left: task {task_name!r} is not in "
-            "this app (-A); the key's next run publishes it",
+            f"{keys.lock}: its pending follow-up {pending} was left: task {task_name!r} is not "
+            "in this app (-A); the key's next run publishes it",
             err=True,
         )
         return False
     from .coalesce import publish_follow_up  # the Celery side, only when there is one
 
+    run = store_for(target.redis_url).run_script
     try:
-        follow_up = publish_follow_up(task, store_for(target.redis_url).run_script, key, reason)
+        taken = publish_follow_up(task, run, keys, reason, releaser)
     except REDIS_ERRORS as exc:
         target.fail(exc)
-    if follow_up is None:
+    if taken is None:
         return False
-    click.echo(f"{key}: published its pending follow-up {follow_up}")
+    if taken.superseded_by is not None:
+        click.echo(
+            f"{keys.lock}: its pending follow-up {taken.follow_up} was superseded by the newer "
+            f"run {taken.superseded_by}: not published (its result is the skip marker)"
+        )
+        return False
+    click.echo(f"{keys.lock}: published its pending follow-up {taken.follow_up}")
     return True
 
 
@@ -311,7 +327,8 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
             reason=reason,
         )
         if info.pending_follow_up is not None:
-            _publish_pending(target, info.key, info.task, info.pending_follow_up, reason)
+            keys = keys_of(info.key, info.permits or 1)
+            _publish_pending(target, keys, info.task, info.pending_follow_up, reason, info.owner)
     elif status is ForceStatus.CHANGED:
         logger.warning(
             "singleton: force release skipped, the lock changed hands: key=%s owner=%s",
@@ -416,7 +433,8 @@ def purge(
     click.echo(f"released {released} of {len(chosen)} lock(s)")
     if orphans:
         published = sum(
-            _publish_pending(target, o.lock_key, o.task, o.follow_up, "purge") for o in orphans
+            _publish_pending(target, keys_of(o.lock_key, o.permits), o.task, o.follow_up, "purge")
+            for o in orphans
         )
         click.echo(f"published {published} of {len(orphans)} orphaned follow-up(s)")
 

@@ -13,27 +13,39 @@ task id fixed by the burst's first duplicate, sent to the exchange and routing k
 duplicate arrived by, in the serializer its call was recorded in (the task's; else the first of
 the app's ``accept_content`` that can write it); without the duplicate's countdown, eta, links
 or canvas (the duplicate's own canvas stops as a skip's does).
+
+A record taken at the release of a run that is not among the runs its duplicates met (its own
+holders' node died and their locks expired: an orphan) is *superseded* by that newer run
+(core/pending.py ``superseded_by``): it is not published but ends like a skip naming that run,
+its result the skip marker, as a follow-up that meets a newer run on a worker does.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
+from celery.app.task import Context
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
-from .core.pending import Run, put_back, take_pending
+from . import signals
+from .canvas import store_skip
+from .core.keys import LockKeys
+from .core.pending import Run, put_back, superseded_by, take_pending
+from .skips import skip_marker
 
-__all__ = ["FOLLOW_UP_HEADER", "call_record", "is_follow_up", "publish_follow_up"]
+__all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
 
-#: Message header of a published follow-up. A follow-up that meets a run holding its lock is not
-#: coalesced again: that run took the lock after the follow-up's call was taken (only a release
-#: with no holder takes it), so after every duplicate the follow-up carries; it is newer, and
-#: the follow-up ends like a skip naming it. Coalesced again, its older call would overwrite a
-#: newer one left beside that run, or run after it.
+#: Message header of a published follow-up. A follow-up that meets a run holding its lock (with
+#: permits: a full set of slots) is not coalesced again: that run (one of them) took its slot
+#: after the follow-up's call was taken (only a release that left a slot free takes it), so
+#: after every duplicate the follow-up carries; it is newer, and the follow-up ends like a skip
+#: naming it. Coalesced again, its older call would overwrite a newer one left beside that run,
+#: or run after it.
 FOLLOW_UP_HEADER = "singleton_follow_up"
 
 logger = logging.getLogger(__name__)
@@ -80,46 +92,98 @@ def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
     raise failed
 
 
-def publish_follow_up(task: Task, run: Run, lock_key: str, reason: str) -> str | None:
-    """Take ``lock_key``'s pending record if no run holds the lock, and publish it; the
-    follow-up's task id, or None when there was nothing to publish (or it failed: then logged
-    and put back; or the record is no call this app wrote: then logged and dropped)."""
-    record = take_pending(run, lock_key)
+@dataclass(frozen=True)
+class Taken:
+    """A pending record :func:`publish_follow_up` took: its follow-up's task id, and the newer
+    run that superseded it (None: published)."""
+
+    follow_up: str
+    superseded_by: str | None = None
+
+
+def publish_follow_up(
+    task: Task, run: Run, keys: LockKeys, reason: str, releaser: str | None = None
+) -> Taken | None:
+    """Take the pending record of ``keys`` if a slot is not held by a run, and publish it; or,
+    when ``releaser`` (the task id of the run whose release this is; None: no run's) is a
+    newer run than every call the record carries, end it as that run's skip.
+
+    None when there was nothing to publish (or it failed: then logged and put back; or the
+    record is no call this app wrote: then logged and dropped)."""
+    record = take_pending(run, keys)
     if record is None:
         return None
     follow_up = record.get("id", b"").decode(errors="replace")
     name = record.get("task", b"").decode(errors="replace") or task.name
     target = task.app.tasks.get(name)
+    count = record.get("count", b"?").decode(errors="replace")
     try:
         args, kwargs, options = _call_of(task, record)
-        _check_lock(target, args, kwargs, lock_key)
+        _check_lock(target, args, kwargs, keys.lock)
     except Exception as exc:  # not written by this app: never loaded, never put back
         logger.error(
             "singleton: coalesced follow-up dropped, not a call this app wrote or accepts: "
             "%s[%s] key=%s: %r",
             name,
             follow_up,
-            lock_key,
+            keys.lock,
             exc,
         )
         return None
+    newer = superseded_by(record, releaser)
+    if newer is not None:
+        _supersede(task if target is None else target, name, keys.lock, follow_up, newer, count)
+        return Taken(follow_up, newer)
     try:
         if target is None:  # a task of the scope this app does not have
             task.app.send_task(name, args, kwargs, task_id=follow_up, **options)
         else:  # Celery's own publish: no publish-time dedup against its own pending call
             Task.apply_async(target, args, kwargs, task_id=follow_up, **options)
     except Exception as exc:
-        _put_back(run, lock_key, record, f"{name}[{follow_up}]", exc)
+        _put_back(run, keys, record, f"{name}[{follow_up}]", exc)
         return None
     logger.info(
         "singleton: coalesced follow-up published after %s: %s[%s] key=%s duplicates=%s",
         reason,
         name,
         follow_up,
-        lock_key,
-        record.get("count", b"?").decode(errors="replace"),
+        keys.lock,
+        count,
     )
-    return follow_up
+    return Taken(follow_up)
+
+
+def _supersede(  # noqa: PLR0917 - the record, and the run that superseded it
+    task: Task, name: str, lock_key: str, follow_up: str, newer: str, count: str
+) -> None:
+    """End the follow-up ``follow_up`` of ``name`` (``task``, or the releasing task for a task
+    of the scope this app does not have) without publishing it, like a skip naming ``newer``:
+    its result is the skip marker (a caller waiting on it learns why), one INFO line and
+    ``duplicate_skipped``."""
+    marker = skip_marker(lock_key, newer, follow_up)
+    request = Context(id=follow_up, task=name, ignore_result=bool(task.ignore_result))
+    try:
+        store_skip(task.backend, follow_up, marker, request)
+    except Exception as exc:  # the backend failed: the call must not run all the same
+        logger.error(
+            "singleton: could not store the result of a superseded follow-up: %s[%s] key=%s "
+            "holder=%s: %r",
+            name,
+            follow_up,
+            lock_key,
+            newer,
+            exc,
+        )
+    logger.info(
+        "singleton: coalesced follow-up superseded by a newer run, not published: %s[%s] "
+        "key=%s holder=%s duplicates=%s",
+        name,
+        follow_up,
+        lock_key,
+        newer,
+        count,
+    )
+    signals.duplicate_skipped.send(sender=task, key=lock_key, task_id=follow_up, holder=newer)
 
 
 def _call_of(
@@ -156,9 +220,12 @@ def _check_lock(target: Any, args: list[Any], kwargs: dict[str, Any], lock_key: 
         raise ValueError(f"its call takes another lock, {lock}")
 
 
-def _put_back(run: Run, lock_key: str, record: dict[str, bytes], what: str, exc: Exception) -> None:
+def _put_back(
+    run: Run, keys: LockKeys, record: dict[str, bytes], what: str, exc: Exception
+) -> None:
+    lock_key = keys.lock
     try:
-        back = put_back(run, lock_key, record)
+        back = put_back(run, keys, record)
     except Exception as again:
         logger.error(
             "singleton: coalesced follow-up LOST, publish and put-back failed: %s key=%s: %s; %s",

@@ -228,7 +228,7 @@ def _where_policy(task_name: str | None) -> str:
 
 
 def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
-    """Refuse what permits > 1 does not support: Redlock, publish-time dedup, coalesce."""
+    """Refuse what permits > 1 does not support: Redlock, publish-time dedup."""
     where = "singleton_permits" if task_name is None else f"task {task_name}: singleton_permits"
     if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
         raise SingletonConfigError(
@@ -240,11 +240,6 @@ def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
         raise SingletonConfigError(
             f'{where} > 1 needs singleton_lock_on "execute": a queued marker stands for one '
             f"run, got lock_on {values['lock_on']!r}"
-        )
-    if values["on_duplicate"] == "coalesce":
-        raise SingletonConfigError(
-            f"{where} > 1 does not go with singleton_on_duplicate 'coalesce' (a follow-up "
-            "waits beside one lock, not beside N slots)"
         )
 
 

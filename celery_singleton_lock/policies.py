@@ -192,7 +192,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         try:
             left = leave_pending(
                 store_for(opts.redis_url).run_script,
-                keys.lock,
+                keys,
                 holder,
                 uuid(),
                 call_record(self, request, args, kwargs),

@@ -44,7 +44,7 @@ from .core.backend import (
     release_lost_slot,
 )
 from .core.connection import renewer_for, store_for
-from .core.keys import KeyDeriver, LockKeys
+from .core.keys import KeyDeriver, LockKeys, keys_of
 from .core.renewer import HeldLock, Renewer
 from .errors import LockUnavailableError, SingletonKeyError
 from .events import configure_renewer, on_released
@@ -353,7 +353,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 exc,
             )
             return
-        self._singleton_follow_up(key, "a run that did not start")
+        self._singleton_follow_up(keys, "a run that did not start")  # it ran nothing: no newer run
 
     # -- hand-over and release ----------------------------------------------------------------
 
@@ -399,7 +399,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         )
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
-            self._singleton_follow_up(held.key, state)
+            self._singleton_follow_up(keys_of(held.key, opts.permits), state, held.owner)
             return
         # A completion record must reach Redis before the message's acknowledgement, which
         # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
@@ -410,21 +410,28 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             return
         on_released(held, renewer.release_now(held), state)
 
-    def _singleton_follow_up(self, lock_key: str, reason: str) -> None:
-        """Publish the lock's pending follow-up, if it has one and no run holds it
-        (coalesce.py); only under the coalesce policy."""
+    def _singleton_follow_up(
+        self, keys: LockKeys, reason: str, releaser: str | None = None
+    ) -> None:
+        """Publish the pending follow-up of ``keys``, if it has one and a slot is free
+        (coalesce.py); only under the coalesce policy. ``releaser``: the task id of the run
+        whose release this is (a follow-up left beside older runs only is superseded by it)."""
         if self.singleton_options().on_duplicate != "coalesce":
             return
         try:
             publish_follow_up(
-                self, store_for(self.singleton_options().redis_url).run_script, lock_key, reason
+                self,
+                store_for(self.singleton_options().redis_url).run_script,
+                keys,
+                reason,
+                releaser,
             )
         except LOGGED_ERRORS as exc:
             logger.warning(
                 "singleton: could not take coalesced follow-up, it waits for the next release "
                 "or purge: %s key=%s: %s",
                 self.name,
-                lock_key,
+                keys.lock,
                 exc,
                 extra=about(self.name, ""),
             )
@@ -484,7 +491,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 extra=about(self.name, task_id),
             )
         if status in (ReleaseStatus.RELEASED, ReleaseStatus.NOT_HELD):  # or it expired
-            self._singleton_follow_up(keys.lock, reason)
+            self._singleton_follow_up(keys, reason, task_id)
         return status
 
 

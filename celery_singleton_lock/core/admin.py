@@ -47,8 +47,8 @@ from . import _wire
 from ._wire import as_text
 from .backend import Client
 from .completion import ENDED_FIELD
-from .keys import check_prefix, lock_key_problem, safe_name
-from .pending import PENDING_SUFFIX, lock_key_of, pending_key
+from .keys import check_prefix, keys_of, lock_key_problem, safe_name
+from .pending import HOLDERS_FIELD, PENDING_SUFFIX, holders_of, lock_key_of, pending_key
 
 __all__ = [
     "ForceStatus",
@@ -107,7 +107,8 @@ class LockInfo:
     #: only in an at-least window: when the run ended, ms since the epoch (server clock)
     ended_ms: int | None = None
     #: under the coalesce policy: the task id of the follow-up waiting beside the lock
-    #: (core/pending.py), and how many duplicates it collapses
+    #: (core/pending.py), and how many duplicates it collapses; one per key, so every permit
+    #: slot of a key shows the same
     pending_follow_up: str | None = None
     pending_count: int | None = None
     #: a slot of a key taken with ``singleton_permits`` > 1: which one (1 to ``permits``)
@@ -270,30 +271,40 @@ def iter_locks(
 @dataclass(frozen=True)
 class Orphan:
     """A pending follow-up (coalesce) whose lock is gone: its holder's node died and the lock
-    expired, and no later run of the key came to publish it."""
+    expired (with ``singleton_permits`` > 1: every slot of the key did), and no later run of
+    the key came to publish it."""
 
     lock_key: str
     task: str | None
     follow_up: str | None
+    #: the key's ``singleton_permits``: how many slots its duplicates found held
+    permits: int = 1
 
 
 def iter_orphans(client: Client, prefix: str, batch: int = BATCH) -> Iterator[Orphan]:
-    """Every pending record under ``prefix`` whose lock key does not exist (read ``batch`` at a
-    time; records beside keys that are not lock keys of this library are skipped)."""
+    """Every pending record under ``prefix`` whose lock key (or every permit slot of it) does
+    not exist, read ``batch`` at a time: two round trips a batch (the records, then their
+    locks); records beside keys that are not lock keys of this library are skipped."""
     pairs = ((key, lock_key_of(key)) for key in _scan(client, f"{prefix}*{PENDING_SUFFIX}", batch))
     records = ((key, lock) for key, lock in pairs if lock_key_problem(prefix, lock) is None)
     for chunk in _batches(records, batch):
         pipe = client.pipeline(transaction=False)
-        for key, lock in chunk:
-            pipe.exists(lock)
-            pipe.hmget(key, "task", "id")
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        for index, (_key, lock) in enumerate(chunk):
-            exists, fields = replies[2 * index], replies[2 * index + 1]
-            if isinstance(exists, Exception) or isinstance(fields, Exception) or exists:
+        for key, _lock in chunk:
+            pipe.hmget(key, "task", "id", HOLDERS_FIELD)
+        read: list[tuple[Orphan, list[str]]] = []
+        for (_key, lock), fields in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(fields, Exception):
                 continue
-            task, follow_up = (None if v is None else as_text(v) for v in fields)
-            yield Orphan(lock, task, follow_up)
+            task, follow_up = (None if v is None else as_text(v) for v in fields[:2])
+            holders = holders_of(fields[2])
+            keys = keys_of(lock, len(holders) if holders else 1)
+            read.append((Orphan(keys.lock, task, follow_up, keys.permits), keys.slots))
+        pipe = client.pipeline(transaction=False)
+        for _orphan, slots in read:
+            pipe.exists(*slots)
+        for (orphan, _slots), exists in zip(read, pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(exists, Exception) and not exists:
+                yield orphan
 
 
 def read_lock(client: Client, key: str, prefix: str) -> LockInfo | None:

@@ -21,16 +21,14 @@ Knows nothing of Celery: which run ends write what is the caller's choice (task.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from .keys import beside
 
 __all__ = ["ENDED_FIELD", "NO_ENDING", "Ending", "done_key"]
 
 #: The lock hash's field that marks an at-least window: when the run ended (server ms).
 ENDED_FIELD = "ended"
-
-#: the end of a lock key, or of one of its permit slots (core/keys.py)
-_LOCK_END = re.compile(r":lock(?::[0-9]+)?\Z")
 
 
 @dataclass(frozen=True)
@@ -64,8 +62,4 @@ def done_key(lock_key: str, owner: str) -> str:
     permit slot ``{prefix}{tag}:lock:<i>`` the same one (one record per owner, whichever slot
     its run held). Beside a key of another shape (a store's caller may lock any key):
     ``<key>:done:<owner>``."""
-    if lock_key.endswith(":lock"):  # a lock key: what the pattern finds there, at less cost
-        return f"{lock_key[:-5]}:done:{owner}"
-    match = _LOCK_END.search(lock_key)
-    base = lock_key[: match.start()] if match else lock_key
-    return f"{base}:done:{owner}"
+    return beside(lock_key, f"done:{owner}")

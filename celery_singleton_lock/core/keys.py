@@ -46,8 +46,10 @@ __all__ = [
     "KeyDeriver",
     "LockKeys",
     "argument_digest",
+    "beside",
     "check_prefix",
     "derive_keys",
+    "keys_of",
     "leader_keys",
     "lock_key_problem",
     "lock_keys",
@@ -68,6 +70,9 @@ _UNSAFE_NAME_CHARS = re.compile(f"[^{_SAFE_NAME_CHARS}]")
 #: blake2b digest size of :func:`argument_digest`: twice as many lowercase hex digits
 _DIGEST_BYTES = 16
 _LOCK_SUFFIX = ":lock"
+_FENCE_SUFFIX = ":fence"
+#: the end of a lock key, or of one of its permit slots
+_LOCK_END = re.compile(r":lock(?::[0-9]+)?\Z")
 #: What follows the prefix in every key :func:`lock_keys` gives: ``{<safe name>:<digest>}:lock``
 #: (a permit slot of a lock taken with permits > 1 adds ``:<slot>``: ``...:lock:2``)
 _LOCK_TAIL = re.compile(
@@ -143,7 +148,30 @@ def _tagged_keys(head: str, name: bytes, identity: bytes, permits: int) -> LockK
     """The keys ``{head}<digest>}:lock`` and ``:fence``; ``head`` is ``{prefix}{<safe name>:``
     and ``name`` the task name's bytes as :func:`argument_digest` hashes them."""
     tag = head + hashlib.blake2b(name + identity, digest_size=_DIGEST_BYTES).hexdigest()
-    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}:fence", permits)
+    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}" + _FENCE_SUFFIX, permits)
+
+
+def keys_of(key: str, permits: int = 1) -> LockKeys:
+    """The keys of the lock that ``key`` is (``{prefix}{tag}:lock``) or is a permit slot of
+    (``...:lock:<i>``), with ``permits`` slots: what a release or the CLI knows of a lock (the
+    key it holds) made whole again. ValueError for a key of another shape."""
+    match = _LOCK_END.search(key)
+    if match is None:
+        raise ValueError(f"not a lock key: {key!r}")
+    base = key[: match.start()]
+    return LockKeys(base + _LOCK_SUFFIX, base + _FENCE_SUFFIX, permits)
+
+
+def beside(lock_key: str, name: str) -> str:
+    """The key ``{prefix}{tag}:<name>`` beside the lock ``{prefix}{tag}:lock`` or one of its
+    permit slots ``...:lock:<i>``: the same hash tag, so the same cluster slot, and one key per
+    lock whichever slot (a completion record, a pending follow-up). Beside a key of another
+    shape (a store's caller may lock any key): ``<key>:<name>``."""
+    if lock_key.endswith(_LOCK_SUFFIX):  # a lock key: what the pattern finds there, at less cost
+        return f"{lock_key[: -len(_LOCK_SUFFIX)]}:{name}"
+    match = _LOCK_END.search(lock_key)
+    base = lock_key[: match.start()] if match else lock_key
+    return f"{base}:{name}"
 
 
 def lock_key_problem(prefix: str, key: str) -> str | None:

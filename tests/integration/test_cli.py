@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
+from celery_singleton_lock import SkipInfo, skip_info
 from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.core.admin import (
     ForceStatus,
@@ -24,9 +26,10 @@ from celery_singleton_lock.core.admin import (
     stale_reason,
     stats,
 )
-from celery_singleton_lock.core.keys import derive_keys, lock_keys
+from celery_singleton_lock.core.keys import derive_keys, keys_of, lock_keys
 from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
+from tests.integration.test_permits import COALESCE, coalesce_keys
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory
@@ -359,7 +362,7 @@ def test_list_and_show_tell_a_pending_follow_up(
     quiet = _plant(redis_client, key_prefix, "t.a", b"quiet", "w1@h")
     run = LockStore(redis_client).run_script
     for n in range(3):  # a burst of three duplicates: one follow-up, the latest call
-        left = leave_pending(run, busy, "owner-busy", "follow-up-1", {"call": f"c{n}"})
+        left = leave_pending(run, keys_of(busy), "owner-busy", "follow-up-1", {"call": f"c{n}"})
         assert left.follow_up == "follow-up-1"
     runner = CliRunner()
     base = ["--url", redis_url, "--prefix", key_prefix]
@@ -396,7 +399,7 @@ def _plant_pending(
     body = json.dumps([[], {"key": call_key or ident.decode(), "seconds": 0}])
     call = {"task": "t.hold", "body": body, "ctype": "application/json", "cenc": "utf-8"}
     run = LockStore(client).run_script
-    assert leave_pending(run, key, f"owner-{ident.decode()}", follow_up, call).count == 1
+    assert leave_pending(run, keys, f"owner-{ident.decode()}", follow_up, call).count == 1
     return key
 
 
@@ -448,3 +451,77 @@ def test_purge_drops_a_follow_up_whose_call_takes_another_lock(
     assert "its call takes another lock" in purged.stderr
     assert redis_client.exists(pending_key(key)) == 0
     assert client_app.control.purge() == 0
+
+
+def test_the_follow_up_of_a_permit_lock_is_listed_released_and_purged(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A key with 2 permits, both slots held, a follow-up coalesced beside them (one record for
+    the key): `list` shows it on each slot's row, `show` on the slot. `release` of one slot
+    publishes it (a slot is free now, and its holder is one the duplicates met). A record whose
+    slots are all gone is an orphan for `purge`; while one slot is held it is not."""
+    keys = coalesce_keys(key_prefix)
+    store = LockStore(redis_client)
+    meta = {"task": COALESCE, "host": "w-gone@nowhere", "pid": "4242"}
+    for owner in ("run-a", "run-b"):
+        store.acquire(keys, owner, 0, 60_000, meta)
+    body = json.dumps([["a"], {"payload": "p"}])
+    call = {"task": COALESCE, "body": body, "ctype": "application/json", "cenc": "utf-8"}
+    for _ in range(2):
+        assert leave_pending(store.run_script, keys, "run-a", "follow-up-p", call).follow_up
+    runner = CliRunner()
+    base = ["--url", redis_url, "--prefix", f"{key_prefix}lock:"]
+    table = runner.invoke(singleton, [*base, "list"]).output.splitlines()
+    header = table[0].split("\t")
+    rows = {row.split("\t")[-1]: row.split("\t") for row in table[1:]}
+    assert set(rows) == set(keys.slots)
+    pending = header.index("PENDING")
+    assert {row[pending] for row in rows.values()} == {"follow-up-p (2 duplicates)"}
+    shown = runner.invoke(singleton, [*base, "show", keys.slot(2)])
+    assert shown.exit_code == 0, shown.output
+    assert (
+        "pending:   follow-up-p (2 duplicates) (published when the first of the key's runs "
+        "releases)"
+    ) in shown.output
+
+    released = _celery(redis_url, key_prefix, "release", keys.slot(1), "--yes")
+    assert released.returncode == 0, released.stderr
+    assert f"{keys.lock}: published its pending follow-up follow-up-p" in released.stdout
+    assert not redis_client.exists(pending_key(keys.lock))
+    assert client_app.control.purge() == 1
+
+    store.acquire(keys, "run-c", 0, 60_000, meta)  # slot 1 again: both held
+    assert leave_pending(store.run_script, keys, "run-c", "follow-up-q", call).follow_up
+    redis_client.delete(keys.slot(1))  # its node died: the slot expired
+    held = _celery(redis_url, key_prefix, "purge", "--dry-run", "--timeout", "0.1")
+    assert "orphaned follow-up" not in held.stdout, held.stdout  # slot 2's run still holds
+    redis_client.delete(keys.slot(2))
+    dry = _celery(redis_url, key_prefix, "purge", "--dry-run", "--timeout", "0.1")
+    assert f"orphaned follow-up\tfollow-up-q\t{COALESCE}\t{keys.lock}" in dry.stdout, dry.stdout
+    purged = _celery(redis_url, key_prefix, "purge", "--yes", "--timeout", "0.1")
+    assert "published 1 of 1 orphaned follow-up(s)" in purged.stdout, purged.stdout
+    assert client_app.control.purge() == 1
+    assert not redis_client.exists(pending_key(keys.lock))
+
+
+def test_release_of_a_newer_runs_lock_supersedes_an_orphaned_follow_up(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str, client_app: Celery
+) -> None:
+    """A follow-up left beside a holder whose lock expired (its node died), and a newer run
+    took the lock since: `release` of that run's lock takes the record but does not publish it
+    (the newer run is not among the holders its duplicates met): the follow-up's result is the
+    skip marker naming that run, and nothing is sent."""
+    key = _plant_pending(redis_client, key_prefix, b"orphan", "follow-up-5")
+    redis_client.delete(key)  # the lock expired
+    meta = {"task": "t.hold", "host": "w-gone@nowhere", "pid": "4243"}
+    LockStore(redis_client).acquire(keys_of(key), "newer-run", 0, 60_000, meta)
+    released = _celery(redis_url, key_prefix, "release", key, "--yes")
+    assert released.returncode == 0, released.stderr
+    assert (
+        f"{key}: its pending follow-up follow-up-5 was superseded by the newer run newer-run: "
+        "not published"
+    ) in released.stdout
+    assert redis_client.exists(pending_key(key)) == 0
+    assert client_app.control.purge() == 0
+    result = AsyncResult("follow-up-5", app=client_app)
+    assert skip_info(result) == SkipInfo(key=key, holder="newer-run", task_id="follow-up-5")

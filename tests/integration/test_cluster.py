@@ -36,7 +36,7 @@ from celery_singleton_lock.core.cluster import ClusterStore
 from celery_singleton_lock.core.compare_delete import native_command
 from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
-from celery_singleton_lock.core.pending import pending_key
+from celery_singleton_lock.core.pending import leave_pending, pending_key, take_pending
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,
@@ -283,11 +283,31 @@ def test_permit_slots_on_a_cluster(cluster: Cluster, wait: str) -> None:
 
 def test_pending_follow_up_on_a_cluster(store: ClusterStore) -> None:
     """A coalesced follow-up's record shares its lock's cluster slot: each of its scripts is
-    one call on the lock's node, owner-checked as on one server."""
-    k = many_keys(1)[0]
+    one call on the lock's node, owner-checked as on one server. A key with permits has one
+    record for its slots, which purge finds orphaned once every slot is gone (one EXISTS of the
+    slots, in their one cluster slot)."""
+    from celery_singleton_lock.core.admin import iter_orphans
+
+    k, permits = many_keys(2)
+    permits = permits.with_permits(2)
     client = cluster_client(store)
     assert client.keyslot(pending_key(k.lock)) == client.keyslot(k.lock)
     check_pending_scripts(store, k)
+    for owner in ("a", "b"):
+        assert isinstance(store.acquire(permits, owner, 0, TTL_MS), Acquired)
+    left = leave_pending(store.run_script, permits, "b", "f-p", {"call": "c"})
+    assert left.follow_up == "f-p"
+    assert client.keyslot(pending_key(permits.slot(2))) == client.keyslot(permits.lock)
+
+    def orphans() -> list[tuple[str, int]]:
+        found = iter_orphans(client, PREFIX)
+        return [(o.lock_key, o.permits) for o in found if o.lock_key == permits.lock]
+
+    client.delete(permits.slot(1))
+    assert orphans() == []  # slot 2's run still holds
+    client.delete(permits.slot(2))
+    assert orphans() == [(permits.lock, 2)]
+    assert take_pending(store.run_script, permits) is not None
 
 
 def test_run_claims_on_a_cluster(cluster: Cluster) -> None:

@@ -1,7 +1,8 @@
 """``singleton_on_duplicate="coalesce"`` on real worker processes: a burst of duplicates gives
 exactly one follow-up run with the latest arguments, published by whoever releases the lock
-(the run itself, the main process after its child was killed, or a later holder's release
-after the lock expired)."""
+(the run itself, the main process after its child was killed, a copy of the holder's message
+after its lock expired); a follow-up left beside a dead holder's expired lock is superseded by
+the next, newer run of the key."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_singleton_lock import skip_info
+from celery_singleton_lock import SkipInfo, skip_info
 from celery_singleton_lock.core.backend import Acquired, LockBackend, ReleaseStatus
 from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_keys
-from celery_singleton_lock.core.pending import leave_pending, pending_key, put_back, take_pending
+from celery_singleton_lock.core.pending import (
+    leave_pending,
+    pending_key,
+    put_back,
+    superseded_by,
+    take_pending,
+)
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key
@@ -68,22 +75,24 @@ def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
 
 def check_pending_scripts(store: LockBackend, keys: LockKeys) -> None:
     """The pending record's three scripts through ``store`` (one server, Sentinel, Cluster,
-    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id),
-    taken only once nobody holds the lock, and only once; put back when nothing newer is."""
+    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id, the
+    holder named), taken only once nobody holds the lock, and only once; put back when nothing
+    newer is."""
     run = store.run_script
     assert isinstance(store.acquire(keys, "holder", 0, 30_000), Acquired)
-    left = [leave_pending(run, keys.lock, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
+    left = [leave_pending(run, keys, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
     assert [(x.follow_up, x.count) for x in left] == [("f-0", 1), ("f-0", 2), ("f-0", 3)]
-    assert leave_pending(run, keys.lock, "someone", "f-9", {"call": "x"}).follow_up is None
-    assert take_pending(run, keys.lock) is None  # held: the holder's release takes it
+    assert leave_pending(run, keys, "someone", "f-9", {"call": "x"}).follow_up is None
+    assert take_pending(run, keys) is None  # held: the holder's release takes it
     assert store.release(keys.lock, "holder", 0) is ReleaseStatus.RELEASED
-    assert leave_pending(run, keys.lock, "holder", "f-9", {"call": "late"}).follow_up is None
-    record = take_pending(run, keys.lock)
+    assert leave_pending(run, keys, "holder", "f-9", {"call": "late"}).follow_up is None
+    record = take_pending(run, keys)
     assert record is not None
     assert (record["id"], record["count"], record["call"]) == (b"f-0", b"3", b"c2")
-    assert take_pending(run, keys.lock) is None  # taken once
-    assert put_back(run, keys.lock, record)
-    assert take_pending(run, keys.lock) == record
+    assert (superseded_by(record, "holder"), superseded_by(record, "newer")) == (None, "newer")
+    assert take_pending(run, keys) is None  # taken once
+    assert put_back(run, keys, record)
+    assert take_pending(run, keys) == record
 
 
 def test_pending_scripts_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
@@ -190,15 +199,12 @@ def test_killed_holder_follow_up_published_by_main_process(
     assert executions[1].start_us > killed_us  # the follow-up ran only after the holder died
 
 
-@pytest.mark.slow(seconds=6)
-def test_pending_of_an_expired_lock_published_by_the_next_holder(
-    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
-) -> None:
-    """A pending record left beside a lock that expired (nobody released it) is published when
-    the next run of that key releases."""
-    key, lock = "expired", _lock_key(key_prefix, "expired")
-    pending = pending_key(lock)
-    # what a dead holder leaves: a lock hash that expires by itself, and a coalesced call
+def _plant_dead_holder(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, lock: str, key: str
+) -> str:
+    """What a dead holder ``dead-run`` of ``key`` leaves: a lock hash that expires by itself,
+    and a duplicate's call coalesced beside it (its follow-up's task id returned) once the lock
+    expired."""
     redis_client.hset(lock, mapping={"owner": "dead-run", "gen": "0", "token": "1"})
     redis_client.pexpire(lock, 500)
     duplicate = client_app.send_task(TASK, kwargs={"key": key, "payload": "pending"})
@@ -207,15 +213,117 @@ def test_pending_of_an_expired_lock_published_by_the_next_holder(
     assert follow_up is not None
     assert skip_info(duplicate).holder == "dead-run"
     wait_for(lambda: not redis_client.exists(lock), 5, "the dead holder's lock to expire")
-    assert redis_client.exists(pending)
+    assert redis_client.exists(pending_key(lock))
+    return follow_up
+
+
+@pytest.mark.slow(seconds=6)
+def test_pending_of_an_expired_lock_is_superseded_by_the_next_run(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A pending record left beside a lock that expired (nobody released it) is taken when the
+    next run of that key releases; that run took the lock after the record's call, so it is
+    newer: the follow-up is not published but ends like a skip naming it."""
+    key, lock = "expired", _lock_key(key_prefix, "expired")
+    follow_up = _plant_dead_holder(worker, client_app, redis_client, lock, key)
     nxt = client_app.send_task(TASK, kwargs={"key": key, "payload": "next"})
     assert nxt.get(timeout=10)["payload"] == "next"
-    value = AsyncResult(follow_up, app=client_app).get(timeout=10)
-    assert value["payload"] == "pending"
+    info = skip_info(AsyncResult(follow_up, app=client_app).get(timeout=10))
+    assert info == SkipInfo(key=lock, holder=nxt.id, task_id=follow_up)
+    assert _runs(redis_client, key_prefix, key) == 1
+    assert not redis_client.exists(pending_key(lock))
+    assert (
+        "singleton: coalesced follow-up superseded by a newer run, not published: "
+        f"{TASK}[{follow_up}] key={lock} holder={nxt.id} duplicates=1"
+    ) in worker.log_text()
+
+
+@pytest.mark.slow(seconds=6)
+def test_pending_of_an_expired_lock_runs_after_a_copy_of_its_holder(
+    worker: WorkerProcess, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The run that takes the expired lock is a copy of the dead holder's own message (the same
+    task id: a broker's redelivery after its node died), so it carries the holder's call, older
+    than the coalesced one: its release publishes the follow-up, which runs after it."""
+    key, lock = "expired-copy", _lock_key(key_prefix, "expired-copy")
+    follow_up = _plant_dead_holder(worker, client_app, redis_client, lock, key)
+    copy = client_app.send_task(TASK, kwargs={"key": key, "payload": "held"}, task_id="dead-run")
+    assert copy.get(timeout=10)["payload"] == "held"
+    assert AsyncResult(follow_up, app=client_app).get(timeout=10)["payload"] == "pending"
     executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
-    assert not redis_client.exists(pending)
+    assert not redis_client.exists(pending_key(lock))
+
+
+@pytest.mark.slow(seconds=15)
+def test_an_orphaned_follow_up_does_not_run_after_a_newer_run(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """Two holders (keys "orphan" and "joined") with duplicates coalesced beside them, then
+    their whole node dies (the worker's process group SIGKILLed): nobody releases, their locks
+    expire, their records stay. On another worker a newer run D of "orphan" runs; its release
+    takes the orphaned record, whose older call would run after D: the follow-up ends like a
+    skip naming D instead. On "joined" a duplicate meets the newer run D2 and joins the record
+    (same follow-up id, its call the latest): D2's own follow-up, published at its release and
+    run with that call. Nothing else is lost."""
+    doomed = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    doomed.wait_ready(client_app)
+    keys = ("orphan", "joined")
+    locks = {key: _lock_key(key_prefix, key) for key in keys}
+    for key in keys:
+        until = f"{key_prefix}gate:dead:{key}"
+        client_app.send_task(TASK, kwargs={"key": key, "payload": "held", "until": until})
+    wait_for(
+        lambda: all(_runs(redis_client, key_prefix, key) == 1 for key in keys), 10, "the holders"
+    )
+    follow_ups = {}
+    for key in keys:
+        burst = [
+            client_app.send_task(TASK, kwargs={"key": key, "payload": f"old-{n}"}) for n in range(3)
+        ]
+        wait_for(lambda b=burst: all(r.ready() for r in b), 10, "the burst coalesced", doomed)
+        (follow_ups[key],) = {_coalesced(r) for r in burst}
+    doomed.kill()  # the whole node: no main process left to release
+    wait_for(
+        lambda: not redis_client.exists(*locks.values()), 5, "the dead holders' locks to expire"
+    )
+    assert redis_client.exists(*(pending_key(lock) for lock in locks.values())) == 2
+
+    survivor = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3)
+    survivor.wait_ready(client_app)
+    newer = client_app.send_task(TASK, kwargs={"key": "orphan", "payload": "D"})
+    assert newer.get(timeout=10)["payload"] == "D"
+    superseded = AsyncResult(follow_ups["orphan"], app=client_app).get(timeout=10)
+    assert skip_info(superseded) == SkipInfo(
+        key=locks["orphan"], holder=newer.id, task_id=follow_ups["orphan"]
+    )
+
+    gate = f"{key_prefix}gate:joined"
+    joined = client_app.send_task(TASK, kwargs={"key": "joined", "payload": "D2", "until": gate})
+    wait_for(lambda: _runs(redis_client, key_prefix, "joined") == 2, 10, "D2 to start", survivor)
+    latest = client_app.send_task(TASK, kwargs={"key": "joined", "payload": "latest"})
+    wait_for(latest.ready, 10, "the duplicate of D2 coalesced", survivor)
+    assert skip_info(latest).holder == joined.id
+    assert _coalesced(latest) == follow_ups["joined"]  # joined the record: one follow-up
+    redis_client.rpush(gate, "go")
+    assert joined.get(timeout=10)["payload"] == "D2"
+    done = AsyncResult(follow_ups["joined"], app=client_app).get(timeout=10)
+    assert done["payload"] == "latest"
+
+    history = load_history(redis_client, history_key(key_prefix))
+    ran = {key: [e for e in history if e.key == key] for key in keys}
+    assert [e.finished for e in ran["orphan"]] == [False, True]  # the dead holder, D
+    assert [e.finished for e in ran["joined"]] == [False, True, True]  # dead, D2, follow-up
+    for key in keys:  # the dead holder's run never ended: the others, one at a time
+        assert_no_overlap(check_history(ran[key][1:]), allow_unfinished=False)
+        assert not redis_client.exists(pending_key(locks[key]))
+    log = survivor.log_text()
+    assert log.count("singleton: coalesced follow-up superseded by a newer run") == 1
+    assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
 
 
 # -- with completion records: copies of a coalesced message (acks_late, visibility timeout) -------

@@ -158,12 +158,14 @@ def test_eager_chain_goes_on_past_a_skipped_step(eager_app: Celery, singleton_lo
 # -- eager runs of coalesce and permits -----------------------------------------------------------
 
 
-def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
-    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+def test_eager_coalesced_duplicate_leaves_its_call_and_a_newer_run_supersedes_it(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis, caplog: Any
 ) -> None:
     """An eager duplicate under "coalesce" ends like a skip naming the follow-up and leaves its
-    call; the next eager run of the key publishes that follow-up at its release, which in eager
-    mode runs it there and then: once, with the duplicate's arguments, nothing left behind."""
+    call. Its holder's lock goes without a release that looks for the record (as when it
+    expires: its node died), so the next eager run of the key takes the lock after the
+    coalesced call: newer, its release ends the follow-up as its skip instead of running the
+    older call after it. Nothing left behind."""
     coalesce = eager_app.tasks["e.coalesce"]
     lock = _hold_elsewhere(coalesce, "k")
     duplicate = coalesce.delay("k", "coalesced")
@@ -175,8 +177,14 @@ def test_eager_coalesced_duplicate_leaves_its_call_and_the_next_release_runs_it(
     assert eager_app.eager_runs == []  # type: ignore[attr-defined]
 
     store_for(coalesce.singleton_options().redis_url).release(lock, "other-run", 0)
-    assert coalesce.delay("k", "next").get() == "next"
-    assert eager_app.eager_runs == ["next", "coalesced"]  # type: ignore[attr-defined]
+    with caplog.at_level("INFO", logger="celery_singleton_lock.coalesce"):
+        nxt = coalesce.delay("k", "next")
+    assert nxt.get() == "next"
+    assert eager_app.eager_runs == ["next"]  # type: ignore[attr-defined]
+    assert (
+        "singleton: coalesced follow-up superseded by a newer run, not published: "
+        f"e.coalesce[{info.follow_up}] key={lock} holder={nxt.id} duplicates=1"
+    ) in caplog.text
     assert not redis_client.exists(pending_key(lock))
     assert held_locks(eager_app, singleton_locks) == []
 
@@ -257,19 +265,18 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         info = skip_info(coalesce.delay("k", payload))
         assert info is not None
         assert info.follow_up is not None
-        store = store_for(coalesce.singleton_options().redis_url)
-        store.release(lock, "other-run", 0)
-        coalesce.delay("k", "next")
-        assert runs == ["next", payload]
+        coalesce._singleton_abandon(coalesce.singleton_keys(("k",), {}), "other-run", 0)
+        assert runs == [payload]  # published by the holder's release: runs in place
 
         _hold_elsewhere(coalesce, "k")
         assert skip_info(coalesce.delay("k", "refused")) is not None
+        store = store_for(coalesce.singleton_options().redis_url)
         store.release(lock, "other-run", 0)
         # the record's type is not (or no longer) one the app accepts
         app.conf.accept_content = ["json" if serializer != "json" else "pickle"]
         with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
             coalesce.delay("k", "last")
-        assert runs == ["next", payload, "last"]  # the refused record was not run
+        assert runs == [payload, "last"]  # the refused record was not run
         assert not store.client.exists(pending_key(lock))  # nor put back
         assert "coalesced follow-up dropped, not a call this app wrote or accepts" in (caplog.text)
     app.close()

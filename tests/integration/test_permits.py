@@ -1,4 +1,5 @@
-"""singleton_permits: up to N runs of one key at once, each in a permit slot of its own."""
+"""singleton_permits: up to N runs of one key at once, each in a permit slot of its own; under
+"coalesce" the duplicates of a full set become the key's one follow-up."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import skip_info
@@ -24,7 +26,8 @@ from celery_singleton_lock.core.backend import (
     release_lost_slot,
 )
 from celery_singleton_lock.core.completion import Ending, done_key
-from celery_singleton_lock.core.keys import LockKeys, lock_key_problem, lock_keys
+from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_key_problem, lock_keys
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import (
@@ -33,10 +36,11 @@ from tests.support.history import (
     load_history,
     max_at_once,
     permit_group,
+    server_time_us,
 )
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory
+from tests.support.workers import WorkerFactory, WorkerProcess
 
 
 def check_permit_slots(store: LockBackend, keys: LockKeys) -> None:
@@ -506,3 +510,142 @@ def test_a_window_per_slot_lets_n_runs_start_per_window(
     assert len(runs) == 3  # the first, the second and the fourth
     assert runs[2].start_us >= runs[0].start_us + WINDOW_S * 1e6  # server clock
     assert_no_overlap(check_history(runs), allow_unfinished=False)
+
+
+# -- with coalesce (singleton_on_duplicate="coalesce") -------------------------------------------
+
+COALESCE = "t.export_permits_coalesce"
+#: duplicates in the burst met by a full set of slots
+BURST = 200
+
+
+def _tenant(tenant: str, payload: object = None, until: str | None = None) -> None:
+    """The parameters of t.export_permits_coalesce."""
+
+
+def coalesce_keys(prefix: str, tenant: str = "a") -> LockKeys:
+    """The keys of t.export_permits_coalesce(tenant) on a test worker (2 permits)."""
+    keys = derive_keys(f"{prefix}lock:", COALESCE, _tenant, (tenant,), {}, ("tenant",))
+    return keys.with_permits(2)
+
+
+def _fill_the_slots(
+    client_app: Celery, redis_client: redis.Redis, key_prefix: str, worker: WorkerProcess
+) -> tuple[list[AsyncResult], list[str], dict[str, dict[str, str]]]:
+    """Two runs of tenant "a" holding both slots until their gates are pushed: the runs, the
+    gates, and the slots they hold."""
+    gates = [f"{key_prefix}gate:slot:{n}" for n in range(2)]
+    holders = [
+        client_app.send_task(COALESCE, ("a",), {"payload": f"H{n}", "until": gate})
+        for n, gate in enumerate(gates)
+    ]
+    held = wait_for(
+        lambda: (s := _slots_held(redis_client, key_prefix)) and len(s) == 2 and s,
+        10,
+        "both slots held",
+        worker,
+    )
+    return holders, gates, held
+
+
+def _follow_up_of(results: list[AsyncResult]) -> str:
+    """The one follow-up every coalesced duplicate of ``results`` names."""
+    follow_ups = {info.follow_up if (info := skip_info(r)) else None for r in results}
+    assert len(follow_ups) == 1, follow_ups
+    (follow_up,) = follow_ups
+    assert follow_up is not None
+    return follow_up
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_burst_met_by_every_slot_gives_one_follow_up_with_the_latest_arguments(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Two permits, both held: 200 duplicates and one more collapse into one follow-up (one
+    record for the key, not one per slot), with the last one's arguments. The first holder's
+    release publishes it; it takes the freed slot and runs beside the second holder. Three runs
+    in all, never more than two at once, no slot held twice."""
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=4)
+    worker.wait_ready(client_app)
+    keys = coalesce_keys(key_prefix)
+    holders, gates, held = _fill_the_slots(client_app, redis_client, key_prefix, worker)
+    with client_app.producer_or_acquire() as producer:
+        burst = [
+            client_app.send_task(COALESCE, ("a",), {"payload": f"b-{i}"}, producer=producer)
+            for i in range(BURST)
+        ]
+
+    def coalesced() -> int:
+        return int(redis_client.hget(pending_key(keys.lock), "count") or 0)
+
+    wait_for(lambda: coalesced() == BURST, 60, "the burst coalesced", worker)
+    last = client_app.send_task(COALESCE, ("a",), {"payload": "last"})
+    wait_for(lambda: coalesced() == BURST + 1, 10, "the last duplicate coalesced", worker)
+    wait_for(lambda: all(r.ready() for r in [*burst, last]), 10, "every result", worker)
+    follow_up = _follow_up_of([*burst, last])
+    assert {skip_info(r).holder for r in [*burst[:20], last]} <= {h.id for h in holders}
+    assert pending_key(keys.slot(2)) == pending_key(keys.lock)  # one record per key
+
+    redis_client.rpush(gates[0], "go")
+    first = holders[0].get(timeout=10)
+    value = AsyncResult(follow_up, app=client_app).get(timeout=10)
+    assert value["payload"] == "last"
+    assert value["key"] == first["key"]  # the slot its release freed
+    assert not holders[1].ready()  # the follow-up ran beside the second holder
+    redis_client.rpush(gates[1], "go")
+    holders[1].get(timeout=10)
+    wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)
+    assert not redis_client.exists(pending_key(keys.lock))
+    executions = load_history(redis_client, history_key(key_prefix))
+    assert len(executions) == 3
+    assert_no_overlap(check_history(executions), allow_unfinished=False)
+    assert max_at_once(executions) == {permit_group(keys.lock): 2}
+    log = worker.log_text()
+    assert log.count("singleton: coalesced follow-up published after SUCCESS") == 1
+    assert f"duplicates={BURST + 1}" in log
+    assert set(held) == set(keys.slots)
+
+
+@pytest.mark.slow(seconds=10)
+def test_the_main_process_publishes_the_follow_up_of_a_killed_slot_holder(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Two permits, both held (ttl 30 s), one duplicate coalesced: SIGKILL of the child of one
+    holder. The worker's main process releases that slot and publishes the follow-up, which
+    runs in it while the other holder still runs."""
+    worker = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=4, env={"SINGLETON_TEST_TTL": "30"}
+    )
+    worker.wait_ready(client_app)
+    holders, gates, held = _fill_the_slots(client_app, redis_client, key_prefix, worker)
+    duplicate = client_app.send_task(COALESCE, ("a",), {"payload": "after"})
+    wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
+    follow_up = _follow_up_of([duplicate])
+    victim_key = next(key for key, info in held.items() if info["owner"] == holders[1].id)
+    pid = int(held[victim_key]["pid"])
+    os.kill(pid, signal.SIGKILL)
+    killed_us = server_time_us(redis_client)
+    value = AsyncResult(follow_up, app=client_app).get(timeout=15)
+    assert (value["payload"], value["key"]) == ("after", victim_key)
+    assert value["pid"] != pid
+    assert not holders[0].ready()
+    log = worker.log_text()
+    assert "singleton: released by main process after worker lost" in log
+    assert "singleton: coalesced follow-up published after worker lost" in log
+    redis_client.rpush(gates[0], "go")
+    holders[0].get(timeout=10)
+    wait_for(holders[1].ready, 10, "the killed holder's failure", worker)
+    assert holders[1].state == "FAILURE"
+    executions = load_history(redis_client, history_key(key_prefix))
+    assert len(executions) == 3
+    ended = [e for e in executions if e.finished]  # the killed holder's run never ended
+    assert len(ended) == 2
+    assert_no_overlap(check_history(ended), allow_unfinished=False)
+    assert next(e for e in ended if e.key == victim_key).start_us > killed_us
+    assert not redis_client.exists(pending_key(victim_key))

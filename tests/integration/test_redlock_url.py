@@ -139,9 +139,9 @@ def test_pending_follow_ups_over_redlock(
     assert isinstance(store, RedlockStore)
     keys = lock_keys("cslt:rlurl:", "t.pending", b"k")
     check_pending_scripts(store, keys)
-    assert put_back(store.run_script, keys.lock, {"id": "f-1"})
+    assert put_back(store.run_script, keys, {"id": "f-1"})
     assert [c.exists(pending_key(keys.lock)) for c in store.clients] == [1, 0, 0]
-    assert take_pending(store.run_script, keys.lock) == {"id": b"f-1"}
+    assert take_pending(store.run_script, keys) == {"id": b"f-1"}
 
 
 def test_worker_runs_over_redlock_and_survives_a_dead_master(

@@ -828,6 +828,20 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_PERMITS"):
             raise self.retry(countdown=0.3)
         return result
 
+    @app.task(
+        name="t.export_permits_coalesce",
+        singleton_permits=2,
+        singleton_on_duplicate="coalesce",
+        **PER_TENANT,
+    )
+    def export_permits_coalesce(
+        self: Any, tenant: str, payload: Any = None, until: str | None = None
+    ) -> dict[str, Any]:
+        """At most 2 at once; the duplicates of a full set coalesce into one follow-up. With
+        ``until``, it holds its slot until the test pushes to that list (``_run``)."""
+        key = self.singleton.key
+        return {**_run(self, key, 0.0, until), "key": key, "payload": payload}
+
     @app.task(name="t.permits_outcome", singleton_permits=2, **PER_TENANT)
     def permits_outcome(self: Any, tenant: str, kind: str, seconds: float = 0.0) -> dict[str, Any]:
         """Two at once; ends with ``kind`` after ``seconds``: "ok", "fail" (ValueError) or

@@ -392,11 +392,21 @@ def test_permits_are_refused_with_publish_time_dedup(lock_on: str) -> None:
         read_options({"singleton_permits": 2, "singleton_lock_on": lock_on})
 
 
-def test_permits_are_refused_with_coalesce() -> None:
-    """A coalesced follow-up waits beside one lock: permits > 1 and coalesce do not go together."""
+def test_permits_go_with_coalesce_but_not_with_a_window() -> None:
+    """Coalesce with permits: the N+1th call meets the policy, and its call waits as the key's
+    one follow-up (docs/design.md). With an at-least window per slot it is still refused, as
+    for one permit: a slot in a window has no run whose release would take the record."""
     conf = {"singleton_permits": 3, "singleton_on_duplicate": "coalesce"}
-    with pytest.raises(SingletonConfigError, match="coalesce"):
-        read_options(conf)
+    opts = read_options(conf)
+    assert (opts.permits, opts.on_duplicate) == (3, "coalesce")
+    task = SimpleNamespace(
+        name="t.export",
+        singleton_permits=3,
+        singleton_on_duplicate="coalesce",
+        singleton_lock_at_least=60,
+    )
+    with pytest.raises(SingletonConfigError, match="does not go with singleton_lock_at_least"):
+        read_options({}, task)
 
 
 def test_coalesce_is_refused_with_an_at_least_window() -> None:
