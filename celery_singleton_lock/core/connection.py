@@ -38,6 +38,7 @@ from .backend import Client, LockBackend
 from .cluster import ClusterStore
 from .redlock import RedlockStore
 from .renewer import Renewer
+from .sendahead import SendAhead
 from .store import LockStore
 from .urls import LockUrl, parse_lock_url, redact_url
 
@@ -47,6 +48,7 @@ __all__ = [
     "lock_url",
     "master_timeout",
     "new_store",
+    "prober_for",
     "redlock_clients",
     "renewer_for",
     "reset",
@@ -65,9 +67,14 @@ DEFAULTS: dict[str, Any] = {
     "health_check_interval": 30,
 }
 
+#: Seconds a probe may take, connecting included, before it counts as an error
+#: (:func:`probe_client_for`): the worker's main process waits for it in its event loop.
+PROBE_TIMEOUT_S = 0.1
+
 _mutex = threading.Lock()
 _stores: dict[tuple[int, str], LockBackend] = {}
 _renewers: dict[tuple[int, str], Renewer] = {}
+_probers: dict[tuple[int, str], SendAhead | None] = {}
 
 
 def lock_url(url: str) -> LockUrl:
@@ -95,23 +102,24 @@ def client_for(url: str) -> Client:
     return _server_client(parsed, url)
 
 
-def _server_client(parsed: LockUrl, url: str) -> redis.Redis:
-    """The client of one server: a Sentinel's master, or the server a redis-py URL names."""
+def _server_client(parsed: LockUrl, url: str, defaults: dict[str, Any] = DEFAULTS) -> redis.Redis:
+    """The client of one server: a Sentinel's master, or the server a redis-py URL names;
+    ``defaults`` are its connection keywords, unless the URL sets them."""
     if parsed.kind == "sentinel":
-        return _sentinel_client(parsed)
+        return _sentinel_client(parsed, defaults)
     try:
-        return redis.Redis.from_url(parsed.redis_url, **DEFAULTS)
+        return redis.Redis.from_url(parsed.redis_url, **defaults)
     except ValueError as exc:  # never echo the URL: it may carry a password
         raise ValueError(f"bad Redis URL {redact_url(url)}: {exc}") from None
 
 
-def _sentinel_client(parsed: LockUrl) -> redis.Redis:
+def _sentinel_client(parsed: LockUrl, defaults: dict[str, Any]) -> redis.Redis:
     sentinel_kwargs = {
-        **{k: v for k, v in DEFAULTS.items() if k.startswith("socket_")},
+        **{k: v for k, v in defaults.items() if k.startswith("socket_")},
         **parsed.sentinel_options,
     }
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        list(parsed.nodes), sentinel_kwargs=sentinel_kwargs, **{**DEFAULTS, **parsed.options}
+        list(parsed.nodes), sentinel_kwargs=sentinel_kwargs, **{**defaults, **parsed.options}
     )
     master: redis.Redis = sentinel.master_for(parsed.service)  # type: ignore[no-untyped-call]
     return master
@@ -142,6 +150,30 @@ def _cluster_client(parsed: LockUrl, url: str) -> RedisCluster:
         raise redis.ConnectionError(
             f"no node of the cluster {redact_url(url)} answered: {exc}"
         ) from None
+
+
+def prober_for(url: str) -> SendAhead | None:
+    """This process's connection for read-only probes of ``url``'s locks (core/probe.py): a
+    client of its own whose calls fail after :data:`PROBE_TIMEOUT_S`, connecting included,
+    and are never retried, and one kept connection of it. None for a cluster or Redlock URL:
+    a probe there is not one bounded round trip."""
+    key = (current_pid(), url)
+    try:
+        return _probers[key]
+    except KeyError:
+        pass
+    parsed = lock_url(url)
+    prober = None
+    if parsed.kind in ("single", "sentinel"):
+        defaults = {
+            **DEFAULTS,
+            "socket_timeout": PROBE_TIMEOUT_S,
+            "socket_connect_timeout": PROBE_TIMEOUT_S,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        prober = SendAhead(_server_client(parsed, url, defaults))
+    with _mutex:
+        return _probers.setdefault(key, prober)
 
 
 def redlock_clients(url: str) -> list[redis.Redis]:
@@ -241,6 +273,10 @@ def reset() -> None:
         stores = [store for (owner_pid, _), store in _stores.items() if owner_pid == pid]
         _renewers.clear()
         _stores.clear()
+        probers = [p for (o, _), p in _probers.items() if o == pid and p is not None]
+        _probers.clear()
+    for prober in probers:
+        prober.close()
     for renewer in renewers:
         renewer.stop()
     for store in stores:

@@ -103,6 +103,13 @@ class SendAhead:
             done, self._done = self._done, []
             return done
 
+    def close(self) -> None:
+        """Disconnect every connection of the client's pool, this one's included."""
+        with self._mutex:
+            self._connection = None
+            self._pending = []
+        self._client.connection_pool.disconnect()
+
     # -- the connection ------------------------------------------------------------------------
 
     def _connect(self) -> Connection:
