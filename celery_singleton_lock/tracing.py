@@ -59,7 +59,7 @@ from .errors import LockUnavailableError, SingletonKeyError
 if TYPE_CHECKING:
     from .task import SingletonTask
 
-__all__ = ["FirstTry", "take_first_try", "trace_run"]
+__all__ = ["FirstTry", "end_skip", "take_first_try", "trace_run"]
 
 Tracer = Callable[[str, Sequence[Any], Mapping[str, Any], dict[str, Any]], Any]
 
@@ -183,16 +183,36 @@ def _skip(
 ) -> Any:
     """End a skipped duplicate as Celery's tracer ends a run that succeeded."""
     assert isinstance(first.outcome, Contended)
+    marker, runtime = end_skip(
+        task, first.keys, first.outcome.holder, first.task_id, args, kwargs, request
+    )
+    return trace_ok_t(marker, None, runtime, saferepr(marker))
+
+
+def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
+    task: SingletonTask,
+    keys: LockKeys,
+    holder: str,
+    uuid: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: dict[str, Any],
+) -> tuple[dict[str, Any], float]:
+    """End a skipped duplicate without running it: its marker stored (SUCCESS), then
+    ``task_prerun``, its one line and ``duplicate_skipped``, ``task_postrun``; the marker and
+    the seconds it took. Where it raises (storing failed), nothing was sent yet.
+
+    ``request`` is the message's request dict, as Celery's tracer gets it. In front of
+    Celery's tracer (:func:`trace_run`), and in the worker's main process (strategy.py)."""
     started = time.monotonic()
-    uuid = first.task_id
     with _as_run(task, request, args, kwargs) as context:
         # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
-        marker = task._singleton_store_skip(first.keys, first.outcome.holder, uuid, context)
+        marker = task._singleton_store_skip(keys, holder, uuid, context)
         if celery_signals.task_prerun.receivers:
             celery_signals.task_prerun.send(
                 sender=task, task_id=uuid, task=task, args=args, kwargs=kwargs
             )
-        task._singleton_report_skip(first.keys, first.outcome.holder, uuid)
+        task._singleton_report_skip(keys, holder, uuid)
         if celery_signals.task_postrun.receivers:
             celery_signals.task_postrun.send(
                 sender=task,
@@ -203,7 +223,7 @@ def _skip(
                 retval=marker,
                 state=states.SUCCESS,
             )
-    return trace_ok_t(marker, None, time.monotonic() - started, saferepr(marker))
+    return marker, time.monotonic() - started
 
 
 def _drop(
