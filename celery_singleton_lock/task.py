@@ -85,6 +85,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
     #: Celery's worker-side request class for this task: tells the worker's main process which
     #: generation a lost child held (worker.py). A custom one must subclass it.
     Request = "celery_singleton_lock.worker:SingletonRequest"
+    #: Celery's default strategy, with the main-process skip in front of it (strategy.py).
+    Strategy = "celery_singleton_lock.strategy:singleton_strategy"
 
     _singleton_opts: Options | None = None
     #: the key deriver of this task, and the options it was made from (singleton_keys)

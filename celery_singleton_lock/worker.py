@@ -61,6 +61,7 @@ from .errors import SingletonConfigError
 from .options import describe, read_options
 from .reaper import ChildReaper
 from .scopes import check_scopes
+from .strategy import learning
 from .task import SingletonTask
 
 __all__ = ["SingletonRequest"]
@@ -100,9 +101,23 @@ class SingletonRequest(Request):  # type: ignore[misc]
 
     Celery's own, except that while it reports a failure the request is known to the
     ``task_failure`` handler below, which so learns the generation (retries count) of a
-    lost child's run. A task with its own Request class must subclass this one; otherwise the
-    main process cannot tell which generation a lost child held and leaves its lock to the ttl.
+    lost child's run; and that a duplicate the pool skipped makes its key hot, so the main
+    process turns the next ones away itself (strategy.py). A task with its own Request class
+    must subclass this one; otherwise the main process cannot tell which generation a lost
+    child held and leaves its lock to the ttl, and every duplicate goes to the pool.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Celery makes a subclass per task (``create_request_cls``) whose ``on_success``
+        does not call this one's: each subclass's own learns skips too (strategy.py)."""
+        super().__init_subclass__(**kwargs)
+        if "on_success" in cls.__dict__:
+            cls.on_success = learning(cls.__dict__["on_success"])  # type: ignore[method-assign]
+
+    @learning
+    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
+        """Celery's on_success; a skipped duplicate's key becomes hot first (strategy.py)."""
+        return super().on_success(failed__retval__runtime, **kwargs)
 
     def on_failure(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's on_failure; its ``task_failure`` (sent when the message will not come back)

@@ -10,6 +10,7 @@ each policy (docs/configuration.md, "Canvas").
   chord body with a ChordError naming it, link_error is called.
 - retry: the duplicate waits for the lock, then runs, and the canvas goes on as if nothing
   happened.
+- skip decided by the worker's main process (strategy.py), its key hot: the same.
 
 The worker is a solo pool consuming one message at a time, in order: once a callback published
 after everything else has run, whatever the steps before it published has run too, so "never
@@ -31,6 +32,7 @@ from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import LockKeys, derive_keys
 from celery_singleton_lock.core.pending import pending_key
 from tests.support.basic_app import SINGLETON_APP
+from tests.support.mainskip import reached_celery, turn_hot
 from tests.support.singleton_app import signals_key
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -202,6 +204,32 @@ def test_skip_stops_what_follows_and_the_callers_result_says_why(
     assert "Traceback" not in log
     for shape in ("chain", "group", "chord", "link", "nested", "before-chord"):
         assert canvas.store.holder(canvas.lock(f"busy-{shape}"))["owner"] == f"holder-{shape}"
+
+
+@pytest.mark.parametrize("canvas", ["t.step"], indirect=True)
+def test_a_skip_in_the_main_process_stops_what_follows_too(canvas: Canvas) -> None:
+    """The chain's and the chord's duplicate steps are turned away by the worker's main process
+    (the key is hot): nothing after them runs, and the caller's result names key and holder."""
+    canvas.hold("busy-hot", "holder-hot")
+    warm_up = turn_hot(canvas.app, canvas.worker, canvas.task, {"key": "busy-hot"})
+    step = canvas.step
+    chained = chain(step("a"), step("busy-hot"), step("c")).apply_async()
+    body = chord([step("h"), step("busy-hot")], canvas.gather("chord")).apply_async()
+    expected = (canvas.lock("busy-hot"), "holder-hot")
+    skipped = [chained.parent, body.parent.results[1]]
+    for result, value in (
+        (chained, chained.get(timeout=TIMEOUT)),
+        (body, body.get(timeout=TIMEOUT)),
+    ):
+        info = skip_info(value)
+        assert info is not None, result
+        assert (info.key, info.holder) == expected
+    assert not [r.id for r in skipped if reached_celery(canvas.worker, canvas.task, r.id)]
+    canvas.fence()
+    assert sorted(canvas.logged("step ")) == ["step a", "step fence-1", "step h"]
+    log = canvas.worker.log_text()
+    assert log.count("singleton: duplicate skipped: ") == len(warm_up) + 2
+    assert log.count("singleton: skipped duplicate stops its canvas, 1 later tasks marked") == 2
 
 
 @pytest.mark.parametrize("canvas", ["t.step_raise"], indirect=True)

@@ -9,6 +9,8 @@ a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
 - retry: task-retried whose ``exception`` names key and holder on every requeue (Flower: RETRY),
   then, once the lock is free, task-succeeded for the same task id (Flower: SUCCESS).
 - coalesce: as skip, the marker also naming the follow-up (``coalesced_into``).
+- skip turned away by the worker's main process (strategy.py): the same three events with the
+  same fields as a skip in the pool; Flower shows the same task.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import LockKeys, derive_keys
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.flower import EventCapture, FlowerProcess
+from tests.support.mainskip import turn_hot
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -62,6 +65,32 @@ def _send_duplicates(app: Celery) -> dict[str, Any]:
     }
 
 
+def _flower_subscribed(flower: FlowerProcess, worker: WorkerProcess, app: Celery) -> None:
+    """Flower's event receiver is subscribed once a plain run shows up in its API."""
+
+    def flower_sees_a_run() -> bool:
+        run = app.send_task("t.hold", kwargs={"key": "warm-up"})
+        run.get(timeout=TIMEOUT)
+        return wait_for(
+            lambda: (flower.task(run.id) or {}).get("state") == "SUCCESS", 2, fail=False
+        )
+
+    wait_for(flower_sees_a_run, TIMEOUT, "flower to see a task", worker, flower)
+
+
+def _receiver_subscribed(capture: EventCapture, worker: WorkerProcess, app: Celery) -> None:
+    """The worker answers a heartbeat request with a worker-heartbeat event; one sent before
+    the receiver's subscription reached the broker is lost: ask again."""
+
+    def subscribed() -> bool:
+        if any(e.get("type") == "worker-heartbeat" for e in capture.events):
+            return True
+        app.control.broadcast("heartbeat")
+        return False
+
+    wait_for(subscribed, TIMEOUT, "the receiver to get a heartbeat", worker, interval=0.3)
+
+
 @pytest.fixture
 def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     """A worker sending task events (-E)."""
@@ -93,15 +122,7 @@ def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
     key_prefix: str,
     redis_url: str,
 ) -> None:
-    # Flower's event receiver is subscribed once a plain run shows up in its API
-    def flower_sees_a_run() -> bool:
-        run = client_app.send_task("t.hold", kwargs={"key": "warm-up"})
-        run.get(timeout=TIMEOUT)
-        return wait_for(
-            lambda: (flower.task(run.id) or {}).get("state") == "SUCCESS", 2, fail=False
-        )
-
-    wait_for(flower_sees_a_run, TIMEOUT, "flower to see a task", worker, flower)
+    _flower_subscribed(flower, worker, client_app)
     held = _held(key_prefix, redis_url)
     duplicates = _send_duplicates(client_app)
 
@@ -158,16 +179,7 @@ def test_event_receiver_sees_every_duplicate_end(
 ) -> None:
     capture = EventCapture(client_app).start()
     try:
-
-        def subscribed() -> bool:
-            # the worker answers a heartbeat request with a worker-heartbeat event; one sent
-            # before the receiver's subscription reached the broker is lost: ask again
-            if any(e.get("type") == "worker-heartbeat" for e in capture.events):
-                return True
-            client_app.control.broadcast("heartbeat")
-            return False
-
-        wait_for(subscribed, TIMEOUT, "the receiver to get a heartbeat", worker, interval=0.3)
+        _receiver_subscribed(capture, worker, client_app)
         held = _held(key_prefix, redis_url)
         duplicates = _send_duplicates(client_app)
 
@@ -195,5 +207,65 @@ def test_event_receiver_sees_every_duplicate_end(
         retried = ended("retry", "task-retried")
         assert held["retry"].lock in retried["exception"]
         assert "is held by holder-retry" in retried["exception"]
+    finally:
+        capture.stop()
+
+
+#: what differs from one task's events to another's whoever sends them
+_PER_EVENT = {"uuid", "timestamp", "local_received", "clock", "pid", "runtime", "result", "root_id"}
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_skip_in_the_main_process_is_the_same_finished_task(
+    flower: FlowerProcess,
+    worker: WorkerProcess,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    """The first duplicate is skipped in the pool, the last of the warm-up by the worker's main
+    process: the event stream and Flower show both alike."""
+    capture = EventCapture(client_app).start()
+    try:
+        _receiver_subscribed(capture, worker, client_app)
+        _flower_subscribed(flower, worker, client_app)
+        keys = _keys(key_prefix, "t.hold", "flood")
+        assert isinstance(store_for(redis_url).acquire(keys, "holder-main", 0, 60_000), Acquired)
+        sent = turn_hot(client_app, worker, "t.hold", {"key": "flood"})
+        in_pool, in_main = sent[0], sent[-1]
+        kinds = ["task-received", "task-started", "task-succeeded"]
+        for duplicate in (in_pool, in_main):
+            wait_for(
+                lambda d=duplicate: [e["type"] for e in capture.of(d.id)] == kinds,
+                TIMEOUT,
+                "the three events",
+                worker,
+            )
+        for kind in kinds:
+            (pooled,) = capture.of(in_pool.id, kind)
+            (mained,) = capture.of(in_main.id, kind)
+            assert set(mained) == set(pooled), kind
+            same = {k: v for k, v in pooled.items() if k not in _PER_EVENT}
+            assert {k: mained[k] for k in same} == same, kind
+        (succeeded,) = capture.of(in_main.id, "task-succeeded")
+        assert keys.lock in succeeded["result"]
+        assert "'holder': 'holder-main'" in succeeded["result"]
+        assert succeeded["hostname"] == worker.nodename
+
+        def flower_shows(task_id: str) -> dict[str, Any]:
+            return wait_for(
+                lambda: (info := flower.task(task_id)) and info.get("succeeded") and info,
+                TIMEOUT,
+                "flower to show the skip",
+                worker,
+                flower,
+            )
+
+        pooled_task, mained_task = flower_shows(in_pool.id), flower_shows(in_main.id)
+        assert mained_task["state"] == "SUCCESS"
+        assert mained_task["result"] == succeeded["result"]
+        assert mained_task["worker"] == worker.nodename
+        shown = {k for k, v in pooled_task.items() if v is not None}
+        assert shown == {k for k, v in mained_task.items() if v is not None}
     finally:
         capture.stop()

@@ -20,14 +20,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from celery_singleton_lock import SingletonTask, metrics, signals, skip_info
 from celery_singleton_lock.core.backend import Acquired
-from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.keys import derive_keys, lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.events import configure_renewer
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import load_history
+from tests.support.mainskip import reached_celery, turn_hot
 from tests.support.waiting import wait_for
-from tests.support.workers import REPO_ROOT, WorkerFactory
+from tests.support.workers import REPO_ROOT, WorkerFactory, WorkerProcess
 
 
 def _hold(store: LockStore, prefix: str, ttl_ms: int) -> HeldLock:
@@ -234,6 +236,24 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _serving_worker(
+    factory: WorkerFactory, app: Celery, tmp_path: Path, concurrency: int
+) -> tuple[WorkerProcess, int]:
+    """A prefork worker serving the metrics as docs/operations.md shows (multiprocess mode),
+    ready; and the port it serves them on."""
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    port = _free_port()
+    worker = factory.start(
+        SINGLETON_APP,
+        pool="prefork",
+        concurrency=concurrency,
+        env={"SINGLETON_TEST_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(multiproc)},
+    )
+    worker.wait_ready(app)
+    return worker, port
+
+
 @pytest.mark.slow(seconds=5)
 def test_worker_serves_every_metric_the_dashboard_queries(
     worker_factory: WorkerFactory,
@@ -248,16 +268,7 @@ def test_worker_serves_every_metric_the_dashboard_queries(
     metric family of the library is charted. The wait histogram has one observation: the
     duplicate's, not the holder's."""
     queries = dashboard_queries()
-    multiproc = tmp_path / "prometheus"
-    multiproc.mkdir()
-    port = _free_port()
-    worker = worker_factory.start(
-        SINGLETON_APP,
-        pool="prefork",
-        concurrency=3,
-        env={"SINGLETON_TEST_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(multiproc)},
-    )
-    worker.wait_ready(client_app)
+    worker, port = _serving_worker(worker_factory, client_app, tmp_path, concurrency=3)
     history = history_key(key_prefix)
     holder = client_app.signature("t.hold_retry", kwargs={"key": "m", "seconds": 1.0}).delay()
     wait_for(lambda: load_history(redis_client, history), 20, "the holder to start", worker)
@@ -295,3 +306,35 @@ def test_worker_serves_every_metric_the_dashboard_queries(
     assert len(ours) == 4, ours
     uncharted = {f for f in ours if not any(n == f or n.startswith(f"{f}_") for n in charted)}
     assert not uncharted, f"served but on no panel of the dashboard: {sorted(uncharted)}"
+
+
+@pytest.mark.slow(seconds=5)
+def test_skips_of_the_main_process_are_counted_with_the_childrens(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """A prefork worker serving the metrics in multiprocess mode (docs/operations.md): the
+    duplicates its pool children skip and those its main process turns away itself
+    (strategy.py) add up to one count per duplicate."""
+    worker, port = _serving_worker(worker_factory, client_app, tmp_path, concurrency=2)
+    keys = derive_keys(f"{key_prefix}lock:", "t.hold", _hold_signature, (), {"key": "f"}, ("key",))
+    store_for(redis_url).acquire(keys, "the-holder", 0, 60_000)
+    sent = turn_hot(client_app, worker, "t.hold", {"key": "f"})
+    sent += [client_app.send_task("t.hold", kwargs={"key": "f"}) for _ in range(20)]
+    assert all(skip_info(result.get(timeout=30)) is not None for result in sent)
+    in_main = [r for r in sent if not reached_celery(worker, "t.hold", r.id)]
+    assert len(in_main) >= 20
+
+    def counted() -> float | None:
+        return _scrape(port).value(
+            "singleton_lock_events_total", event="duplicate_skipped", task="t.hold"
+        )
+
+    wait_for(lambda: counted() == len(sent), 20, "every skip counted", worker, ignore=(OSError,))
+
+
+def _hold_signature(key: str, seconds: float = 0.0, payload: Any = None) -> None:
+    """The parameters of t.hold."""

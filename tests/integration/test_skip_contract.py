@@ -4,7 +4,8 @@ worker-side tracing that ends it (tracing.py).
 A skip is a SUCCESS whose result is the skip marker; ``duplicate_skipped`` is sent; one
 ``singleton: duplicate skipped`` line is logged; ``task_prerun`` and ``task_postrun`` (state
 SUCCESS) fire; the body, ``on_success`` and ``task_success`` do not run; the holder's lock is
-untouched; the worker reports the message as a finished task.
+untouched; the worker reports the message as a finished task. The same contract holds for a
+flood of duplicates that the worker's main process turns away itself (strategy.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from celery_singleton_lock import SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys
 from tests.support.basic_app import SINGLETON_APP
+from tests.support.mainskip import reached_celery, turn_hot
 from tests.support.singleton_app import signals_key
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -97,6 +99,59 @@ def test_skip_contract_in_every_pool(  # noqa: PLR0917 - fixtures
         "on_success",
         "task_success",
         "task_postrun SUCCESS",
+    ]
+
+
+#: duplicates in the flood turned away by the main process
+FLOOD = 30
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("pool", ["solo", "threads", "prefork"])
+def test_a_flood_turned_away_by_the_main_process_keeps_the_contract(  # noqa: PLR0917 - fixtures
+    pool: str,
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Once a skip in the executing process made the key hot, the worker's main process turns
+    each duplicate away itself (no "received" line: no Request, no pool), with the same
+    contract; task_prerun and task_postrun fire there. Once the holder lets go, the next call
+    runs as before."""
+    keys = _keys(key_prefix, "flood")
+    store = store_for(redis_url)
+    store.acquire(keys, "the-holder", 0, 60_000)
+    held_before = store.holder(keys.lock)
+    worker = worker_factory.start(SINGLETON_APP, pool=pool, concurrency=2)
+    worker.wait_ready(client_app)
+    warm_up = turn_hot(client_app, worker, "t.contract", {"key": "flood"})
+
+    flood = [client_app.send_task("t.contract", kwargs={"key": "flood"}) for _ in range(FLOOD)]
+    for duplicate in flood:
+        info = skip_info(duplicate.get(timeout=20))
+        assert duplicate.state == "SUCCESS"
+        assert info == SkipInfo(keys.lock, "the-holder", duplicate.id)
+    assert not [d.id for d in flood if reached_celery(worker, "t.contract", d.id)]
+    for duplicate in warm_up + flood:
+        events = _events_until_postrun(redis_client, key_prefix, duplicate.id, worker)
+        assert events == ["task_prerun", "duplicate_skipped", "task_postrun SUCCESS"], events
+    lines = [line for line in worker.log_text().splitlines() if "duplicate skipped" in line]
+    assert len(lines) == len(warm_up) + FLOOD
+    for duplicate in flood:
+        (line,) = [line for line in lines if f"t.contract[{duplicate.id}] key=" in line]
+        assert line.endswith(f"key={keys.lock} holder=the-holder")
+        assert "/MainProcess]" in line  # in prefork too: not a pool child's
+    assert store.holder(keys.lock) == held_before
+    assert "Traceback" not in worker.log_text()
+
+    store.release(keys.lock, "the-holder", 0)
+    again = client_app.send_task("t.contract", kwargs={"key": "flood"})
+    assert skip_info(again.get(timeout=20)) is None
+    assert _events_until_postrun(redis_client, key_prefix, again.id, worker)[1:3] == [
+        "lock_acquired",
+        "body",
     ]
 
 
