@@ -17,7 +17,9 @@ the message acknowledged; the probe refreshes the key. Anything else (the lock f
 message's own earlier delivery or parent holding it, its completion record) forgets the key
 and goes to Celery's handler, which runs, requeues or drops it as before.
 
-Celery's handler also takes, untouched: a message with an ETA or countdown, or an expiry; one
+Only in the solo and threads pools (:data:`MAIN_PROCESS_POOLS`); under prefork every message
+goes to Celery's handler, and the pool's child skips as before. Celery's handler also takes,
+untouched: a message with an ETA or countdown, or an expiry; one
 revoked (by id, or while any stamped revoke is in force); a scheduled run's (beat's witness
 sees it); protocol 1; every message of a rate-limited task, or of a policy other than "skip"
 (the strategy is then Celery's own); every message when the lock store is a cluster or
@@ -48,7 +50,7 @@ from .tracing import end_skip
 if TYPE_CHECKING:
     from .task import SingletonTask
 
-__all__ = ["hot_keys_of", "learning", "singleton_strategy"]
+__all__ = ["MAIN_PROCESS_POOLS", "hot_keys_of", "learning", "singleton_strategy"]
 
 Handler = Callable[..., Any]
 
@@ -63,11 +65,27 @@ def hot_keys_of(task: Any) -> HotKeys | None:
     return hot
 
 
+#: The pools whose tasks run in the worker's main process (solo: in its main thread; threads:
+#: in threads of it, which share one interpreter lock with the main thread). Only there does a
+#: skip ended by the main process take no parallel work away: under prefork the children skip
+#: in parallel, and the main process, which receives and acknowledges every message, would do
+#: each skip's blocking round trips in its event loop, one after the other (a flood drained at
+#: 0.76-0.78x instead of 0.95x of a plain flood's rate, docs/performance.md), and call the
+#: result backend there. Other pools (prefork, gevent, eventlet) keep the executing process's
+#: skip.
+MAIN_PROCESS_POOLS = frozenset({"celery.concurrency.solo", "celery.concurrency.thread"})
+
+
 def singleton_strategy(task: SingletonTask, app: Any, consumer: Any, **options: Any) -> Handler:
-    """``SingletonTask.Strategy``: Celery's default strategy, with the main-process skip."""
+    """``SingletonTask.Strategy``: Celery's default strategy, with the main-process skip in the
+    pools of :data:`MAIN_PROCESS_POOLS`."""
     handler: Handler = default(task, app, consumer, **options)
     opts = task.singleton_options()
-    if opts.on_duplicate != "skip" or prober_for(opts.redis_url) is None:
+    if (
+        opts.on_duplicate != "skip"
+        or type(getattr(consumer, "pool", None)).__module__ not in MAIN_PROCESS_POOLS
+        or prober_for(opts.redis_url) is None
+    ):
         return handler
     hot = task.__dict__.setdefault("_singleton_hot", HotKeys())
     entries = hot.entries

@@ -237,16 +237,16 @@ def _free_port() -> int:
 
 
 def _serving_worker(
-    factory: WorkerFactory, app: Celery, tmp_path: Path, concurrency: int
+    factory: WorkerFactory, app: Celery, tmp_path: Path, concurrency: int, pool: str = "prefork"
 ) -> tuple[WorkerProcess, int]:
-    """A prefork worker serving the metrics as docs/operations.md shows (multiprocess mode),
-    ready; and the port it serves them on."""
+    """A worker (prefork by default) serving the metrics as docs/operations.md shows
+    (multiprocess mode), ready; and the port it serves them on."""
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
     port = _free_port()
     worker = factory.start(
         SINGLETON_APP,
-        pool="prefork",
+        pool=pool,
         concurrency=concurrency,
         env={"SINGLETON_TEST_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(multiproc)},
     )
@@ -309,17 +309,19 @@ def test_worker_serves_every_metric_the_dashboard_queries(
 
 
 @pytest.mark.slow(seconds=5)
-def test_skips_of_the_main_process_are_counted_with_the_childrens(
+def test_skips_of_the_main_process_are_counted_with_the_pools(
     worker_factory: WorkerFactory,
     client_app: Celery,
     key_prefix: str,
     redis_url: str,
     tmp_path: Path,
 ) -> None:
-    """A prefork worker serving the metrics in multiprocess mode (docs/operations.md): the
-    duplicates its pool children skip and those its main process turns away itself
-    (strategy.py) add up to one count per duplicate."""
-    worker, port = _serving_worker(worker_factory, client_app, tmp_path, concurrency=2)
+    """A threads worker serving the metrics (docs/operations.md): the duplicates its pool
+    threads skip and those its main process turns away itself (strategy.py) add up to one
+    count per duplicate."""
+    worker, port = _serving_worker(
+        worker_factory, client_app, tmp_path, concurrency=2, pool="threads"
+    )
     keys = derive_keys(f"{key_prefix}lock:", "t.hold", _hold_signature, (), {"key": "f"}, ("key",))
     store_for(redis_url).acquire(keys, "the-holder", 0, 60_000)
     sent = turn_hot(client_app, worker, "t.hold", {"key": "f"})

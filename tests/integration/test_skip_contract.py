@@ -107,7 +107,7 @@ FLOOD = 30
 
 
 @pytest.mark.slow(seconds=8)
-@pytest.mark.parametrize("pool", ["solo", "threads", "prefork"])
+@pytest.mark.parametrize("pool", ["solo", "threads"])
 def test_a_flood_turned_away_by_the_main_process_keeps_the_contract(  # noqa: PLR0917 - fixtures
     pool: str,
     worker_factory: WorkerFactory,
@@ -142,7 +142,7 @@ def test_a_flood_turned_away_by_the_main_process_keeps_the_contract(  # noqa: PL
     for duplicate in flood:
         (line,) = [line for line in lines if f"t.contract[{duplicate.id}] key=" in line]
         assert line.endswith(f"key={keys.lock} holder=the-holder")
-        assert "/MainProcess]" in line  # in prefork too: not a pool child's
+        assert "/MainProcess]" in line
     assert store.holder(keys.lock) == held_before
     assert "Traceback" not in worker.log_text()
 
@@ -153,6 +153,37 @@ def test_a_flood_turned_away_by_the_main_process_keeps_the_contract(  # noqa: PL
         "lock_acquired",
         "body",
     ]
+
+
+@pytest.mark.slow(seconds=6)
+def test_under_prefork_the_children_skip_every_duplicate(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+) -> None:
+    """Under prefork the main process never turns a duplicate away (strategy.py,
+    MAIN_PROCESS_POOLS): every duplicate of a held key reaches Celery's handler and is skipped
+    by a pool child, with the same contract."""
+    keys = _keys(key_prefix, "prefork-flood")
+    store = store_for(redis_url)
+    store.acquire(keys, "the-holder", 0, 60_000)
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2)
+    worker.wait_ready(client_app)
+    kwargs = {"key": "prefork-flood"}
+    flood = [client_app.send_task("t.contract", kwargs=kwargs) for _ in range(FLOOD)]
+    for duplicate in flood:
+        assert skip_info(duplicate.get(timeout=20)) == SkipInfo(
+            keys.lock, "the-holder", duplicate.id
+        )
+        assert reached_celery(worker, "t.contract", duplicate.id)
+        events = _events_until_postrun(redis_client, key_prefix, duplicate.id, worker)
+        assert events == ["task_prerun", "duplicate_skipped", "task_postrun SUCCESS"], events
+    lines = [line for line in worker.log_text().splitlines() if "duplicate skipped" in line]
+    assert len(lines) == FLOOD
+    assert not [line for line in lines if "/MainProcess]" in line]
+    store.release(keys.lock, "the-holder", 0)
 
 
 @pytest.fixture
