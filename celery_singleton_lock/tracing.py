@@ -198,9 +198,10 @@ def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
     kwargs: Mapping[str, Any],
     request: dict[str, Any],
 ) -> tuple[dict[str, Any], float]:
-    """End a skipped duplicate without running it: its marker stored (SUCCESS), then
-    ``task_prerun``, its one line and ``duplicate_skipped``, ``task_postrun``; the marker and
-    the seconds it took. Where it raises (storing failed), nothing was sent yet.
+    """End a skipped duplicate without running it: its marker stored (SUCCESS) and its queued
+    marker dropped (publish-time dedup), then ``task_prerun``, its one line and
+    ``duplicate_skipped``, ``task_postrun``; the marker and the seconds it took. Where it raises
+    (storing failed), nothing was sent yet.
 
     ``request`` is the message's request dict, as Celery's tracer gets it. In front of
     Celery's tracer (:func:`trace_run`), and in the worker's main process (strategy.py)."""
@@ -208,6 +209,8 @@ def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
     with _as_run(task, request, args, kwargs) as context:
         # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
         marker = task._singleton_store_skip(keys, holder, uuid, context)
+        if (task._singleton_opts or task.singleton_options()).lock_on != "execute":
+            task._singleton_forget_queued(uuid, keys, "skip")  # as before_start's, for a run
         if celery_signals.task_prerun.receivers:
             celery_signals.task_prerun.send(
                 sender=task, task_id=uuid, task=task, args=args, kwargs=kwargs

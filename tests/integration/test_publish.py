@@ -14,6 +14,7 @@ from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, publish, signals, skip_info
+from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import marker_ttl_ms
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
@@ -141,6 +142,35 @@ def test_duplicate_delay_returns_the_holder_until_the_run_is_over(
         signals.duplicate_not_published.disconnect(on_dedup)
     # every run handed its marker over: none is left
     assert not any(redis_client.exists(_marker(key_prefix, k)) for k in "abcr")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_queued_call_skipped_on_the_worker_drops_its_marker(  # noqa: PLR0917 - fixtures
+    pool: str,
+    worker_factory: WorkerFactory,
+    client: tuple[Celery, Any],
+    redis_client: redis.Redis,
+    redis_url: str,
+    key_prefix: str,
+) -> None:
+    """A call published while its key was free (its queued marker written) meets a holder that
+    took the lock meanwhile: skipped on the worker, in front of Celery's tracer, it drops its
+    marker as a run does at its start, so the next delay() is published at once."""
+    app, task = client
+    queued = task.delay("q")
+    assert redis_client.exists(_marker(key_prefix, "q"))
+    keys = derive_keys(
+        f"{key_prefix}lock:", "t.publish_hold", _signature, (), {"key": "q"}, ("key",)
+    )
+    store = store_for(redis_url)
+    store.acquire(keys, "the-holder", 0, 60_000)
+    worker = worker_factory.start(SINGLETON_APP, pool=pool, concurrency=2)
+    worker.wait_ready(app)
+    info = skip_info(queued.get(timeout=20))
+    assert info is not None
+    assert info.holder == "the-holder"
+    assert not redis_client.exists(_marker(key_prefix, "q"))
+    store.release(keys.lock, "the-holder", 0)
 
 
 def test_purged_message_blocks_the_key_no_longer_than_the_marker_ttl(
