@@ -47,13 +47,15 @@ def _events(client: redis.Redis, prefix: str, task_id: str) -> list[str]:
 def _events_until_postrun(
     client: redis.Redis, prefix: str, task_id: str, worker: WorkerProcess
 ) -> list[str]:
-    """The run's events, once task_postrun was logged (it comes after the result is stored)."""
-    return wait_for(
-        lambda: (e := _events(client, prefix, task_id)) and e[-1].startswith("task_postrun") and e,
-        10,
-        "task_postrun",
-        worker,
-    )
+    """The run's events up to task_postrun, once it was logged (it comes after the result is
+    stored). A run's ``lock_released`` may come after it (the release's reply is read later)."""
+
+    def until_postrun() -> list[str] | None:
+        events = _events(client, prefix, task_id)
+        ends = [i for i, event in enumerate(events) if event.startswith("task_postrun")]
+        return events[: ends[0] + 1] if ends else None
+
+    return wait_for(until_postrun, 10, "task_postrun", worker)
 
 
 @pytest.mark.slow(seconds=8)
