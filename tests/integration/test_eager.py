@@ -12,6 +12,7 @@ from celery import Celery, chain
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.coalesce import FOLLOW_UP_HEADER
+from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.testing import held_locks, isolated_locks
@@ -46,9 +47,10 @@ def eager_app(redis_url: str) -> Iterator[Celery]:
     app.close()
 
 
-def _coalescing_task(app: Celery, name: str) -> list[Any]:
+def _coalescing_task(app: Celery, name: str, **options: Any) -> list[Any]:
     """Define ``name`` on ``app``: a coalescing task keyed on ``key`` that returns its
-    ``payload``; the list each of its eager runs appends that payload to."""
+    ``payload``, with ``options`` as further task options; the list each of its eager runs
+    appends that payload to."""
     runs: list[Any] = []
 
     @app.task(
@@ -58,6 +60,7 @@ def _coalescing_task(app: Celery, name: str) -> list[Any]:
         shared=False,
         singleton_on_duplicate="coalesce",
         singleton_key_args=("key",),
+        **options,
     )
     def coalesce(self: Any, key: str, payload: Any = "") -> Any:
         runs.append(payload)
@@ -239,6 +242,36 @@ def test_eager_runs_take_permit_slots_and_the_next_is_skipped(
     assert skipped.state == "SUCCESS"
     assert skip_info(skipped) == SkipInfo(key=keys.lock, holder="other-run", task_id=skipped.id)
     assert held_locks(eager_app, singleton_locks) == keys.slots
+
+
+def test_eager_coalesce_with_permits_collapses_into_one_follow_up_for_the_key(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """Two permits, both slots held elsewhere: every eager duplicate collapses into the key's
+    one pending record (the latest call, a count), and an eager run while one slot is free
+    takes it instead of coalescing. The holder of either slot that releases publishes the
+    follow-up (here eager: it runs in place), once; nothing is left behind."""
+    runs = _coalescing_task(eager_app, "e.coalesce_permits", singleton_permits=2)
+    coalesce = eager_app.tasks["e.coalesce_permits"]
+    keys = coalesce.singleton_keys(("k",), {})
+    store = store_for(coalesce.singleton_options().redis_url)
+    assert isinstance(store.acquire(keys, "other-run", 0, 10_000), Acquired)
+    assert coalesce.delay("k", "in-the-free-slot").get() == "in-the-free-slot"
+    assert runs == ["in-the-free-slot"]
+    assert isinstance(store.acquire(keys, "third-run", 0, 10_000), Acquired)
+    infos = [skip_info(coalesce.delay("k", f"call-{i}")) for i in range(3)]
+    assert all(info is not None for info in infos)
+    follow_ups = {info.follow_up for info in infos if info is not None}
+    assert len(follow_ups) == 1, follow_ups  # one pending record for the key, not per slot
+    assert redis_client.hget(pending_key(keys.lock), "count") == b"3"
+    assert runs == ["in-the-free-slot"]
+
+    coalesce._singleton_abandon(keys, "third-run", 0, slot=2)
+    assert runs == ["in-the-free-slot", "call-2"]  # the latest call, once
+    assert not redis_client.exists(pending_key(keys.lock))
+    coalesce._singleton_abandon(keys, "other-run", 0, slot=1)  # nothing pending: runs nothing
+    assert runs == ["in-the-free-slot", "call-2"]
+    assert held_locks(eager_app, singleton_locks) == []
 
 
 @pytest.mark.parametrize("serializer", ["json", "pickle", "msgpack", "yaml"])
