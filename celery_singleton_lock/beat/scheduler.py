@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, SupportsIndex
 
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate, schedule, solar
@@ -515,6 +515,12 @@ class _AlignedInterval:
 
     def is_due(self, last_run_at: datetime | None) -> tuple[bool, float]:
         return self._scheduler._interval_due(self._entry, self._sched, last_run_at)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickled as the entry's own schedule. Beat's SIGTERM handler writes the schedule file
+        whenever it lands, also while this stands in: it must neither fail there (the beat
+        would go on running) nor write the scheduler into the file."""
+        return self._sched.__reduce_ex__(protocol)  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sched, name)

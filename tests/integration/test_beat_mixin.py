@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shelve
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -459,3 +460,33 @@ def test_scheduler_resolves_by_dotted_path_and_by_alias(beat_app: Celery, tmp_pa
         scheduler = service.get_scheduler(lazy=True)
         assert type(scheduler) is SingletonScheduler, name
         assert isinstance(scheduler, SingletonSchedulerMixin)
+
+
+def test_a_sigterm_while_an_interval_entry_is_checked_saves_the_schedule_and_stops(
+    beat_app: Celery, tmp_path: Path
+) -> None:
+    """Beat's SIGTERM handler (``celery.apps.beat``: ``service.sync()``, then SystemExit) can
+    land while ``is_due`` stands the epoch-grid schedule in for an interval entry's. The
+    schedule file is written then: the entry must be written with its own schedule, and the
+    beat must stop. Found in the chaos run: the stand-in (holding the scheduler and its locks)
+    could not be pickled, the TypeError came out of the handler instead of SystemExit, the beat
+    went on running after its SIGTERM and that tick's run was not published."""
+    filename = str(tmp_path / "schedule")
+    scheduler = SingletonScheduler(app=beat_app, schedule_filename=filename, max_interval=1)
+    entry = scheduler.schedule[INTERVAL]
+    original = entry.schedule
+
+    def sigterm_now() -> float:
+        # what beat's handler does, at the moment is_due reads the clock
+        scheduler.close()
+        raise SystemExit
+
+    scheduler.singleton_clock = sigterm_now  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        scheduler.is_due(entry)
+    assert entry.schedule is original  # given back, whatever ended the call
+
+    with shelve.open(filename) as saved:
+        written = saved["entries"][INTERVAL].schedule
+    assert type(written) is type(original)
+    assert written.run_every == original.run_every

@@ -236,10 +236,15 @@ def test_paused_delivery_learns_its_redelivered_copy_took_the_lock(
     # (a body that ended first acks its message, and no copy ever comes)
     result = client_app.send_task("t.hold_redelivered", args=("paused-copy", 4.0, 10.0))
     runs_key = deliveries_key(key_prefix, result.id)
+    # its body started, not only its lock taken: a child paused in between would leave the
+    # copy to run as the first delivery, with the long body (seen under load)
     lock, fields = wait_for(
-        lambda: next(iter(lock_holders(redis_client, key_prefix).items()), None),
+        lambda: (
+            int(redis_client.get(runs_key) or 0) >= 1
+            and next(iter(lock_holders(redis_client, key_prefix).items()), None)
+        ),
         15,
-        "the first delivery to take the lock",
+        "the first delivery to take the lock and start its body",
     )
     first = next(w for w in workers if w.nodename == fields["host"])
     # only the pool child (and its renewer): a stopped main process could be the one whose
