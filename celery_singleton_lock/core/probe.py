@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import LockUnavailableError
-from ._wire import as_text, script
-from .backend import REDIS_ERRORS, Completed, Contended
+from ._wire import script
+from .backend import REDIS_ERRORS, Contended, acquire_outcome
 from .completion import done_key
 from .keys import LockKeys
 from .sendahead import SendAhead
@@ -36,13 +36,12 @@ def probe_args(keys: LockKeys, owner: str, generation: int) -> list[Any]:
 
 def probe_outcome(reply: Any, owner: str) -> Contended | None:
     """probe.lua's reply: held (a :class:`Completed` for this owner's own finished message),
-    or None when a run would take the lock."""
+    or None when a run would take the lock. Held, it is an acquire's reply, read as one."""
     if reply[0] == 1:
         return None
-    if reply[0] == 2:
-        return Completed(owner, int(reply[1]), None, int(reply[2]))
-    holder_token = None if reply[3] is None else int(reply[3])
-    return Contended(as_text(reply[1]), int(reply[2]), holder_token, int(reply[4]), reply[5] == 1)
+    outcome = acquire_outcome(reply, None, owner)
+    assert isinstance(outcome, Contended)
+    return outcome
 
 
 def probe(prober: SendAhead, keys: LockKeys, owner: str, generation: int) -> Contended | None:
