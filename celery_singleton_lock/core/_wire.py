@@ -27,6 +27,7 @@ __all__ = [
     "Script",
     "as_text",
     "bulk",
+    "disconnect",
     "evalsha",
     "pipeline",
     "pipeline_then",
@@ -186,3 +187,13 @@ def bulk(value: str | int) -> bytes:
 
 def as_text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def disconnect(client: redis.Redis) -> None:
+    """Close every connection ``client`` holds: its pool's and, for the master's client of a
+    Sentinel, the ones to the sentinels (redis-py's ``Sentinel`` keeps a client per sentinel,
+    which closing the master's client leaves open)."""
+    pool = client.connection_pool
+    pool.disconnect()
+    for sentinel in getattr(getattr(pool, "sentinel_manager", None), "sentinels", ()):
+        sentinel.connection_pool.disconnect()

@@ -104,11 +104,12 @@ class SendAhead:
             return done
 
     def close(self) -> None:
-        """Disconnect every connection of the client's pool, this one's included."""
+        """Disconnect every connection of the client's pool, this one's included (and, through
+        a Sentinel, those to the sentinels)."""
         with self._mutex:
             self._connection = None
             self._pending = []
-        self._client.connection_pool.disconnect()
+        _wire.disconnect(self._client)
 
     # -- the connection ------------------------------------------------------------------------
 

@@ -225,8 +225,8 @@ class LockStore(ScriptStore):
 
     def close(self) -> None:
         """Disconnect every connection of the client's pool, the one kept for releases written
-        ahead included."""
-        self._client.connection_pool.disconnect()
+        ahead included (and, through a Sentinel, those to the sentinels)."""
+        _wire.disconnect(self._client)
 
     def release_ahead(  # noqa: PLR0917 - release's arguments, and the tag
         self,

@@ -29,8 +29,9 @@ from celery_singleton_lock.core.backend import (
     RenewStatus,
     acquire_args,
 )
-from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.connection import new_store, prober_for, reset, store_for
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
+from celery_singleton_lock.core.probe import probe
 from celery_singleton_lock.core.store import LockStore
 from tests.integration.test_beat_mixin import (
     RENEWAL_FAILS,
@@ -83,6 +84,38 @@ def test_lock_cycle_through_sentinel(sentinels: SentinelSet) -> None:
     finally:
         master.close()
         close(store)
+
+
+def test_a_closed_store_leaves_no_connection_to_the_sentinels(sentinels: SentinelSet) -> None:
+    """``close()`` of a store (and of a prober) on a sentinel URL closes its connections to the
+    sentinels too, not only the master's: redis-py's Sentinel keeps a client per sentinel that
+    closing the master's client leaves open (a socket left to the garbage collector)."""
+    watchers = [sentinels.sentinel_client(i) for i in range(len(sentinels.sentinels))]
+    try:
+        before = [{c["id"] for c in w.client_list()} for w in watchers]
+        store = new_store(sentinels.url())
+        prober = prober_for(sentinels.url())
+        assert isinstance(store, LockStore)
+        assert prober is not None
+        keys = new_keys("close")
+        assert isinstance(store.acquire(keys, "owner", 0, TTL_MS), Acquired)
+        assert probe(prober, keys, "other", 0) is not None
+        assert store.release(keys.lock, "owner", 0) is ReleaseStatus.RELEASED
+        now = [{c["id"] for c in w.client_list()} for w in watchers]
+        opened = [ids - b for ids, b in zip(now, before, strict=True)]
+        assert any(opened), "the store and the prober asked the sentinels"
+        store.close()
+        prober.close()
+
+        def left() -> list[set[str]]:
+            now = [{c["id"] for c in w.client_list()} for w in watchers]
+            return [ids & o for ids, o in zip(now, opened, strict=True)]
+
+        wait_until(lambda: not any(left()), 5, "the sentinel connections to close")
+    finally:
+        reset()
+        for watcher in watchers:
+            watcher.close()
 
 
 def test_permits_and_pending_follow_ups_through_sentinel(sentinels: SentinelSet) -> None:
