@@ -30,15 +30,17 @@ from typing import Any
 from celery import states
 from celery.app.task import Context
 
-__all__ = ["store_skip"]
+__all__ = ["ignores_result", "store_skip"]
 
 logger = logging.getLogger(__name__)
 
 
-def store_skip(backend: Any, task_id: str, marker: Mapping[str, Any], request: Any) -> int:
-    """Store the skip's ``marker`` as the result of ``task_id`` and of every task of the canvas
-    that will not run because of it; return how many of those (0 outside a canvas)."""
-    if not getattr(request, "ignore_result", False):
+def store_skip(task: Any, task_id: str, marker: Mapping[str, Any], request: Any) -> int:
+    """Store the skip's ``marker`` as the result of ``task_id`` (unless its result is ignored)
+    and of every task of the canvas that will not run because of it; return how many of those
+    (0 outside a canvas)."""
+    backend = task.backend
+    if not ignores_result(task, request):
         # store_result, not mark_as_done: a chord member must not count towards its chord
         backend.store_result(task_id, marker, states.SUCCESS, request=request)
     stopped = 0
@@ -46,6 +48,18 @@ def store_skip(backend: Any, task_id: str, marker: Mapping[str, Any], request: A
         backend.store_result(step.id, marker, states.SUCCESS, request=step)
         stopped += 1
     return stopped
+
+
+def ignores_result(task: Any, request: Any) -> bool:
+    """Whether the run of ``request`` stores no result, as Celery's tracer decides it: the
+    message's ``ignore_result`` when it carries one (``apply_async(ignore_result=...)``), else
+    the task's (``@app.task(ignore_result=True)``, ``task_ignore_result``): a message sent by
+    name (``send_task``, beat) carries none."""
+    if isinstance(request, Context):
+        explicit = request.__dict__.get("ignore_result")
+    else:
+        explicit = getattr(request, "ignore_result", None)
+    return bool(task.ignore_result if explicit is None else explicit)
 
 
 def _after(request: Any) -> Iterator[Context]:

@@ -163,7 +163,7 @@ def _supersede(  # noqa: PLR0917 - the record, and the run that superseded it
     marker = skip_marker(lock_key, newer, follow_up)
     request = Context(id=follow_up, task=name, ignore_result=bool(task.ignore_result))
     try:
-        store_skip(task.backend, follow_up, marker, request)
+        store_skip(task, follow_up, marker, request)
     except Exception as exc:  # the backend failed: the call must not run all the same
         logger.error(
             "singleton: could not store the result of a superseded follow-up: %s[%s] key=%s "

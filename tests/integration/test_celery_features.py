@@ -1,0 +1,307 @@
+"""The lock's contract with Celery's own features switched on, on real worker processes.
+
+Each test asks "and with Celery's feature X on?": a retry that ``max_retries`` refuses,
+``autoretry_for`` giving up, coalesce after such a retry, ``retry_on_worker_lost`` (Celery
+5.7), a ``before_start`` override that does not call ``super()``, an eta message acked early
+that the Redis broker hands out again. The contract: one run at a time per key, the lock
+released on every ending (at once, not by its ttl), nothing run twice.
+
+One prefork worker (tests.support.features_app) serves the module's tests, each on keys of its
+own; the eta test starts a worker of its own (a short visibility timeout).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_lock import skip_info
+from celery_singleton_lock.core.keys import KeyDeriver
+from tests.conftest import delete_prefix
+from tests.support import features_app
+from tests.support.basic_app import close_app, history_key, make_app
+from tests.support.chaos import deliveries_key
+from tests.support.features_app import LONG_TTL, go_key
+from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+FEATURES_APP = "tests.support.features_app"
+
+#: seconds within which a lock must be gone once its run ended: far below every LONG_TTL lock's
+#: ttl, so a lock gone in time was released, not expired
+RELEASED_WITHIN = 10.0
+assert RELEASED_WITHIN < LONG_TTL / 2
+
+
+class Bed:
+    """A worker of the features app, shared by the module's tests, and a client on its prefix."""
+
+    def __init__(
+        self, app: Celery, client: redis.Redis, prefix: str, worker: WorkerProcess
+    ) -> None:
+        self.app, self.client, self.prefix, self.worker = app, client, prefix, worker
+
+    def lock_key(self, name: str, key: str) -> str:
+        """The lock key of ``name(key, ...)`` (features_app's tasks key on ``key``)."""
+        run = features_app.app.tasks[name].run
+        return KeyDeriver(f"{self.prefix}lock:", name, run, ("key",)).derive((key,), {}).lock
+
+    def wait_held(self, name: str, key: str) -> str:
+        lock = self.lock_key(name, key)
+        wait_for(lambda: self.client.exists(lock), 20, f"the lock of {key}", self.worker)
+        return lock
+
+    def wait_free(self, name: str, key: str) -> None:
+        lock = self.lock_key(name, key)
+        wait_for(
+            lambda: not self.client.exists(lock),
+            RELEASED_WITHIN,
+            f"the lock of {key} to be released",
+            self.worker,
+            details=lambda: repr(self.client.hgetall(lock)),
+        )
+
+    def go(self, task_id: str) -> None:
+        self.client.rpush(go_key(self.prefix, task_id), 1)
+
+    def runs(self, key: str) -> list[Any]:
+        return [e for e in load_history(self.client, history_key(self.prefix)) if e.key == key]
+
+    def signals(self) -> list[str]:
+        return [raw.decode() for raw in self.client.lrange(f"{self.prefix}signals", 0, -1)]
+
+
+def _start(factory: WorkerFactory, app: Celery, env: dict[str, str] | None = None) -> Any:
+    worker = factory.start(FEATURES_APP, pool="prefork", concurrency=3, env=env or {})
+    worker.wait_ready(app)
+    return worker
+
+
+@pytest.fixture(scope="module")
+def module_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        delete_prefix(client, prefix)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def factory(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[WorkerFactory]:
+    made = WorkerFactory(
+        Path(tmp_path_factory.mktemp("features")),
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
+    )
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def bed(redis_url: str, module_prefix: str, factory: WorkerFactory) -> Iterator[Bed]:
+    app = make_app(redis_url, module_prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield Bed(app, client, module_prefix, _start(factory, app))
+    finally:
+        close_app(app)
+        client.close()
+        print(factory.logs())
+
+
+def _key() -> str:
+    return f"k-{uuid.uuid4().hex[:8]}"
+
+
+# -- retries Celery refuses ---------------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_retry_that_max_retries_refuses_releases_the_lock_at_once(bed: Bed) -> None:
+    """``self.retry(countdown=60)`` with no retry left ends in FAILURE: nothing is published,
+    so nothing is handed over; the lock is released as after any failure, and the next call of
+    the key runs."""
+    key = _key()
+    result = bed.app.send_task("x.give_up", args=(key, 60.0))
+    with pytest.raises(Exception, match=r"Can't retry x\.give_up"):
+        result.get(timeout=20, propagate=True)
+    assert result.state == "FAILURE"
+    bed.wait_free("x.give_up", key)
+    again = bed.app.send_task("x.give_up", args=(key, 60.0))
+    with pytest.raises(Exception, match="Can't retry"):
+        again.get(timeout=20)
+    assert skip_info(again) is None
+    assert len(bed.runs(key)) == 2
+
+
+@pytest.mark.slow(seconds=6)
+@pytest.mark.parametrize("task", ["x.autoretry", "x.autoretry_default_delay"])
+def test_autoretry_for_that_gives_up_releases_the_lock_at_once(bed: Bed, task: str) -> None:
+    """``autoretry_for`` (with ``retry_backoff``/``retry_jitter``, and with Celery's default
+    180 s ``default_retry_delay``): the final failure releases the lock at once; every retry
+    before it took the lock over (one run at a time)."""
+    key = _key()
+    result = bed.app.send_task(task, args=(key,))
+    with pytest.raises(ValueError, match=r"attempt 1|no retry left"):
+        result.get(timeout=20)
+    bed.wait_free(task, key)
+    runs = bed.runs(key)
+    assert len(runs) == (2 if task == "x.autoretry" else 1)
+    assert_no_overlap(check_history(runs))
+
+
+@pytest.mark.slow(seconds=6)
+def test_coalesce_publishes_the_follow_up_at_once_after_a_refused_retry(bed: Bed) -> None:
+    """The holder's retry is refused (FAILURE): the follow-up its duplicate left is published
+    at its release, not after the lock's ttl."""
+    key = _key()
+    holder = bed.app.send_task("x.coalesce_give_up", args=(key, "holder"))
+    bed.wait_held("x.coalesce_give_up", key)
+    duplicate = bed.app.send_task("x.coalesce_give_up", args=(key, "follow"))
+    info = wait_for(lambda: duplicate.ready() and skip_info(duplicate), 20, "the coalesce")
+    assert info.follow_up, info
+    bed.go(holder.id)
+    with pytest.raises(Exception, match="Can't retry"):
+        holder.get(timeout=20)
+    follow_up = bed.app.AsyncResult(info.follow_up)
+    assert follow_up.get(timeout=RELEASED_WITHIN) == "follow"
+    bed.wait_free("x.coalesce_give_up", key)
+    assert_no_overlap(check_history(bed.runs(key)))
+
+
+# -- Celery 5.7's retry_on_worker_lost ------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=6)
+def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
+    """The pool child dies holding the lock; Celery publishes the retry (30 s countdown) and
+    sends no task_failure. The main process releases the lock at once: the key is free long
+    before the retry comes (or the lock's 60 s ttl ends)."""
+    if not hasattr(bed.app.Task, "retry_on_worker_lost"):
+        pytest.skip("retry_on_worker_lost is new in Celery 5.7")
+    key = _key()
+    result = bed.app.send_task("x.lost_then_retried", args=(key,))
+    lock = bed.wait_held("x.lost_then_retried", key)
+    assert bed.client.hget(lock, "owner") == result.id.encode()
+    wait_for(
+        lambda: bed.client.lrange(go_key(bed.prefix, "killed"), 0, -1),
+        20,
+        "the child to kill itself",
+        bed.worker,
+    )
+    bed.wait_free("x.lost_then_retried", key)
+    wait_for(
+        lambda: (
+            f"released by main process after worker lost: x.lost_then_retried[{result.id}]"
+            in bed.worker.log_text()
+        ),
+        10,
+        "the release's line",
+        bed.worker,
+    )
+    wait_for(lambda: result.state == "RETRY", 10, "the RETRY state", bed.worker)
+
+
+# -- before_start overridden without super() ----------------------------------------------------
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_before_start_override_without_super_keeps_the_lock_renewed(bed: Bed) -> None:
+    """The app's ttl is 1 s and the run lasts 3.5 s: the lock is renewed although the
+    subclass's ``before_start`` never calls ``super()``; a duplicate sent midway is skipped."""
+    key = _key()
+    first = bed.app.send_task("x.no_super", args=(key, 3.5))
+    lock = bed.wait_held("x.no_super", key)
+    wait_for(lambda: bed.client.pttl(lock) > 0 and bed.runs(key), 10, "the run to start")
+    before = int(bed.client.hget(lock, "token") or 0)
+    duplicate = bed.app.send_task("x.no_super", args=(key, 0.0))
+    duplicate.get(timeout=20)
+    assert skip_info(duplicate) is not None
+    done = first.get(timeout=20)
+    assert done["renewals"] >= 2, done
+    assert done["token"] == before
+    assert len(bed.runs(key)) == 1
+    starts = bed.client.lrange(go_key(bed.prefix, "before_start"), 0, -1)
+    assert first.id.encode() in starts  # the user's hook still runs
+    bed.wait_free("x.no_super", key)
+
+
+# -- an eta message that Redis hands out again ---------------------------------------------
+
+
+@pytest.mark.slow(seconds=14)
+def test_an_eta_message_redelivered_while_it_waits_runs_once(
+    tmp_path: Path, redis_url: str, key_prefix: str, redis_client: redis.Redis
+) -> None:
+    """Acked early, sent with ``countdown=4`` to a Redis broker whose visibility timeout is
+    1 s: the broker hands the waiting message out again every second, and at the eta every copy
+    reaches the pool. The first copy runs; the others are dropped (its completion record)."""
+    app = make_app(redis_url, key_prefix)
+    factory = WorkerFactory(
+        tmp_path,
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
+    )
+    try:
+        worker = _start(factory, app, {"SINGLETON_TEST_VISIBILITY": "1"})
+        key = _key()
+        result = app.send_task("x.eta_once", args=(key,), countdown=4)
+        assert result.get(timeout=30)["run"] == 1
+        wait_for(
+            lambda: f"redelivery_dropped {result.id}" in _signals(redis_client, key_prefix),
+            20,
+            "a copy to be dropped",
+            worker,
+        )
+        wait_for(
+            lambda: _broker_idle(redis_client, key_prefix),
+            20,
+            "every copy to be consumed",
+            worker,
+        )
+        assert int(redis_client.get(deliveries_key(key_prefix, result.id)) or 0) == 1
+    finally:
+        close_app(app)
+        factory.close()
+
+
+def _signals(client: redis.Redis, prefix: str) -> list[str]:
+    return [raw.decode() for raw in client.lrange(f"{prefix}signals", 0, -1)]
+
+
+def _broker_idle(client: redis.Redis, prefix: str) -> bool:
+    """No message of the prefix's queue waits, unacked or queued."""
+    return not client.hlen(f"{prefix}unacked") and not client.llen(f"{prefix}cslt-testbed")
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
+    """``@app.task(ignore_result=True)``, called by name (``send_task``, beat: the message
+    says nothing of results, and the task decides, as Celery's tracer does): a skipped
+    duplicate stores nothing, like the run it met."""
+    key = _key()
+    holder = bed.app.send_task("x.ignored", args=(key, True))
+    bed.wait_held("x.ignored", key)
+    duplicate = bed.app.send_task("x.ignored", args=(key,))
+    wait_for(
+        lambda: f"duplicate_skipped {duplicate.id}" in bed.signals(),
+        20,
+        "the duplicate to be skipped",
+        bed.worker,
+    )
+    bed.go(holder.id)
+    bed.wait_free("x.ignored", key)
+    assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{duplicate.id}")
+    assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{holder.id}")

@@ -1,0 +1,156 @@
+"""The singleton test app with tasks that switch on Celery's own features: retries that Celery
+refuses (``max_retries``, ``autoretry_for``), ``retry_on_worker_lost``, a ``before_start``
+override without ``super()``, eta messages acked early (tests/integration/test_celery_features.py).
+
+Run a worker with ``celery -A tests.support.features_app worker``; configured from the
+environment like :mod:`tests.support.singleton_app`, whose tasks, signal log and history it
+shares.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from celery_singleton_lock import SingletonTask
+from tests.support.basic_app import _client
+from tests.support.chaos import deliveries_key
+from tests.support.singleton_app import _run, app, go_key
+
+__test__ = False
+
+__all__ = ["app", "go_key"]
+
+#: lock ttl (s) of the tasks that must not lose their lock to expiry while a test watches it
+LONG_TTL = 60.0
+
+
+def _wait_for_go(task: Any) -> None:
+    """Block until the test pushes to this run's go key (at most 60 s)."""
+    client = _client(app.conf.singleton_test_redis_url)
+    for _ in range(60):  # short blocking reads: redis-py gives up on one blocked past 5 s
+        if client.blpop([go_key(app.conf.singleton_test_prefix, task.request.id)], timeout=1):
+            return
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.give_up",
+    singleton_key_args=("key",),
+    singleton_ttl=LONG_TTL,
+    max_retries=0,
+)
+def give_up(self: Any, key: str, countdown: float = 60.0) -> None:
+    """Ask for a retry that ``max_retries=0`` refuses: the run ends in FAILURE."""
+    _run(self, key, 0.0)
+    raise self.retry(countdown=countdown)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.autoretry",
+    singleton_key_args=("key",),
+    singleton_ttl=LONG_TTL,
+    autoretry_for=(ValueError,),
+    max_retries=1,
+    retry_backoff=0.2,
+    retry_jitter=True,
+)
+def autoretry(self: Any, key: str) -> None:
+    """Fail with ValueError every time: retried once (backoff, jitter), then FAILURE."""
+    _run(self, key, 0.0)
+    raise ValueError(f"attempt {self.request.retries}")
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.autoretry_default_delay",
+    singleton_key_args=("key",),
+    singleton_ttl=LONG_TTL,
+    autoretry_for=(ValueError,),
+    max_retries=0,
+)
+def autoretry_default_delay(self: Any, key: str) -> None:
+    """autoretry_for with Celery's default_retry_delay (180 s) and no retry left."""
+    _run(self, key, 0.0)
+    raise ValueError("no retry left")
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.coalesce_give_up",
+    singleton_key_args=("key",),
+    singleton_ttl=LONG_TTL,
+    singleton_on_duplicate="coalesce",
+    max_retries=0,
+)
+def coalesce_give_up(self: Any, key: str, payload: str = "") -> str:
+    """The holder (payload "holder") waits for its go, then asks for a refused retry; any
+    other call (the coalesced follow-up) returns its payload."""
+    _run(self, key, 0.0)
+    if payload == "holder":
+        _wait_for_go(self)
+        raise self.retry(countdown=60)
+    return payload
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.lost_then_retried",
+    singleton_key_args=("key",),
+    singleton_ttl=LONG_TTL,
+    retry_on_worker_lost=True,
+    max_retries=3,
+    default_retry_delay=LONG_TTL / 2,
+)
+def lost_then_retried(self: Any, key: str) -> dict[str, Any]:
+    """The first run SIGKILLs its own pool child while it holds the lock (Celery 5.7 retries
+    it: ``retry_on_worker_lost``); the retried run returns."""
+    if not self.request.retries:
+        client = _client(app.conf.singleton_test_redis_url)
+        client.rpush(go_key(app.conf.singleton_test_prefix, "killed"), self.request.id)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _run(self, key, 0.0)
+
+
+class NoSuperTask(SingletonTask):
+    """A base class whose ``before_start`` does not call ``super()`` (Celery documents it as an
+    empty hook to override)."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        client = _client(app.conf.singleton_test_redis_url)
+        client.rpush(go_key(app.conf.singleton_test_prefix, "before_start"), task_id)
+
+
+@app.task(bind=True, base=NoSuperTask, name="x.no_super", singleton_key_args=("key",))
+def no_super(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Hold ``key`` for ``seconds`` (the app's ttl is 1 s: it needs renewing)."""
+    return {**_run(self, key, seconds), "renewals": self.singleton.renewals}
+
+
+@app.task(bind=True, base=SingletonTask, name="x.eta_once", singleton_key_args=("key",))
+def eta_once(self: Any, key: str) -> dict[str, Any]:
+    """Acked early; counts its deliveries per task id (sent with a countdown)."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    return {**_run(self, key, 0.0), "run": run}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.ignored",
+    singleton_key_args=("key",),
+    ignore_result=True,
+)
+def ignored(self: Any, key: str, hold: bool = False) -> dict[str, Any]:
+    """``ignore_result=True`` on the task; with ``hold``, waits for its go."""
+    if hold:
+        _wait_for_go(self)
+    return _run(self, key, 0.0)
