@@ -124,6 +124,11 @@ class Options:
 
     #: None when read without a task (the banner): it depends on the task's acks_late
     completion_ttl: float | None = None
+    #: ``completion_ttl`` for a run whose message carried an eta or countdown: such a message
+    #: waits unacknowledged in the worker until its eta, acked early or not, and a Redis or
+    #: SQS broker hands it out again after its visibility timeout (a RabbitMQ one after its
+    #: consumer_timeout). The setting when given, else the default of a task acked late.
+    delayed_completion_ttl: float | None = None
     #: the task's at-least window (0: none); never the app-wide (beat's) value
     lock_at_least: float = 0.0
     #: not a setting: whether a run that ends in FAILURE ends its message (records its
@@ -131,6 +136,10 @@ class Options:
     #: (``acks_on_failure``/``acks_on_failure_or_timeout`` False): the broker may deliver the
     #: message again (SQS after its visibility timeout, a dead-letter queue routed back)
     failure_is_final: bool = True
+
+    def completion_ttl_of(self, delayed: bool) -> float:
+        """The completion ttl of a run: ``delayed``, its message carried an eta or countdown."""
+        return (self.delayed_completion_ttl if delayed else self.completion_ttl) or 0.0
 
     @functools.cached_property
     def ttl_ms(self) -> int:
@@ -199,8 +208,13 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
             value = setting.default
         values[setting.name] = setting.check(where, value)
     values["redis_url"] = resolve_redis_url(conf)
-    if values["completion_ttl"] is None and task is not None:
-        values["completion_ttl"] = default_completion_ttl(conf, task)
+    if task is not None:
+        given = values["completion_ttl"]
+        values["delayed_completion_ttl"] = (
+            default_completion_ttl(conf, task, delayed=True) if given is None else given
+        )
+        if given is None:
+            values["completion_ttl"] = default_completion_ttl(conf, task)
     if task is not None:
         values["failure_is_final"] = failure_is_final(conf, task)
     if values["key_args"] is not None and values["key"] is not None:
@@ -279,10 +293,11 @@ def _broker_visibility(conf: ConfLike) -> float | None:
     return _VISIBILITY_DEFAULTS[scheme]
 
 
-def default_completion_ttl(conf: ConfLike, task: object) -> float:
-    """``completion_ttl`` when not set: 0 for a task acked early; else the broker's visibility
+def default_completion_ttl(conf: ConfLike, task: object, *, delayed: bool = False) -> float:
+    """``completion_ttl`` when not set: 0 for a task acked early, unless its message carried an
+    eta or countdown (``delayed``: it waited unacknowledged); else the broker's visibility
     timeout + :data:`COMPLETION_MARGIN_S`, or :data:`DEFAULT_COMPLETION_TTL_S`."""
-    if not _task_flag(conf, task, "acks_late"):
+    if not delayed and not _task_flag(conf, task, "acks_late"):
         return 0.0
     visibility = _broker_visibility(conf)
     return DEFAULT_COMPLETION_TTL_S if visibility is None else visibility + COMPLETION_MARGIN_S

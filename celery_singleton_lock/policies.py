@@ -196,7 +196,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 holder,
                 uuid(),
                 call_record(self, request, args, kwargs),
-                (task_id, _retries(request), round((opts.completion_ttl or 0) * 1000)),
+                (task_id, _retries(request), _completion_ms(opts, request)),
             )
         except LOGGED_ERRORS as exc:
             logger.warning(
@@ -233,7 +233,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
         )
         if not request.is_eager or self.app.conf.task_store_eager_result:
-            stopped = store_skip(self.backend, task_id, marker, request)
+            stopped = store_skip(self, task_id, marker, request)
             if stopped:
                 logger.info(
                     "singleton: skipped duplicate stops its canvas, %d later tasks marked "
@@ -340,6 +340,13 @@ def _retries(request: Any) -> int:
     """The retries count of a Celery request: a Context, or the dict a worker's tracer gets."""
     value = request.get("retries") if isinstance(request, dict) else request.retries
     return int(value or 0)
+
+
+def _completion_ms(opts: Options, request: Any) -> int:
+    """The completion ttl (ms) of a Celery request's message (a Context, or a dict): longer
+    for one that carried an eta or countdown (``Options.delayed_completion_ttl``)."""
+    delayed = bool(request.get("eta") if isinstance(request, dict) else request.eta)
+    return round(opts.completion_ttl_of(delayed) * 1000)
 
 
 def waited(request: Any) -> float | None:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from functools import partial
+from functools import partial, wraps
 from typing import Any, ClassVar
 
 from celery import states
+from celery.exceptions import Retry
 from celery.result import EagerResult
 
 from . import signals
@@ -158,9 +159,29 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
 
     # -- Celery hooks -----------------------------------------------------------------------
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's own ``before_start`` is wrapped so that the lock is taken before it runs,
+        whether or not it calls ``super()`` (Celery documents the hook as an empty one to
+        override: safety cannot depend on a ``super()`` call)."""
+        super().__init_subclass__(**kwargs)
+        hook = cls.__dict__.get("before_start")
+        if callable(hook) and not getattr(hook, "_singleton_locks_first", False):
+            cls.before_start = _lock_first(hook)  # type: ignore[method-assign,assignment]
+
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Take the lock, or deal with the duplicate by policy, before the body runs."""
         super().before_start(task_id, args, kwargs)
+        self._singleton_start(task_id, args, kwargs)
+
+    def _singleton_start(
+        self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        """``before_start``'s work, once per run (a subclass's hook and this class's both call
+        it when the subclass's calls ``super()``)."""
+        request = self.request
+        if request.get("_singleton_started") == task_id:
+            return
+        request._singleton_started = task_id
         first = take_first_try(task_id)  # a worker run: acquired before Celery's tracer
         if first is not None:
             keys = first.keys
@@ -169,7 +190,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
                 keys = self.singleton_keys(args, kwargs)
             except SingletonKeyError as exc:
                 raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
-        opts, request = self._singleton_opts or self.singleton_options(), self.request
+        opts = self._singleton_opts or self.singleton_options()
         try:
             try:
                 self._singleton_acquire(
@@ -216,21 +237,27 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's retry, handing the lock over to the retried message."""
+        """Celery's retry; once Celery has published the retried message, the lock is handed
+        over to it. A retry Celery refuses (``max_retries`` used up) or cannot publish hands
+        nothing over: the run still holds its lock, and its end releases it."""
         handle = self.singleton
-        if handle.held:
-            delay = _retry_delay(eta, countdown, self.default_retry_delay)
-            self._singleton_hand_over(handle, delay)
-        return super().retry(
-            args=args,
-            kwargs=kwargs,
-            exc=exc,
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        held, renewer = handle._held, handle._renewer
+        if not handle.held or held is None or renewer is None or self.request.is_eager:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        renewer.remove(held)  # once published, the retried message may take the lock over
+        try:
+            ret = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Retry as published:
+            if published.sig is None:  # not published (called directly): nothing to hand over
+                renewer.add(held)
+            else:
+                self._singleton_hand_over(handle, published.when)
+            raise
+        except BaseException:  # refused, or the publish failed: the run still holds its lock
+            renewer.add(held)
+            raise
+        self._singleton_hand_over(handle, ret.when)  # throw=False: published, the body goes on
+        return ret
 
     # -- acquire ------------------------------------------------------------------------------
 
@@ -359,11 +386,13 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
 
     # -- hand-over and release ----------------------------------------------------------------
 
-    def _singleton_hand_over(self, handle: LockHandle, delay: float) -> None:
-        """Stop renewing and stretch the lock over the retry's countdown."""
+    def _singleton_hand_over(self, handle: LockHandle, when: datetime | float | None) -> None:
+        """Stop renewing and stretch the lock over the countdown of the retry Celery
+        published (``when``: its eta or countdown)."""
         held, renewer = handle._held, handle._renewer
         assert held is not None
         assert renewer is not None
+        delay = _seconds_until(when)
         ttl_ms = round((max(delay, 0.0) + self.singleton_options().ttl) * 1000)
         handle._handed_over = True  # the run's end (retry(throw=False)) must not release it
         try:
@@ -378,9 +407,14 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             held.key,
         )
 
-    def _singleton_after_run(self, state: str) -> None:
-        """Stop renewing and release; on RETRY, or after any hand-over (``retry(throw=False)``
-        and the body went on), leave the lock for the retried message.
+    def _singleton_after_run(self, state: str, retval: Any = None) -> None:
+        """Stop renewing and release; after a hand-over (``retry()``, also with
+        ``throw=False`` and the body went on), leave the lock for the retried message.
+
+        A run that ends in ``RETRY`` without a hand-over hands over here when Celery published
+        its retry (``retval`` is the ``Retry``, with the retried signature: a ``retry()``
+        override that did not call this class's), and releases when nothing was published (a
+        ``Retry`` raised by hand, an eager run: its retry, if any, runs after this ending).
 
         Outside eager runs the release leaves the run's critical path: written at once, its
         reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md);
@@ -391,13 +425,30 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         held, renewer = handle._held, handle._renewer
         if held is None or renewer is None:
             return
-        if state == states.RETRY or handle._handed_over:
+        if handle._handed_over:
             renewer.remove(held)
             return
+        published = isinstance(retval, Retry) and retval.sig is not None
+        if state == states.RETRY and published and not request.is_eager:
+            self._singleton_hand_over(handle, retval.when)
+            return
+        self._singleton_release(handle, state, eager=request.is_eager, delayed=bool(request.eta))
+
+    def _singleton_release(
+        self, handle: LockHandle, state: str, *, eager: bool, delayed: bool = False
+    ) -> None:
+        """Release the lock of a run that ended in ``state`` (see ``_singleton_after_run``);
+        ``delayed``: its message carried an eta or countdown."""
+        held, renewer = handle._held, handle._renewer
+        assert held is not None
+        assert renewer is not None
         handle._held = None
         opts = self._singleton_opts or self.singleton_options()
         held.ending = ending_for(
-            opts.completion_ttl, opts.lock_at_least, state, opts.failure_is_final
+            opts.completion_ttl_of(delayed),
+            opts.lock_at_least,
+            state,
+            opts.failure_is_final,
         )
         if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
             on_released(held, renewer.release_now(held), state)
@@ -406,7 +457,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         # A completion record must reach Redis before the message's acknowledgement, which
         # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
         # wait_replicas, a failed write) the release is made here, not left to the thread.
-        if not request.is_eager and renewer.release_later(
+        if not eager and renewer.release_later(
             held, state, queue=not held.ending.completion_ttl_ms
         ):
             return
@@ -497,10 +548,28 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         return status
 
 
-def _retry_delay(eta: datetime | None, countdown: float | None, default: float | None) -> float:
-    if countdown is not None:
-        return float(countdown)
-    if eta is not None:
-        now = datetime.now(timezone.utc) if eta.tzinfo else datetime.now()
-        return (eta - now).total_seconds()
-    return float(default or 0)
+Hook = Callable[[Any, str, Sequence[Any], Mapping[str, Any]], None]
+
+
+def _lock_first(hook: Hook) -> Hook:
+    """``hook`` (a SingletonTask subclass's ``before_start``), the lock taken before it."""
+
+    @wraps(hook)
+    def before_start(
+        self: SingletonTask, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        self._singleton_start(task_id, args, kwargs)
+        hook(self, task_id, args, kwargs)
+
+    before_start._singleton_locks_first = True  # type: ignore[attr-defined]
+    return before_start
+
+
+def _seconds_until(when: datetime | float | None) -> float:
+    """Seconds until a retry's ``when`` (Celery's ``Retry.when``: an eta, or a countdown)."""
+    if when is None:
+        return 0.0
+    if isinstance(when, datetime):
+        now = datetime.now(timezone.utc) if when.tzinfo else datetime.now()
+        return (when - now).total_seconds()
+    return float(when)

@@ -10,8 +10,10 @@ run ends (success, failure, Ignore, Reject)  ``task_postrun`` in the executing p
                                               queues it; its renewer thread sends it at
                                               once (or its next acquire, in the same round
                                               trip); flushed at process shutdown
-``retry()``                                   no release: the retried message takes over
-pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once
+``retry()`` Celery published                 no release: the retried message takes over
+``retry()`` Celery refused (max_retries)      as a failure: ``task_postrun``
+pool child killed (WorkerLostError)           ``task_failure`` in the main process, at once;
+                                              ``task_retry`` with ``retry_on_worker_lost``
 hard time limit                               ``task_failure`` in the main process, after a
                                               grace for the child to die
 either of these after a ``retry()``           no release: the lock is the retried message's
@@ -85,9 +87,11 @@ def _after_grace(release: Callable[[], object]) -> None:
     timer.start()
 
 
-def _release_after_run(task: Any = None, state: str | None = None, **_: Any) -> None:
+def _release_after_run(
+    task: Any = None, state: str | None = None, retval: Any = None, **_: Any
+) -> None:
     if isinstance(task, SingletonTask):
-        task._singleton_after_run(state or "")
+        task._singleton_after_run(state or "", retval)
 
 
 #: The request whose failure the worker's main process reports right now (SingletonRequest
@@ -176,6 +180,23 @@ def _release_after_child_loss(
         release()
     else:
         _after_grace(release)
+
+
+def _release_after_retried_loss(
+    sender: Any = None, request: Any = None, reason: Any = None, **_: Any
+) -> None:
+    """``task_retry_on_worker_lost`` (Celery 5.7): the main process published a retry of a lost
+    child's run and sends ``task_retry``, not ``task_failure``. The dead run's lock is released
+    at once; the retry takes the key when it comes, like any other run."""
+    if not (
+        isinstance(sender, SingletonTask)
+        and isinstance(getattr(reason, "exc", None), WorkerLostError)
+        and getattr(request, "id", None)
+    ):
+        return
+    sender.singleton_release_for(
+        request.id, request.args, request.kwargs, int(request.retries or 0), "worker lost"
+    )
 
 
 def _knows_generation(task: Any) -> bool:
@@ -287,6 +308,7 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
 
 celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
+celery_signals.task_retry.connect(_release_after_retried_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
 celery_signals.task_revoked.connect(_forget_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)

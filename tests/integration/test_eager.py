@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain
+from celery.exceptions import Retry
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.coalesce import FOLLOW_UP_HEADER
@@ -350,4 +351,60 @@ def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
     assert eager_app.eager_runs == ["run"]  # type: ignore[attr-defined]
     assert not redis_client.exists(pending_key(lock))
     assert caplog.text.count("coalesced follow-up dropped, not a call this app wrote") == 1
+    assert held_locks(eager_app, singleton_locks) == []
+
+
+def _retrying_task(app: Celery, name: str) -> list[int]:
+    """Define ``name`` on ``app``: it retries (60 s countdown) until its third try, then
+    returns; the list each of its runs appends its retries count to."""
+    tries: list[int] = []
+
+    @app.task(bind=True, base=SingletonTask, name=name, shared=False, max_retries=3)
+    def retrying(self: Any, key: str, fail: bool = False) -> int:
+        tries.append(self.request.retries)
+        if fail:
+            raise ValueError("the body failed")
+        if self.request.retries < 2:
+            raise self.retry(countdown=60)
+        return int(self.request.retries)
+
+    return tries
+
+
+@pytest.mark.parametrize("propagates", [False, True])
+def test_an_eager_retry_leaves_the_key_free(
+    eager_app: Celery, singleton_locks: str, propagates: bool
+) -> None:
+    """An eager ``self.retry()`` publishes nothing. Without ``task_eager_propagates`` Celery
+    runs the retry at once (each try takes the key, none is skipped); with it, ``Retry`` is
+    raised out of ``delay()`` and nothing runs it: nothing is handed over, the lock is
+    released, and the next call of the key runs."""
+    eager_app.conf.task_eager_propagates = propagates
+    tries = _retrying_task(eager_app, "e.retrying")
+    task = eager_app.tasks["e.retrying"]
+    if propagates:
+        with pytest.raises(Retry):
+            task.delay("k")
+        assert held_locks(eager_app, singleton_locks) == []
+        with pytest.raises(Retry):
+            task.delay("k")  # not skipped: it ran, and asked for its retry again
+        assert tries == [0, 0]
+    else:
+        assert task.delay("k").get() == 2
+        assert tries == [0, 1, 2]
+    assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_an_eager_failure_propagated_releases_the_lock(
+    eager_app: Celery, singleton_locks: str
+) -> None:
+    """``task_eager_propagates``: a failing body's exception leaves ``delay()``; Celery sends
+    ``task_postrun`` (with no state) first, and the lock is released."""
+    eager_app.conf.task_eager_propagates = True
+    tries = _retrying_task(eager_app, "e.failing")
+    task = eager_app.tasks["e.failing"]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the body failed"):
+            task.delay("k", fail=True)
+    assert tries == [0, 0]
     assert held_locks(eager_app, singleton_locks) == []
