@@ -305,3 +305,45 @@ def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
     bed.wait_free("x.ignored", key)
     assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{duplicate.id}")
     assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{holder.id}")
+
+
+# -- canvas and message options ------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_task_replaced_by_itself_runs_the_replacement_after_it_let_go(bed: Bed) -> None:
+    """``self.replace(self.s(...))`` publishes the replacement under the same task id and ends
+    the run (``Ignore``): the replacement waits for that run's release, then runs; no overlap."""
+    key = _key()
+    result = bed.app.send_task("x.replaced", args=(key,))
+    assert result.get(timeout=20)["replaced"] is True
+    bed.wait_free("x.replaced", key)
+    runs = bed.runs(key)
+    assert len(runs) == 2
+    assert_no_overlap(check_history(runs))
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_requeued_duplicate_keeps_its_expires(bed: Bed) -> None:
+    """Under "retry" a duplicate is requeued while the key is held; its ``expires`` goes with
+    it, so it ends REVOKED (expired) when that time passes, not requeued for ever."""
+    key = _key()
+    holder = bed.app.send_task("t.hold_retry", args=(key, 4.0))
+    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    duplicate = bed.app.send_task("t.hold_retry", args=(key,), expires=1.5)
+    wait_for(lambda: duplicate.state == "REVOKED", 20, "the duplicate to expire", bed.worker)
+    assert holder.get(timeout=20)["token"] is not None
+    assert len(bed.runs(key)) == 1
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_shadow_name_does_not_change_the_key(bed: Bed) -> None:
+    """``apply_async(shadow=...)`` renames the task in logs and events only: the key is the
+    task's, and a shadowed duplicate is skipped."""
+    key = _key()
+    holder = bed.app.send_task("t.hold", args=(key, 3.0))
+    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    duplicate = bed.app.send_task("t.hold", args=(key,), shadow="renamed.hold")
+    duplicate.get(timeout=20)
+    assert skip_info(duplicate) is not None
+    assert holder.get(timeout=20)["token"] is not None

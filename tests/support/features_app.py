@@ -154,3 +154,12 @@ def ignored(self: Any, key: str, hold: bool = False) -> dict[str, Any]:
     if hold:
         _wait_for_go(self)
     return _run(self, key, 0.0)
+
+
+@app.task(bind=True, base=SingletonTask, name="x.replaced", singleton_key_args=("key",))
+def replaced(self: Any, key: str, done: bool = False) -> Any:
+    """Replace itself (``Task.replace``: the same task id, the same key) once, then return."""
+    if not done:
+        _run(self, key, 0.0)
+        raise self.replace(self.s(key, done=True))
+    return {**_run(self, key, 0.0), "replaced": True}
