@@ -351,3 +351,24 @@ def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
     assert not redis_client.exists(pending_key(lock))
     assert caplog.text.count("coalesced follow-up dropped, not a call this app wrote") == 1
     assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_an_eager_run_shows_its_arguments_as_the_caller_masked_them(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """Celery's eager ``apply()`` drops ``argsrepr``/``kwargsrepr``: SingletonTask hands them
+    on, and the lock's ``args`` shows each half given as given, the other previewed (as
+    Celery's log lines do), through ``apply_async`` and ``apply`` alike."""
+    card = "4111111111111111"
+
+    @eager_app.task(bind=True, base=SingletonTask, name="e.charge", shared=False)
+    def charge(self: Any, card: str, note: str = "") -> str:
+        """The ``args`` field of the lock this eager run holds."""
+        return (redis_client.hget(self.singleton.key, "args") or b"").decode()
+
+    assert charge.apply_async((card,), argsrepr="('****',)").get() == "('****',) {}"
+    masked_args = charge.apply((card,), {"note": "n"}, argsrepr="('****',)").get()
+    assert masked_args == "('****',) {'note': 'n'}"
+    masked_kwargs = charge.apply(kwargs={"card": card}, kwargsrepr="{'card': '*'}").get()
+    assert masked_kwargs == "() {'card': '*'}"
+    assert charge.apply(("plain",), headers={"h": 1}).get() == "('plain',) {}"
