@@ -32,7 +32,7 @@ from celery.result import EagerResult
 
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
-from .callrepr import REPR_OPTIONS, preview_of, request_field
+from .callrepr import REPR_OPTIONS, preview_of, repr_options, request_field
 from .coalesce import publish_follow_up
 from .completion import drop_completed, ending_for
 from .core._pid import current_pid
@@ -223,11 +223,15 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's retry, handing the lock over to the retried message."""
+        """Celery's retry, handing the lock over to the retried message; the same call is
+        published shown as its caller had Celery show it (Celery's own retry drops
+        ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
         handle = self.singleton
         if handle.held:
             delay = _retry_delay(eta, countdown, self.default_retry_delay)
             self._singleton_hand_over(handle, delay)
+        if args is None and kwargs is None:
+            options = {**repr_options(self.request), **options}
         return super().retry(
             args=args,
             kwargs=kwargs,

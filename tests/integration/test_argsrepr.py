@@ -71,12 +71,15 @@ class Bed:
         assert shown.exit_code == 0, shown.output
         return shown.output
 
-    def held(self, owner: str) -> dict[str, Any]:
-        """The lock ``owner`` holds, as `list --json` shows it, once it holds one."""
+    def held(self, owner: str, generation: int = 0) -> dict[str, Any]:
+        """The lock ``owner`` holds (its run of that retries count), as `list --json` shows
+        it, once it holds one."""
 
         def listed() -> dict[str, Any] | None:
             mine = [
-                lock for lock in json.loads(self.cli("list", "--json")) if lock["owner"] == owner
+                lock
+                for lock in json.loads(self.cli("list", "--json"))
+                if (lock["owner"], lock["generation"]) == (owner, generation)
             ]
             return mine[0] if mine else None
 
@@ -193,3 +196,15 @@ def test_a_requeued_duplicate_keeps_its_mask(bed: Bed) -> None:
     bed.open(second)
     duplicate.get(timeout=20)
     bed.check_nothing_leaked(holder)
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_run_that_retries_itself_keeps_its_mask(bed: Bed) -> None:
+    """``self.retry()`` publishes the same call again (Celery's retry drops the reprs): the
+    retried run's lock shows the mask."""
+    task, gate = bed.task("t.charge_self_retry"), bed.gate("retried")
+    run = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
+    bed.check_lock_masked(bed.held(run.id, generation=1))  # the retried run's
+    bed.open(gate)
+    run.get(timeout=20)
+    bed.check_nothing_leaked(run)

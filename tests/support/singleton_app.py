@@ -965,6 +965,15 @@ charge_retry = _charge_task(
     "t.charge_retry", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
 )
 
+
+@app.task(bind=True, base=SingletonTask, name="t.charge_self_retry", singleton_key_args=("card",))
+def charge_self_retry(self: Any, card: str, until: str | None = None) -> dict[str, Any]:
+    """Retries itself once (the same call), then holds its lock like t.charge."""
+    if not self.request.retries:
+        raise self.retry(countdown=0.1)
+    return _run(self, "charge", 0.0, until)
+
+
 SIGNAL_PAYLOADS_SUFFIX = "signal-payloads"
 
 
