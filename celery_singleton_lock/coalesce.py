@@ -33,6 +33,7 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
 from . import signals
+from .callrepr import REPR_OPTIONS, reprs_of, request_field
 from .canvas import store_skip
 from .core.keys import LockKeys
 from .core.pending import Run, put_back, superseded_by, take_pending
@@ -54,16 +55,21 @@ logger = logging.getLogger(__name__)
 def call_record(
     task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, str | bytes]:
-    """A duplicate's call as pending-record fields: enough to publish it again."""
+    """A duplicate's call as pending-record fields: enough to publish it again, shown as its
+    caller had Celery show it (``argsrepr``/``kwargsrepr``, empty when not given: a later
+    duplicate's call overwrites an earlier one's)."""
     content_type, encoding, body = _dumps(task, [list(args), dict(kwargs)])
+    argsrepr, kwargsrepr = reprs_of(request)
     record: dict[str, str | bytes] = {
         "task": task.name,
-        "by": str(_field(request, "id") or ""),
+        "by": str(request_field(request, "id") or ""),
         "body": body,
         "ctype": content_type,
         "cenc": encoding,
+        "argsrepr": argsrepr or "",
+        "kwargsrepr": kwargsrepr or "",
     }
-    delivery = _field(request, "delivery_info") or {}
+    delivery = request_field(request, "delivery_info") or {}
     for name in ("exchange", "routing_key"):
         value = delivery.get(name)
         if isinstance(value, str):
@@ -189,9 +195,9 @@ def _supersede(  # noqa: PLR0917 - the record, and the run that superseded it
 def _call_of(
     task: Task, record: Mapping[str, bytes]
 ) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-    """The args, kwargs and publish options (route, serializer, :data:`FOLLOW_UP_HEADER`) of a
-    pending record, read with the app's ``accept_content`` (a content type it does not accept
-    raises ``ContentDisallowed``, before any decoding)."""
+    """The args, kwargs and publish options (route, serializer, ``argsrepr``/``kwargsrepr``,
+    :data:`FOLLOW_UP_HEADER`) of a pending record, read with the app's ``accept_content`` (a
+    content type it does not accept raises ``ContentDisallowed``, before any decoding)."""
     accept = prepare_accept_content(task.app.conf.accept_content)  # type: ignore[no-untyped-call]
     args, kwargs = loads(  # type: ignore[no-untyped-call]
         record["body"], record["ctype"].decode(), record["cenc"].decode(), accept=accept
@@ -199,6 +205,10 @@ def _call_of(
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
     options: dict[str, Any] = {f: record[f].decode() for f in _ROUTE if f in record}
+    for name in REPR_OPTIONS:  # the latest duplicate's: its mask stays on (callrepr.py)
+        shown = record.get(name)
+        if shown:
+            options[name] = shown.decode(errors="replace")
     options["headers"] = {FOLLOW_UP_HEADER: True}
     serializer = registry.type_to_name.get(record["ctype"].decode())
     if serializer is not None:  # sent as it was written: the task's may not take the call
@@ -252,12 +262,7 @@ def is_follow_up(request: Any) -> bool:
     """Whether the message of ``request`` (a Context, or the dict a worker's tracer gets) is a
     published follow-up (:data:`FOLLOW_UP_HEADER`: a field of a worker's request, in the
     ``headers`` of an eager one)."""
-    if _field(request, FOLLOW_UP_HEADER) is True:
+    if request_field(request, FOLLOW_UP_HEADER) is True:
         return True
-    headers = _field(request, "headers")
+    headers = request_field(request, "headers")
     return isinstance(headers, Mapping) and headers.get(FOLLOW_UP_HEADER) is True
-
-
-def _field(request: Any, name: str) -> Any:
-    """A field of a Celery request: a Context, or the dict a worker's tracer gets."""
-    return request.get(name) if isinstance(request, dict) else getattr(request, name, None)

@@ -19,6 +19,7 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
+from .callrepr import repr_options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
 from .core.backend import Acquired, Contended
@@ -300,11 +301,12 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         self._singleton_requeue(opts.retry_countdown, error)
 
     def _singleton_requeue(self, countdown: float, reason: Exception) -> NoReturn:
-        """Publish this message again, retries unchanged, and end this delivery as RETRY."""
+        """Publish this message again, retries unchanged, and end this delivery as RETRY; shown
+        as its caller had Celery show it (``argsrepr``/``kwargsrepr``: callrepr.py)."""
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
-        options: dict[str, Any] = {"countdown": countdown}
+        options: dict[str, Any] = {"countdown": countdown, **repr_options(request)}
         if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
             options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}

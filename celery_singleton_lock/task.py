@@ -33,10 +33,11 @@ from celery.result import EagerResult
 
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
+from .callrepr import REPR_OPTIONS, preview_of, repr_options, request_field
 from .coalesce import publish_follow_up
 from .completion import drop_completed, ending_for
 from .core._pid import current_pid
-from .core.arguments import args_preview, scope_key_names
+from .core.arguments import scope_key_names
 from .core.backend import (
     Acquired,
     Completed,
@@ -220,7 +221,13 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         return self._singleton_publish(args, kwargs, task_id, options, super().apply_async)
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS)."""
+        """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS).
+
+        ``argsrepr``/``kwargsrepr``, which Celery's eager request drops, go on in its headers:
+        the lock shows the call as the caller has Celery show it (callrepr.py)."""
+        shown = {name: kwargs.pop(name) for name in REPR_OPTIONS if kwargs.get(name)}
+        if shown:
+            kwargs["headers"] = {**(kwargs.get("headers") or {}), **shown}
         result = super().apply(*args, **kwargs)
         if result.state == states.IGNORED and isinstance(result.result, Skipped):
             return EagerResult(result.id, result.result.marker, states.SUCCESS, name=self.name)
@@ -239,7 +246,11 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
     ) -> Any:
         """Celery's retry; once Celery has published the retried message, the lock is handed
         over to it. A retry Celery refuses (``max_retries`` used up) or cannot publish hands
-        nothing over: the run still holds its lock, and its end releases it."""
+        nothing over: the run still holds its lock, and its end releases it. The same call is
+        published shown as its caller had Celery show it (Celery's own retry drops
+        ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
+        if args is None and kwargs is None:
+            options = {**repr_options(self.request), **options}
         handle = self.singleton
         held, renewer = handle._held, handle._renewer
         if not handle.held or held is None or renewer is None or self.request.is_eager:
@@ -268,14 +279,16 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         return renewer_for(opts.redis_url, configure_renewer)
 
     def _singleton_meta(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], hostname: str | None
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], request: Any
     ) -> dict[str, str]:
-        """What the lock hash tells about its holder (``celery singleton show``)."""
+        """What the lock hash tells about its holder (``celery singleton show``); ``request``
+        is the run's (a Context, or the dict a worker's tracer gets): its arguments are shown
+        as the caller has Celery show them (callrepr.py)."""
         return {
             "task": self.name,
-            "host": str(hostname or socket.gethostname()),
+            "host": str(request_field(request, "hostname") or socket.gethostname()),
             "pid": str(current_pid()),
-            "args": args_preview(args, kwargs),
+            "args": preview_of(request, args, kwargs),
         }
 
     def _singleton_acquire(
@@ -346,14 +359,14 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         renewer = self._singleton_renewer(opts) if first is None else first.renewer
         try:
             if first is None:
-                meta = self._singleton_meta(args, kwargs, request.hostname)
+                meta = self._singleton_meta(args, kwargs, request)
                 outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
             elif isinstance(first.outcome, LockUnavailableError):
                 raise first.outcome
             else:
                 outcome = first.outcome
             if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
-                meta = self._singleton_meta(args, kwargs, request.hostname)
+                meta = self._singleton_meta(args, kwargs, request)
                 outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
         except LockUnavailableError as exc:
             self._singleton_redis_down(opts, keys, task_id, exc)

@@ -152,7 +152,7 @@ def _first_try(
     renewer = task._singleton_renewer(opts)
     outcome: Acquired | Contended | LockUnavailableError
     try:  # the run's one blocking round trip
-        meta = task._singleton_meta(args, kwargs, request.get("hostname"))
+        meta = task._singleton_meta(args, kwargs, request)
         outcome = renewer.acquire(keys, uuid, generation, opts.ttl_ms, meta)
     except LockUnavailableError as exc:
         outcome = exc

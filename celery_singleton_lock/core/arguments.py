@@ -1,5 +1,6 @@
 """A call's arguments: bound to the task function's signature (which ``key_args`` must name),
-and previewed short for log lines.
+and previewed short for log lines and the lock's metadata (the caller's ``argsrepr`` and
+``kwargsrepr`` in place of the arguments they mask).
 
 Pure module: it imports neither celery nor redis. :mod:`.keys` derives a call's keys from what
 it binds.
@@ -77,9 +78,21 @@ def _plain_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None
     return f"{shown} {{{', '.join(items)}}}"
 
 
-def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+def args_preview(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    argsrepr: str | None = None,
+    kwargsrepr: str | None = None,
+) -> str:
     """A short, human-readable preview of a call's arguments (``reprlib``, at most
-    :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises."""
+    :data:`MAX_PREVIEW_CHARS` characters), e.g. ``(42,) {'full': True}``; never raises.
+
+    ``argsrepr``/``kwargsrepr``: how the caller has Celery show each half (``apply_async``'s
+    options of those names, which keep a secret out of logs and monitoring). A half given is
+    shown as given, never from the arguments; a half not given (None or empty) is previewed,
+    as Celery's own log lines do."""
+    if argsrepr or kwargsrepr:
+        return _cut(f"{argsrepr or _half(tuple(args))} {kwargsrepr or _half(dict(kwargs))}")
     if len(args) == 1 and not kwargs and type(args[0]) in _PLAIN_TYPES:  # the most common call
         text = repr(args[0])
         if len(text) <= _PREVIEW_WHOLE:  # as _plain_preview gives it
@@ -90,6 +103,19 @@ def args_preview(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         )
     except Exception as exc:
         text = f"<unprintable arguments: {type(exc).__name__}>"
+    return _cut(text)
+
+
+def _half(value: tuple[Any, ...] | dict[str, Any]) -> str:
+    """The preview of one half of a call (its args, or its kwargs); never raises."""
+    try:
+        return _preview.repr(value)
+    except Exception as exc:
+        return f"<unprintable arguments: {type(exc).__name__}>"
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to :data:`MAX_PREVIEW_CHARS` characters."""
     if len(text) > MAX_PREVIEW_CHARS:
         text = text[: MAX_PREVIEW_CHARS - 3] + "..."
     return text

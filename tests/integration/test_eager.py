@@ -408,3 +408,24 @@ def test_an_eager_failure_propagated_releases_the_lock(
             task.delay("k", fail=True)
     assert tries == [0, 0]
     assert held_locks(eager_app, singleton_locks) == []
+
+
+def test_an_eager_run_shows_its_arguments_as_the_caller_masked_them(
+    eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
+) -> None:
+    """Celery's eager ``apply()`` drops ``argsrepr``/``kwargsrepr``: SingletonTask hands them
+    on, and the lock's ``args`` shows each half given as given, the other previewed (as
+    Celery's log lines do), through ``apply_async`` and ``apply`` alike."""
+    card = "4111111111111111"
+
+    @eager_app.task(bind=True, base=SingletonTask, name="e.charge", shared=False)
+    def charge(self: Any, card: str, note: str = "") -> str:
+        """The ``args`` field of the lock this eager run holds."""
+        return (redis_client.hget(self.singleton.key, "args") or b"").decode()
+
+    assert charge.apply_async((card,), argsrepr="('****',)").get() == "('****',) {}"
+    masked_args = charge.apply((card,), {"note": "n"}, argsrepr="('****',)").get()
+    assert masked_args == "('****',) {'note': 'n'}"
+    masked_kwargs = charge.apply(kwargs={"card": card}, kwargsrepr="{'card': '*'}").get()
+    assert masked_kwargs == "() {'card': '*'}"
+    assert charge.apply(("plain",), headers={"h": 1}).get() == "('plain',) {}"

@@ -943,3 +943,56 @@ if not _REDLOCK:
         """At most 2 exports of a tenant per AT_LEAST seconds: each run's slot is held for a
         window after it started."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
+
+
+# -- added for test_argsrepr: a secret argument the caller masks with argsrepr/kwargsrepr -----
+
+
+def _charge_task(name: str, **options: Any) -> Any:
+    """A task keyed on a card number that holds its lock until the test pushes to ``until``;
+    it returns nothing of the card (its result is not what the masking is about)."""
+
+    @app.task(bind=True, base=SingletonTask, name=name, singleton_key_args=("card",), **options)
+    def charge(self: Any, card: str, until: str | None = None) -> dict[str, Any]:
+        return _run(self, "charge", 0.0, until)
+
+    return charge
+
+
+charge = _charge_task("t.charge")
+charge_coalesce = _charge_task("t.charge_coalesce", singleton_on_duplicate="coalesce")
+charge_retry = _charge_task(
+    "t.charge_retry", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
+)
+
+
+@app.task(bind=True, base=SingletonTask, name="t.charge_self_retry", singleton_key_args=("card",))
+def charge_self_retry(self: Any, card: str, until: str | None = None) -> dict[str, Any]:
+    """Retries itself once (the same call), then holds its lock like t.charge."""
+    if not self.request.retries:
+        raise self.retry(countdown=0.1)
+    return _run(self, "charge", 0.0, until)
+
+
+SIGNAL_PAYLOADS_SUFFIX = "signal-payloads"
+
+
+def signal_payloads_key(prefix: str) -> str:
+    """The list every library signal's full payload is logged to, with
+    ``SINGLETON_TEST_SIGNAL_PAYLOADS`` set (``"<signal name> <repr of its arguments>"``)."""
+    return f"{prefix}{SIGNAL_PAYLOADS_SUFFIX}"
+
+
+def _payload_logger(signal_name: str) -> Any:
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        kwargs.pop("signal", None)
+        client = _client(app.conf.singleton_test_redis_url)
+        shown = f"{signal_name} {sender!r} {sorted(kwargs.items())!r}"
+        client.rpush(signal_payloads_key(app.conf.singleton_test_prefix), shown)
+
+    return receiver
+
+
+if os.environ.get("SINGLETON_TEST_PREFIX") and os.environ.get("SINGLETON_TEST_SIGNAL_PAYLOADS"):
+    for _signal_name in _singleton_signals.__all__:
+        getattr(_singleton_signals, _signal_name).connect(_payload_logger(_signal_name), weak=False)

@@ -712,6 +712,22 @@ def test_args_preview_is_short_and_never_raises() -> None:
     assert "Broken" in args_preview((Broken(),), {})
 
 
+def test_args_preview_shows_the_callers_argsrepr_and_kwargsrepr() -> None:
+    """A half the caller has Celery show (``argsrepr``/``kwargsrepr``) is shown as given and
+    never from the arguments; a half not given (None, empty) is previewed; the whole is cut."""
+    from celery_singleton_lock.core.arguments import MAX_PREVIEW_CHARS, args_preview
+
+    card = "4111111111111111"
+    assert args_preview((card,), {}, "('****',)") == "('****',) {}"
+    assert args_preview((card,), {"n": 1}, "('****',)", None) == "('****',) {'n': 1}"
+    assert args_preview((1,), {"card": card}, "", "{'card': '*'}") == "(1,) {'card': '*'}"
+    assert args_preview((card,), {"card": card}, "(*,)", "{*}") == "(*,) {*}"
+    assert args_preview((card,), {}, None, None) == f"('{card}',) {{}}"
+    long = args_preview((card,), {}, "x" * 1000)
+    assert len(long) == MAX_PREVIEW_CHARS
+    assert card not in long
+
+
 # --------------------------------------------------------------------------- fast paths
 
 _KINDS = (

@@ -1,0 +1,210 @@
+"""A secret argument the caller masked for Celery (``apply_async(argsrepr=..., kwargsrepr=...)``)
+is masked for the library too: real worker processes hold locks of a call whose card number
+is masked, and the card appears nowhere the library shows or keeps a call: not in the lock
+hash, not in ``celery singleton list``/``show``, not in the worker's log, not in a skipped or
+coalesced duplicate's marker, not in a signal's payload; a coalesced duplicate's follow-up and
+a requeued duplicate carry the mask on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+from click.testing import CliRunner
+
+from celery_singleton_lock import SingletonTask, skip_info
+from celery_singleton_lock.cli import singleton
+from tests.support.basic_app import SINGLETON_APP
+from tests.support.singleton_app import signal_payloads_key
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+CARD = "4111111111111111"
+#: what the caller shows of the card, as Celery documents it
+MASK = "('****',)"
+
+
+@dataclass
+class Bed:
+    """A worker of the test app, its client app, Redis, and the gates holding runs."""
+
+    worker: WorkerProcess
+    app: Celery
+    redis: redis.Redis
+    redis_url: str
+    prefix: str
+    gates: list[str] = field(default_factory=list)
+
+    def task(self, name: str) -> Any:
+        """``name`` of the worker's app, as a SingletonTask of the client app (its
+        apply_async)."""
+        self.app.conf.singleton_key_prefix = f"{self.prefix}lock:"
+
+        @self.app.task(
+            bind=True, base=SingletonTask, name=name, shared=False, singleton_key_args=("card",)
+        )
+        def charge(self: Any, card: str, until: str | None = None) -> None:
+            """Same signature as the worker's."""
+
+        return charge
+
+    def gate(self, name: str) -> str:
+        """A list a holding run waits on (``until``) until :meth:`open` pushes to it."""
+        gate = f"{self.prefix}gate:{name}"
+        self.gates.append(gate)
+        return gate
+
+    def open(self, gate: str) -> None:
+        self.redis.rpush(gate, "go")
+
+    def cli(self, *args: str) -> str:
+        """``celery singleton <args>`` on the worker's locks."""
+        shown = CliRunner().invoke(
+            singleton, ["--url", self.redis_url, "--prefix", f"{self.prefix}lock:", *args]
+        )
+        assert shown.exit_code == 0, shown.output
+        return shown.output
+
+    def held(self, owner: str, generation: int = 0) -> dict[str, Any]:
+        """The lock ``owner`` holds (its run of that retries count), as `list --json` shows
+        it, once it holds one."""
+
+        def listed() -> dict[str, Any] | None:
+            mine = [
+                lock
+                for lock in json.loads(self.cli("list", "--json"))
+                if (lock["owner"], lock["generation"]) == (owner, generation)
+            ]
+            return mine[0] if mine else None
+
+        found: dict[str, Any] = wait_for(listed, 30, f"the lock of {owner}", self.worker)
+        return found
+
+    def check_lock_masked(self, lock: dict[str, Any]) -> None:
+        """The lock's hash in Redis, `list` and `show` show the mask, never the card."""
+        assert lock["args"].startswith(MASK), lock
+        stored = self.redis.hgetall(lock["key"])
+        assert stored[b"args"].startswith(MASK.encode()), stored
+        assert not any(CARD.encode() in value for value in stored.values()), stored
+        listed, shown = self.cli("list"), self.cli("show", lock["key"])
+        assert MASK in listed
+        assert MASK in shown
+        assert CARD not in listed + shown
+
+    def check_nothing_leaked(self, *results: AsyncResult) -> None:
+        """Neither the worker's log, nor the signals' payloads, nor the duplicates' results."""
+        assert CARD not in self.worker.log_text()
+        logged = self.redis.lrange(signal_payloads_key(self.prefix), 0, -1)
+        payloads = [p.decode() for p in logged]
+        assert payloads  # the receivers are there
+        assert not [p for p in payloads if CARD in p]
+        for result in results:
+            assert CARD not in repr(result.result)
+
+
+@pytest.fixture
+def bed(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    redis_url: str,
+    key_prefix: str,
+) -> Iterator[Bed]:
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        concurrency=3,
+        env={"SINGLETON_TEST_TTL": "4", "SINGLETON_TEST_SIGNAL_PAYLOADS": "1"},
+    )
+    worker.wait_ready(client_app)
+    made = Bed(worker, client_app, redis_client, redis_url, key_prefix)
+    yield made
+    for gate in made.gates:  # no run is left waiting
+        made.open(gate)
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_masked_secret_never_shows_under_the_skip_policy(bed: Bed) -> None:
+    """A holder called with ``argsrepr``: its lock shows the mask; a duplicate called the same
+    way is skipped naming it, and nothing of either shows the card."""
+    task, gate = bed.task("t.charge"), bed.gate("skip")
+    holder = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
+    bed.check_lock_masked(bed.held(holder.id))
+
+    duplicate = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
+    wait_for(duplicate.ready, 20, "the duplicate skipped", bed.worker)
+    info = skip_info(duplicate)
+    assert info is not None
+    assert info.holder == holder.id
+    bed.worker.wait_for_log(rf"singleton: duplicate skipped: t\.charge\[{duplicate.id}\]")
+
+    bed.open(gate)
+    holder.get(timeout=20)
+    bed.check_nothing_leaked(holder, duplicate)
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_masked_secret_never_shows_under_the_coalesce_policy(bed: Bed) -> None:
+    """A coalesced duplicate's call is kept whole for its follow-up (it must run it), but the
+    pending record is shown by id and count only, and the follow-up is published with the
+    duplicate's mask: its own lock shows the mask, never the card."""
+    task, first, second = bed.task("t.charge_coalesce"), bed.gate("first"), bed.gate("second")
+    holder = task.apply_async(args=(CARD,), kwargs={"until": first}, argsrepr=MASK)
+    lock = bed.held(holder.id)
+
+    duplicate = task.apply_async(
+        args=(CARD,), kwargs={"until": second}, argsrepr=MASK, kwargsrepr="{'until': '*'}"
+    )
+    wait_for(duplicate.ready, 20, "the duplicate coalesced", bed.worker)
+    info = skip_info(duplicate)
+    assert info is not None
+    assert info.follow_up is not None
+    pending = bed.held(holder.id)
+    assert pending["pending_follow_up"] == info.follow_up
+    bed.check_lock_masked(pending)
+
+    bed.open(first)
+    holder.get(timeout=20)
+    follow_up = bed.held(info.follow_up)
+    assert follow_up["key"] == lock["key"]
+    assert follow_up["args"] == f"{MASK} {{'until': '*'}}"  # the duplicate's kwargsrepr too
+    bed.check_lock_masked(follow_up)
+
+    bed.open(second)
+    AsyncResult(info.follow_up, app=bed.app).get(timeout=20)
+    bed.check_nothing_leaked(holder, duplicate)
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_requeued_duplicate_keeps_its_mask(bed: Bed) -> None:
+    """Under the retry policy a duplicate is published again while it waits: with its mask, so
+    when it finally takes the lock, the lock shows the mask."""
+    task, first, second = bed.task("t.charge_retry"), bed.gate("first"), bed.gate("second")
+    holder = task.apply_async(args=(CARD,), kwargs={"until": first}, argsrepr=MASK)
+    bed.held(holder.id)
+    duplicate = task.apply_async(args=(CARD,), kwargs={"until": second}, argsrepr=MASK)
+    bed.worker.wait_for_log(rf"singleton: duplicate retried in .*t\.charge_retry\[{duplicate.id}\]")
+
+    bed.open(first)
+    holder.get(timeout=20)
+    bed.check_lock_masked(bed.held(duplicate.id))
+    bed.open(second)
+    duplicate.get(timeout=20)
+    bed.check_nothing_leaked(holder)
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_run_that_retries_itself_keeps_its_mask(bed: Bed) -> None:
+    """``self.retry()`` publishes the same call again (Celery's retry drops the reprs): the
+    retried run's lock shows the mask."""
+    task, gate = bed.task("t.charge_self_retry"), bed.gate("retried")
+    run = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
+    bed.check_lock_masked(bed.held(run.id, generation=1))  # the retried run's
+    bed.open(gate)
+    run.get(timeout=20)
+    bed.check_nothing_leaked(run)
