@@ -44,9 +44,10 @@ class Bed:
     """A worker of the features app, shared by the module's tests, and a client on its prefix."""
 
     def __init__(
-        self, app: Celery, client: redis.Redis, prefix: str, worker: WorkerProcess
+        self, app: Celery, client: redis.Redis, prefix: str, worker: WorkerProcess, pool: str
     ) -> None:
         self.app, self.client, self.prefix, self.worker = app, client, prefix, worker
+        self.pool = pool
 
     def lock_key(self, name: str, key: str) -> str:
         """The lock key of ``name(key, ...)`` (features_app's tasks key on ``key``)."""
@@ -78,8 +79,14 @@ class Bed:
         return [raw.decode() for raw in self.client.lrange(f"{self.prefix}signals", 0, -1)]
 
 
-def _start(factory: WorkerFactory, app: Celery, env: dict[str, str] | None = None) -> Any:
-    worker = factory.start(FEATURES_APP, pool="prefork", concurrency=3, env=env or {})
+#: the pools every test of the shared worker runs in (each its own worker, shared by the tests)
+POOLS = ["prefork", "threads"]
+
+
+def _start(
+    factory: WorkerFactory, app: Celery, pool: str, env: dict[str, str] | None = None
+) -> Any:
+    worker = factory.start(FEATURES_APP, pool=pool, concurrency=3, env=env or {})
     worker.wait_ready(app)
     return worker
 
@@ -107,12 +114,18 @@ def factory(
     made.close()
 
 
-@pytest.fixture(scope="module")
-def bed(redis_url: str, module_prefix: str, factory: WorkerFactory) -> Iterator[Bed]:
-    app = make_app(redis_url, module_prefix)
+@pytest.fixture(scope="module", params=POOLS)
+def bed(
+    request: pytest.FixtureRequest, redis_url: str, module_prefix: str, factory: WorkerFactory
+) -> Iterator[Bed]:
+    """A worker of each pool in :data:`POOLS`, on its own queue, for every test of the module."""
+    pool = request.param
+    queue = f"features-{pool}"
+    app = make_app(redis_url, module_prefix, queue)
     client = redis.Redis.from_url(redis_url)
+    worker = _start(factory, app, pool, {"SINGLETON_TEST_QUEUE": queue})
     try:
-        yield Bed(app, client, module_prefix, _start(factory, app))
+        yield Bed(app, client, module_prefix, worker, pool)
     finally:
         close_app(app)
         client.close()
@@ -189,6 +202,8 @@ def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
     before the retry comes (or the lock's 60 s ttl ends)."""
     if not hasattr(bed.app.Task, "retry_on_worker_lost"):
         pytest.skip("retry_on_worker_lost is new in Celery 5.7")
+    if bed.pool != "prefork":
+        pytest.skip("a lost worker is a prefork child")
     key = _key()
     result = bed.app.send_task("x.lost_then_retried", args=(key,))
     lock = bed.wait_held("x.lost_then_retried", key)
@@ -252,7 +267,7 @@ def test_an_eta_message_redelivered_while_it_waits_runs_once(
         base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
     )
     try:
-        worker = _start(factory, app, {"SINGLETON_TEST_VISIBILITY": "1"})
+        worker = _start(factory, app, "prefork", {"SINGLETON_TEST_VISIBILITY": "1"})
         key = _key()
         result = app.send_task("x.eta_once", args=(key,), countdown=4)
         assert result.get(timeout=30)["run"] == 1
