@@ -6,8 +6,10 @@ Each test asks "and with Celery's feature X on?": a retry that ``max_retries`` r
 that the Redis broker hands out again. The contract: one run at a time per key, the lock
 released on every ending (at once, not by its ttl), nothing run twice.
 
-One prefork worker (tests.support.features_app) serves the module's tests, each on keys of its
-own; the eta test starts a worker of its own (a short visibility timeout).
+A worker per pool (tests.support.features_app; prefork and threads) serves the module's tests,
+each on keys of its own: the tests are not marked slow, so they keep their collection order and
+each xdist process starts a pool's worker once. The eta test starts a worker of its own (a
+short visibility timeout).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock import skip_info
+from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import KeyDeriver
 from tests.conftest import delete_prefix
 from tests.support import features_app
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.chaos import deliveries_key
-from tests.support.features_app import LONG_TTL, go_key
+from tests.support.features_app import ENDINGS, LONG_TTL, go_key
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -139,7 +141,6 @@ def _key() -> str:
 # -- retries Celery refuses ---------------------------------------------------------------------
 
 
-@pytest.mark.slow(seconds=6)
 def test_a_retry_that_max_retries_refuses_releases_the_lock_at_once(bed: Bed) -> None:
     """``self.retry(countdown=60)`` with no retry left ends in FAILURE: nothing is published,
     so nothing is handed over; the lock is released as after any failure, and the next call of
@@ -157,7 +158,6 @@ def test_a_retry_that_max_retries_refuses_releases_the_lock_at_once(bed: Bed) ->
     assert len(bed.runs(key)) == 2
 
 
-@pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("task", ["x.autoretry", "x.autoretry_default_delay"])
 def test_autoretry_for_that_gives_up_releases_the_lock_at_once(bed: Bed, task: str) -> None:
     """``autoretry_for`` (with ``retry_backoff``/``retry_jitter``, and with Celery's default
@@ -173,7 +173,6 @@ def test_autoretry_for_that_gives_up_releases_the_lock_at_once(bed: Bed, task: s
     assert_no_overlap(check_history(runs))
 
 
-@pytest.mark.slow(seconds=6)
 def test_coalesce_publishes_the_follow_up_at_once_after_a_refused_retry(bed: Bed) -> None:
     """The holder's retry is refused (FAILURE): the follow-up its duplicate left is published
     at its release, not after the lock's ttl."""
@@ -195,7 +194,6 @@ def test_coalesce_publishes_the_follow_up_at_once_after_a_refused_retry(bed: Bed
 # -- Celery 5.7's retry_on_worker_lost ------------------------------------------------------------
 
 
-@pytest.mark.slow(seconds=6)
 def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
     """The pool child dies holding the lock; Celery publishes the retry (30 s countdown) and
     sends no task_failure. The main process releases the lock at once: the key is free long
@@ -208,6 +206,7 @@ def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
     result = bed.app.send_task("x.lost_then_retried", args=(key,))
     lock = bed.wait_held("x.lost_then_retried", key)
     assert bed.client.hget(lock, "owner") == result.id.encode()
+    bed.go(result.id)
     wait_for(
         lambda: bed.client.lrange(go_key(bed.prefix, "killed"), 0, -1),
         20,
@@ -230,7 +229,6 @@ def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
 # -- before_start overridden without super() ----------------------------------------------------
 
 
-@pytest.mark.slow(seconds=6)
 def test_a_before_start_override_without_super_keeps_the_lock_renewed(bed: Bed) -> None:
     """The app's ttl is 1 s and the run lasts 3.5 s: the lock is renewed although the
     subclass's ``before_start`` never calls ``super()``; a duplicate sent midway is skipped."""
@@ -301,7 +299,6 @@ def _broker_idle(client: redis.Redis, prefix: str) -> bool:
 # -- results ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow(seconds=4)
 def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
     """``@app.task(ignore_result=True)``, called by name (``send_task``, beat: the message
     says nothing of results, and the task decides, as Celery's tracer does): a skipped
@@ -325,7 +322,6 @@ def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
 # -- canvas and message options ------------------------------------------------------------
 
 
-@pytest.mark.slow(seconds=4)
 def test_a_task_replaced_by_itself_runs_the_replacement_after_it_let_go(bed: Bed) -> None:
     """``self.replace(self.s(...))`` publishes the replacement under the same task id and ends
     the run (``Ignore``): the replacement waits for that run's release, then runs; no overlap."""
@@ -338,7 +334,6 @@ def test_a_task_replaced_by_itself_runs_the_replacement_after_it_let_go(bed: Bed
     assert_no_overlap(check_history(runs))
 
 
-@pytest.mark.slow(seconds=6)
 def test_a_requeued_duplicate_keeps_its_expires(bed: Bed) -> None:
     """Under "retry" a duplicate is requeued while the key is held; its ``expires`` goes with
     it, so it ends REVOKED (expired) when that time passes, not requeued for ever."""
@@ -351,7 +346,6 @@ def test_a_requeued_duplicate_keeps_its_expires(bed: Bed) -> None:
     assert len(bed.runs(key)) == 1
 
 
-@pytest.mark.slow(seconds=4)
 def test_a_shadow_name_does_not_change_the_key(bed: Bed) -> None:
     """``apply_async(shadow=...)`` renames the task in logs and events only: the key is the
     task's, and a shadowed duplicate is skipped."""
@@ -362,3 +356,53 @@ def test_a_shadow_name_does_not_change_the_key(bed: Bed) -> None:
     duplicate.get(timeout=20)
     assert skip_info(duplicate) is not None
     assert holder.get(timeout=20)["token"] is not None
+
+
+# -- the matrix: each way a holder ends, under each duplicate policy ---------------------------
+
+
+@pytest.mark.parametrize("policy", ["skip", "retry", "raise", "coalesce"])
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> None:
+    """A holder of the key ends as ``ending`` (success, failure, a retry Celery refuses, with
+    and without ``exc``, ``Reject``, ``Ignore``, a soft time limit) while a duplicate meets
+    ``policy``: the duplicate is skipped (naming the holder), raised, requeued or coalesced;
+    the holder's end releases the lock at once (its ttl is 60 s); a requeued duplicate or the
+    follow-up runs after it, once; no two runs of the key overlap."""
+    if ending == "soft_limit" and bed.pool != "prefork":
+        pytest.skip("the threads pool has no time limits")
+    name = f"x.end_{policy}"
+    key = _key()
+    options = {"soft_time_limit": 1} if ending == "soft_limit" else {}
+    holder = bed.app.send_task(name, args=(key, ending), **options)
+    bed.wait_held(name, key)
+    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    duplicate = bed.app.send_task(name, args=(key,))
+    follow_up = None
+    if policy == "raise":
+        with pytest.raises(DuplicateTaskError):
+            duplicate.get(timeout=20)
+    elif policy == "retry":
+        wait_for(
+            lambda: f"duplicate_retried {duplicate.id}" in bed.signals(),
+            20,
+            "the duplicate to be requeued",
+            bed.worker,
+        )
+    else:
+        duplicate.get(timeout=20)
+        info = skip_info(duplicate)
+        assert info is not None
+        assert info.holder == holder.id
+        follow_up = info.follow_up
+        assert (follow_up is not None) == (policy == "coalesce")
+    bed.go(holder.id)
+    wait_for(lambda: all(e.finished for e in bed.runs(key)), 20, "the holder's end", bed.worker)
+    if policy == "retry":
+        assert duplicate.get(timeout=20) == "now"
+    if follow_up is not None:
+        assert bed.app.AsyncResult(follow_up).get(timeout=20) == "now"
+    bed.wait_free(name, key)
+    runs = bed.runs(key)
+    assert len(runs) == (2 if policy in ("retry", "coalesce") else 1), runs
+    assert_no_overlap(check_history(runs), allow_unfinished=False)

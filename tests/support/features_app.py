@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
+from celery.exceptions import Ignore, Reject
+
 from celery_singleton_lock import SingletonTask
-from tests.support.basic_app import _client
+from tests.support.basic_app import _client, history_key
 from tests.support.chaos import deliveries_key
+from tests.support.history import record_end, record_start
 from tests.support.singleton_app import _run, app, go_key
 
 __test__ = False
@@ -110,9 +114,10 @@ def coalesce_give_up(self: Any, key: str, payload: str = "") -> str:
     default_retry_delay=LONG_TTL / 2,
 )
 def lost_then_retried(self: Any, key: str) -> dict[str, Any]:
-    """The first run SIGKILLs its own pool child while it holds the lock (Celery 5.7 retries
-    it: ``retry_on_worker_lost``); the retried run returns."""
+    """The first run SIGKILLs its own pool child while it holds the lock, once the test lets it
+    go (Celery 5.7 retries it: ``retry_on_worker_lost``); the retried run returns."""
     if not self.request.retries:
+        _wait_for_go(self)
         client = _client(app.conf.singleton_test_redis_url)
         client.rpush(go_key(app.conf.singleton_test_prefix, "killed"), self.request.id)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -163,3 +168,64 @@ def replaced(self: Any, key: str, done: bool = False) -> Any:
         _run(self, key, 0.0)
         raise self.replace(self.s(key, done=True))
     return {**_run(self, key, 0.0), "replaced": True}
+
+
+# -- the matrix: each way a run can end, under each duplicate policy -----------------------------
+
+#: how a holder of the matrix ends, once the test lets it go (``x.end_<policy>``'s ``ending``)
+ENDINGS = (
+    "return",
+    "raise",
+    "retry_refused",
+    "retry_refused_exc",
+    "reject",
+    "ignore",
+    "soft_limit",
+)
+
+
+def _end(task: Any, key: str, ending: str) -> str:
+    """Record the run; a holder (any ``ending`` but "now") waits for its go first, then ends
+    as ``ending`` says. The end is recorded however the run ends."""
+    client = _client(app.conf.singleton_test_redis_url)
+    hkey = history_key(app.conf.singleton_test_prefix)
+    token = task.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
+    try:
+        if ending != "now":
+            _wait_for_go(task)
+        if ending == "raise":
+            raise ValueError("the body failed")
+        if ending == "retry_refused":
+            raise task.retry(countdown=60)
+        if ending == "retry_refused_exc":
+            raise task.retry(exc=ValueError("no retry left"), countdown=60)
+        if ending == "reject":
+            raise Reject("rejected", requeue=False)
+        if ending == "ignore":
+            raise Ignore()
+        if ending == "soft_limit":
+            time.sleep(30)  # the message's soft_time_limit raises SoftTimeLimitExceeded here
+        return ending
+    finally:
+        record_end(client, hkey, exec_id)
+
+
+def _policy_task(policy: str) -> Any:
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=f"x.end_{policy}",
+        singleton_key_args=("key",),
+        singleton_ttl=LONG_TTL,
+        singleton_on_duplicate=policy,
+        singleton_retry_countdown=0.2,
+        max_retries=0,
+    )
+    def end(self: Any, key: str, ending: str = "now") -> str:
+        return _end(self, key, ending)
+
+    return end
+
+
+POLICY_TASKS = {policy: _policy_task(policy) for policy in ("skip", "retry", "raise", "coalesce")}
