@@ -93,7 +93,9 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             # next step, a link callback, a call from the body). Neither is a duplicate:
             # skipping would drop the run (or overwrite its result). Wait until the holder
             # releases, or its lock expires because the holder is dead.
-            countdown = min(opts.retry_countdown or 1.0, max(held.pttl_ms, 0) / 1000 + 0.1)
+            countdown = max(held.pttl_ms, 0) / 1000 + 0.1
+            if not held.finished:  # a window ends at its pttl; a running holder may end sooner
+                countdown = min(opts.retry_countdown or 1.0, countdown)
             if held.holder == task_id:
                 logger.warning(
                     "singleton: redelivered while held, retrying in %ss: %s[%s] key=%s",

@@ -406,3 +406,15 @@ def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> No
     runs = bed.runs(key)
     assert len(runs) == (2 if policy in ("retry", "coalesce") else 1), runs
     assert_no_overlap(check_history(runs), allow_unfinished=False)
+
+
+def test_a_message_requeued_by_reject_inside_its_window_waits_for_the_window_once(
+    bed: Bed,
+) -> None:
+    """``Reject(requeue=True)`` from a run acked late with a 2 s at-least window: the broker
+    hands the message back at once, and it meets its own window. It is requeued once, to the
+    window's end (not every ``singleton_retry_countdown``, 0.2 s), then runs."""
+    key = _key()
+    result = bed.app.send_task("x.reject_in_window", args=(key,))
+    assert result.get(timeout=20)["run"] == 2
+    assert bed.signals().count(f"duplicate_retried {result.id}") == 1

@@ -229,3 +229,22 @@ def _policy_task(policy: str) -> Any:
 
 
 POLICY_TASKS = {policy: _policy_task(policy) for policy in ("skip", "retry", "raise", "coalesce")}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.reject_in_window",
+    singleton_key_args=("key",),
+    singleton_lock_at_least=2.0,
+    singleton_retry_countdown=0.2,
+    acks_late=True,
+)
+def reject_in_window(self: Any, key: str) -> dict[str, Any]:
+    """Acked late, the first delivery asks the broker to requeue it (``Reject(requeue=True)``)
+    inside its own at-least window; the next one runs."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    if run == 1:
+        raise Reject("again, please", requeue=True)
+    return {**_run(self, key, 0.0), "run": run}
