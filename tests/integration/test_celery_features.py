@@ -418,3 +418,26 @@ def test_a_message_requeued_by_reject_inside_its_window_waits_for_the_window_onc
     result = bed.app.send_task("x.reject_in_window", args=(key,))
     assert result.get(timeout=20)["run"] == 2
     assert bed.signals().count(f"duplicate_retried {result.id}") == 1
+
+
+def test_coalesce_with_reject_on_worker_lost_runs_the_redelivered_holder_first(bed: Bed) -> None:
+    """Acked late with ``task_reject_on_worker_lost``: the holder's child dies after a duplicate
+    was coalesced. Celery sends no failure and the broker hands the holder's message back; it
+    waits for its dead run's lock (2 s ttl), runs, and only its release publishes the
+    follow-up, which runs after it: the newest call runs last."""
+    if bed.pool != "prefork":
+        pytest.skip("a lost worker is a prefork child")
+    key = _key()
+    holder = bed.app.send_task("x.coalesce_lost_late", args=(key, "die"))
+    bed.wait_held("x.coalesce_lost_late", key)
+    duplicate = bed.app.send_task("x.coalesce_lost_late", args=(key, "newest"))
+    info = wait_for(lambda: duplicate.ready() and skip_info(duplicate), 20, "the coalesce")
+    assert info.follow_up
+    bed.go(holder.id)
+    assert holder.get(timeout=30) == "die"
+    assert bed.app.AsyncResult(info.follow_up).get(timeout=30) == "newest"
+    runs = load_history(bed.client, history_key(bed.prefix))
+    first = next(e for e in runs if e.key == f"{key}:die")
+    last = next(e for e in runs if e.key == f"{key}:newest")
+    assert first.end_us is not None
+    assert first.end_us <= last.start_us

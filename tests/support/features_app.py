@@ -248,3 +248,25 @@ def reject_in_window(self: Any, key: str) -> dict[str, Any]:
     if run == 1:
         raise Reject("again, please", requeue=True)
     return {**_run(self, key, 0.0), "run": run}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.coalesce_lost_late",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="coalesce",
+    singleton_ttl=2.0,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def coalesce_lost_late(self: Any, key: str, payload: str = "") -> str:
+    """Coalescing, acked late, requeued if its child dies: the first delivery of payload "die"
+    waits for its go and SIGKILLs its own pool child; every other run records itself."""
+    client = _client(app.conf.singleton_test_redis_url)
+    run = int(client.incr(deliveries_key(app.conf.singleton_test_prefix, self.request.id)))
+    if payload == "die" and run == 1:
+        _wait_for_go(self)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _run(self, f"{key}:{payload}", 0.0)
+    return payload
