@@ -51,3 +51,12 @@ def import_feed(self: Any, feed: str, seconds: float = 1.0) -> dict[str, Any]:
     """Import one feed; the same feed is never imported twice at once."""
     time.sleep(seconds)
     return {"feed": feed, "token": self.singleton.fencing_token}
+
+
+@app.task(bind=True, base=SingletonTask, singleton_lock_on="publish")  # type: ignore[untyped-decorator]
+def refresh_feed(self: Any, feed: str, seconds: float = 1.0) -> dict[str, Any]:
+    """Deduplicated where it is published too: a second ``delay()`` of the same feed while one is
+    queued or running returns that one's result instead of publishing again (the queued marker
+    lives in the lock's Redis, beside the lock; RabbitMQ only carries the message)."""
+    time.sleep(seconds)
+    return {"feed": feed, "token": self.singleton.fencing_token}

@@ -104,7 +104,9 @@ def test_django_style_settings_configure_the_lock(
 def test_rabbitmq_broker_with_redis_lock_store(
     monkeypatch: pytest.MonkeyPatch, redis_url: str, key_prefix: str, running: Any
 ) -> None:
-    """Over RabbitMQ (a private queue), a duplicate is skipped by the lock kept in Redis."""
+    """Over RabbitMQ (a private queue), a duplicate is skipped by the lock kept in Redis; with
+    ``singleton_lock_on="publish"`` a second call is not published while the first is queued
+    or running (the queued marker lives in the lock's Redis), and is once it has run."""
     with socket.create_connection(AMQP_HOST, timeout=5):
         pass  # RabbitMQ answers (it runs here and in CI)
     queue = f"singleton-example-{uuid.uuid4().hex[:8]}"
@@ -122,6 +124,19 @@ def test_rabbitmq_broker_with_redis_lock_store(
         info = skip_info(second)
         assert info is not None
         assert info.key.startswith(f"{key_prefix}lock:")
+        # publish-time dedup: the queued marker in Redis, RabbitMQ only carries the message
+        running_call = module.refresh_feed.delay("prices", 1.0)
+        assert module.refresh_feed.delay("prices", 1.0).id == running_call.id  # not published
+        assert isinstance(outcome(running_call)["token"], int)
+        # the release follows the result: until then a call returns the first's result
+        again = wait_for(
+            lambda: (
+                (call := module.refresh_feed.delay("prices", 0.0)).id != running_call.id and call
+            ),
+            10,
+            "a call published again",
+        )
+        assert isinstance(outcome(again)["token"], int)
     finally:
         with module.app.connection_for_write() as conn:
             conn.default_channel.queue_delete(queue)
