@@ -9,9 +9,15 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS
+from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS, Setting
 from celery_singleton_lock.core.urls import redact_url
-from celery_singleton_lock.options import Options, describe, read_options, resolve_redis_url
+from celery_singleton_lock.options import (
+    Options,
+    describe,
+    read_beat_options,
+    read_options,
+    resolve_redis_url,
+)
 from celery_singleton_lock.worker import banner_lines
 
 
@@ -293,6 +299,121 @@ def test_invalid_key_fn() -> None:
     """A key that is not callable is rejected, naming the setting."""
     with pytest.raises(SingletonConfigError, match="singleton_key"):
         read_options({"singleton_key": "account_id"})
+
+
+# -- numbers: every numeric row of the table, as an app setting and as a task option ----------
+
+#: numbers a numeric setting may take: a row whose check accepts one of them is numeric
+_SOME_NUMBERS = (1, 2, 1.5, 60, 1000)
+#: refused by every numeric setting, whatever its range
+_NEVER_NUMBERS: tuple[Any, ...] = (
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -1,
+    -0.5,
+    True,
+    False,
+    "1",
+    "inf",
+    b"1",
+    [1],
+)
+#: by the seconds ones: ints no float holds (the second has no repr either: ValueError past
+#: 4300 digits)
+_TOO_BIG_FOR_FLOAT = (10**400, 10**5000)
+#: by the integer ones: a float, even a whole one
+_NOT_INTEGERS = (1.0, 2.5)
+
+
+def _accepts(setting: Setting, value: Any) -> bool:
+    try:
+        setting.check(setting.conf_key, value)
+    except SingletonConfigError:
+        return False
+    return True
+
+
+def _numeric_settings() -> list[Setting]:
+    """The rows of :data:`SETTINGS` whose check accepts a number: a new one cannot skip the
+    tests below."""
+    return [s for s in SETTINGS.values() if any(_accepts(s, n) for n in _SOME_NUMBERS)]
+
+
+def _integer(setting: Setting) -> bool:
+    return not any(_accepts(setting, n) for n in (1.5, 2.5))
+
+
+def _bad_numbers(setting: Setting) -> list[Any]:
+    return [*_NEVER_NUMBERS, *(_NOT_INTEGERS if _integer(setting) else _TOO_BIG_FOR_FLOAT)]
+
+
+def _read_everything(conf: dict[str, Any], task: object | None = None) -> None:
+    """What a worker (every task's options, the banner's) and a beat read at start-up."""
+    read_options(conf, task)
+    if task is None:
+        read_beat_options(conf)
+
+
+def test_the_numeric_settings_are_found() -> None:
+    """The probe finds every numeric setting known today, and only numbers pass it."""
+    names = {s.name for s in _numeric_settings()}
+    assert names >= {
+        "wait_replicas",
+        "wait_timeout",
+        "permits",
+        "ttl",
+        "retry_countdown",
+        "max_hold",
+        "completion_ttl",
+        "publish_ttl",
+        "beat_skew",
+        "lock_at_least",
+        "beat_lease",
+    }
+    assert {s.name for s in _numeric_settings() if _integer(s)} == {"wait_replicas", "permits"}
+
+
+@pytest.mark.parametrize("setting", _numeric_settings(), ids=lambda s: s.name)
+def test_numeric_setting_refuses_non_numbers(setting: Setting) -> None:
+    """NaN, infinities, negatives, bools, strings, an int no float holds (and, for an integer
+    setting, floats) are a SingletonConfigError naming the setting: from its check, as an app
+    setting, and as a task option where it is one. None only where it means "not set"."""
+    for value in _bad_numbers(setting):
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            setting.check(setting.conf_key, value)
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            _read_everything({setting.conf_key: value})
+        if setting.task_option:
+            task = SimpleNamespace(name="t.numbers", **{setting.conf_key: value})
+            named = rf"{setting.conf_key} \(task t\.numbers\)"
+            with pytest.raises(SingletonConfigError, match=named):
+                _read_everything({}, task)
+    if setting.default is not None:
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            setting.check(setting.conf_key, None)
+
+
+@pytest.mark.parametrize("setting", _numeric_settings(), ids=lambda s: s.name)
+def test_numeric_setting_error_shows_the_value(setting: Setting) -> None:
+    """The message shows what was given, and an int too long for a repr as its size."""
+    with pytest.raises(SingletonConfigError, match=r"got inf$"):
+        setting.check(setting.conf_key, float("inf"))
+    if _integer(setting):
+        return
+    with pytest.raises(SingletonConfigError, match=r"got 1000000000\d{67}\.\.\.$"):
+        setting.check(setting.conf_key, 10**400)
+    with pytest.raises(SingletonConfigError, match=r"got an integer of 16610 bits$"):
+        setting.check(setting.conf_key, 10**5000)
+
+
+def test_infinite_ttls_never_reach_a_lock() -> None:
+    """ttl=inf was a bare OverflowError (ttl_ms); completion_ttl and lock_at_least = inf
+    passed and every release then died with OverflowError."""
+    for name in ("ttl", "completion_ttl", "lock_at_least", "max_hold", "publish_ttl"):
+        task = SimpleNamespace(name="t.inf", **{f"singleton_{name}": float("inf")})
+        with pytest.raises(SingletonConfigError, match=f"singleton_{name}"):
+            read_options({}, task).ttl_ms  # noqa: B018 - the property raised before
 
 
 def test_config_error_is_a_value_error() -> None:
