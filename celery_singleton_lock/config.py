@@ -218,7 +218,9 @@ SETTINGS: dict[str, Setting] = {
             _url,
             "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel://, "
             "redis+cluster:// or redis+redlock:// (several independent masters). Default: "
-            "`broker_url` when it is redis:// or rediss://, else redis://localhost:6379/0.",
+            "the broker's URL as Celery resolves it (CELERY_BROKER_URL in the environment, else "
+            "`broker_url`; the first URL of a failover list) when it is redis:// or rediss://, "
+            "else redis://localhost:6379/0.",
             task_option=False,
         ),
         Setting(

@@ -9,6 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
+from celery_singleton_lock.broker import visibility_timeout as broker_visibility
 from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS, Setting
 from celery_singleton_lock.core.urls import redact_url
 from celery_singleton_lock.options import (
@@ -227,6 +228,124 @@ def test_redis_url_setting_wins_over_broker() -> None:
 def test_redis_url_from_celery_app_broker() -> None:
     """A Celery app's redis broker_url is picked up."""
     assert read_options(_app(broker_url="redis://b:1/5").conf).redis_url == "redis://b:1/5"
+
+
+# -- the broker as Celery resolves it --------------------------------------------------------
+
+#: the failover list of the tests below: the first URL's Redis holds the locks
+FIRST = "redis://:pw-8f3e@first.example:6379/2"
+SECOND = "redis://second.example:6379/3"
+BROKERS: dict[str, Any] = {
+    "one": FIRST,
+    "semicolons": f"{FIRST};{SECOND}",
+    "list": [FIRST, SECOND],
+}
+SOURCES = ["keyword", "config_from_object", "environment", "django_namespace"]
+#: the broker's visibility timeout in these tests: the default completion_ttl follows it
+VISIBILITY = 7200
+
+
+def _app_with_broker(source: str, broker: Any, monkeypatch: pytest.MonkeyPatch) -> Celery:
+    """A Celery app given ``broker`` and its visibility timeout through ``source``."""
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    transport = {"visibility_timeout": VISIBILITY}
+    name = "tests.unit.test_config"
+    if source == "keyword":
+        app = Celery(name, broker=broker, set_as_current=False)
+        app.conf.broker_transport_options = transport
+    elif source == "config_from_object":
+        app = Celery(name, set_as_current=False)
+        app.config_from_object(
+            SimpleNamespace(broker_url=broker, broker_transport_options=transport)
+        )
+    elif source == "environment":  # a list cannot be: the variable is one string
+        monkeypatch.setenv(
+            "CELERY_BROKER_URL", broker if isinstance(broker, str) else ";".join(broker)
+        )
+        app = Celery(name, set_as_current=False)
+        app.conf.broker_transport_options = transport
+    else:  # Django's settings.py, read with namespace="CELERY"
+        app = Celery(name, namespace="CELERY", set_as_current=False)
+        settings = SimpleNamespace(
+            CELERY_BROKER_URL=broker, CELERY_BROKER_TRANSPORT_OPTIONS=transport
+        )
+        app.config_from_object(settings, namespace="CELERY")
+    return app
+
+
+@pytest.mark.parametrize("broker", BROKERS.values(), ids=BROKERS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_broker_default_follows_the_broker_celery_resolves(
+    source: str, broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wherever the broker comes from (keyword, config_from_object, CELERY_BROKER_URL in the
+    environment, a namespaced settings object) and however its failover list is given, its
+    first URL's Redis holds the locks (tasks, banner, beat) and an acks_late task's default
+    completion_ttl is its visibility timeout + 300 s."""
+    app = _app_with_broker(source, broker, monkeypatch)
+
+    @app.task(name="t.late", base=SingletonTask, shared=False, acks_late=True)
+    def late() -> None: ...
+
+    assert resolve_redis_url(app.conf) == FIRST
+    assert late.singleton_options().redis_url == FIRST
+    assert late.singleton_options().completion_ttl == VISIBILITY + 300
+    assert read_beat_options(app.conf).redis_url == FIRST
+    shown = describe(read_options(app.conf), app.conf)
+    assert shown["redis"] == "redis://:***@first.example:6379/2"
+    assert (
+        shown["completion_ttl"]
+        == f"acks_late tasks: {VISIBILITY + 300}s (visibility_timeout + 300s)"
+    )
+    assert "pw-8f3e" not in banner_lines(app.conf, [late])
+    app.close()
+
+
+def test_the_environment_wins_over_broker_url_as_in_celery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery connects to CELERY_BROKER_URL even when broker_url is set: so do the locks."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://env.example:6379/4")
+    app = _app(broker_url="amqp://guest@localhost//")
+    with app.connection_for_write() as connection:  # not connected: only the URL is read
+        assert (connection.transport_cls, connection.hostname) == ("redis", "env.example")
+    assert resolve_redis_url(app.conf) == "redis://env.example:6379/4"
+    app.close()
+
+
+def test_singleton_redis_url_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://env.example:6379/4")
+    app = _app(singleton_redis_url="redis://locks.example:6379/1")
+    assert resolve_redis_url(app.conf) == "redis://locks.example:6379/1"
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("broker", "visibility"),
+    [
+        ("amqp://guest@localhost//;redis://b:6379/0", None),  # the first URL is not Redis
+        (["amqp://guest@localhost//", "redis://b:6379/0"], None),
+        ([], None),
+        ("", None),
+        (["sqs://", "redis://b:6379/0"], 1800.0),
+        (" redis://a:6379/0 ; redis://b:6379/0", 3600.0),
+    ],
+)
+def test_a_failover_list_is_followed_by_its_first_url(
+    broker: Any, visibility: float | None
+) -> None:
+    """Only the first URL counts: a Redis one later in the list is not where kombu connects."""
+    conf = {"broker_url": broker}
+    expected = "redis://a:6379/0" if visibility == 3600.0 else DEFAULT_REDIS_URL
+    assert resolve_redis_url(conf) == expected
+    assert broker_visibility(conf) == visibility
+
+
+def test_an_infinite_visibility_timeout_gives_no_infinite_completion_ttl() -> None:
+    conf = {
+        "broker_url": "redis://a/0",
+        "broker_transport_options": {"visibility_timeout": float("inf")},
+    }
+    task = SimpleNamespace(name="t.late", acks_late=True)
+    assert read_options(conf, task).completion_ttl == 3600.0
 
 
 # -- invalid values ---------------------------------------------------------------------------
