@@ -23,6 +23,15 @@ __test__ = False
 #: the broker's visibility timeout: an acks_late task's default completion_ttl is it + 300 s
 VISIBILITY_S = 7200
 HOLD_TASK = "t.env_hold"
+#: t.env_hold's options: acked late, keyed on ``key``
+HOLD_OPTIONS: dict[str, Any] = {
+    "bind": True,
+    "base": SingletonTask,
+    "name": HOLD_TASK,
+    "shared": False,
+    "singleton_key_args": ("key",),
+    "acks_late": True,
+}
 
 
 def make_app(prefix: str, broker: str | None = None) -> Celery:
@@ -39,14 +48,7 @@ def make_app(prefix: str, broker: str | None = None) -> Celery:
         singleton_key_prefix=f"{prefix}lock:",
     )
 
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name=HOLD_TASK,
-        shared=False,
-        singleton_key_args=("key",),
-        acks_late=True,
-    )
+    @app.task(**HOLD_OPTIONS)
     def env_hold(self: Any, key: str, until: str) -> None:
         """Hold the lock of ``key`` until the test pushes to ``until`` (at most 60 s)."""
         client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
