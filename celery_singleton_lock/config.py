@@ -13,6 +13,7 @@ Knows nothing of Celery's classes.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,16 +52,37 @@ COMPLETION_MARGIN_S = 300.0
 DEFAULT_COMPLETION_TTL_S = 3600.0
 
 
+def _seconds(name: str, value: Any, *, zero: bool) -> float:
+    """A finite number of seconds, > 0 (>= 0 with ``zero``): never a bool, a string, NaN or an
+    infinity (a lock's ttl in milliseconds, a completion record's expiry, must be a number)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+        if math.isfinite(seconds) and (seconds >= 0 if zero else seconds > 0):
+            return seconds
+    bound = ">= 0" if zero else "> 0"
+    raise SingletonConfigError(
+        f"{name} must be a finite number of seconds {bound}, got {_shown(value)}"
+    )
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: an int of thousands of digits has no repr (ValueError)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise SingletonConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
-    return float(value)
+    return _seconds(name, value, zero=False)
 
 
 def _non_negative(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise SingletonConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    return float(value)
+    return _seconds(name, value, zero=True)
 
 
 def _optional_positive(name: str, value: Any) -> float | None:
@@ -139,14 +161,14 @@ def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
 
 def _non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SingletonConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        raise SingletonConfigError(f"{name} must be an integer >= 0, got {_shown(value)}")
     return value
 
 
 def _permits(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERMITS:
         raise SingletonConfigError(
-            f"{name} must be an integer from 1 to {MAX_PERMITS}, got {value!r}"
+            f"{name} must be an integer from 1 to {MAX_PERMITS}, got {_shown(value)}"
         )
     return value
 
@@ -196,7 +218,9 @@ SETTINGS: dict[str, Setting] = {
             _url,
             "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel://, "
             "redis+cluster:// or redis+redlock:// (several independent masters). Default: "
-            "`broker_url` when it is redis:// or rediss://, else redis://localhost:6379/0.",
+            "the broker's URL as Celery resolves it (CELERY_BROKER_URL in the environment, else "
+            "`broker_url`; the first URL of a failover list) when it is redis:// or rediss://, "
+            "else redis://localhost:6379/0.",
             task_option=False,
         ),
         Setting(

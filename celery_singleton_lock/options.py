@@ -6,7 +6,8 @@ rules that span several settings (coalesce, permits), the defaults derived from 
 (the Redis URL from the broker's, ``completion_ttl`` from ``acks_late`` and the broker's
 visibility timeout) and the settings as start-up banners show them.
 
-Knows nothing of Celery's classes: it reads any mapping with ``get``.
+Knows nothing of Celery's classes: it reads any mapping with ``get`` (the broker as
+:mod:`.broker` reads it).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from .broker import ConfLike, redis_broker_url, visibility_timeout
 from .compat import legacy_options
 from .config import (
     COMPLETION_MARGIN_S,
@@ -43,13 +45,6 @@ __all__ = [
     "read_options",
     "resolve_redis_url",
 ]
-
-#: kombu's default visibility timeouts, by transport
-_VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
-
-
-class ConfLike(Protocol):
-    def get(self, key: str, default: Any = None) -> Any: ...
 
 
 def _task_option(task: object, name: str) -> Any:
@@ -150,7 +145,8 @@ _TASK_SETTINGS = frozenset(Options.__dataclass_fields__)
 
 
 def resolve_redis_url(conf: ConfLike) -> str:
-    """``singleton_redis_url``, else a Redis broker URL, else the local default.
+    """``singleton_redis_url``, else a Redis broker's (first) URL as Celery resolves it (the
+    ``CELERY_BROKER_URL`` environment variable included), else the local default.
 
     ``singleton_wait_replicas`` and ``singleton_wait_timeout`` are folded into the URL's query
     (``wait_replicas=``, ``wait_timeout=``) unless it names them already, so the URL alone
@@ -158,11 +154,7 @@ def resolve_redis_url(conf: ConfLike) -> str:
     """
     url = _check_url("singleton_redis_url", conf.get("singleton_redis_url"))
     if not url:
-        broker = conf.get("broker_url")
-        if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss"):
-            url = broker.split(";", 1)[0]
-        else:
-            url = DEFAULT_REDIS_URL
+        url = redis_broker_url(conf) or DEFAULT_REDIS_URL
     present = query_names(url)
     extra: list[str] = []
     replicas = _conf_checked(conf, "wait_replicas")
@@ -279,27 +271,13 @@ def describe(options: Options, conf: ConfLike | None = None) -> Mapping[str, str
     }
 
 
-def _broker_visibility(conf: ConfLike) -> float | None:
-    """The broker's visibility timeout (Redis, SQS), or None for a broker without one."""
-    broker = conf.get("broker_url")
-    scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
-    scheme = scheme.split("+", 1)[0]
-    if scheme not in _VISIBILITY_DEFAULTS:
-        return None
-    options = conf.get("broker_transport_options") or {}
-    value = options.get("visibility_timeout") if isinstance(options, Mapping) else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return _VISIBILITY_DEFAULTS[scheme]
-
-
 def default_completion_ttl(conf: ConfLike, task: object, *, delayed: bool = False) -> float:
     """``completion_ttl`` when not set: 0 for a task acked early, unless its message carried an
     eta or countdown (``delayed``: it waited unacknowledged); else the broker's visibility
     timeout + :data:`COMPLETION_MARGIN_S`, or :data:`DEFAULT_COMPLETION_TTL_S`."""
     if not delayed and not _task_flag(conf, task, "acks_late"):
         return 0.0
-    visibility = _broker_visibility(conf)
+    visibility = visibility_timeout(conf)
     return DEFAULT_COMPLETION_TTL_S if visibility is None else visibility + COMPLETION_MARGIN_S
 
 
@@ -330,7 +308,7 @@ def failure_is_final(conf: ConfLike, task: object) -> bool:
 
 def describe_default_completion_ttl(conf: ConfLike) -> str:
     """The default ``completion_ttl`` of a task acked late, as the banner shows it."""
-    visibility = _broker_visibility(conf)
+    visibility = visibility_timeout(conf)
     if visibility is None:
         return f"{DEFAULT_COMPLETION_TTL_S:g}s"
     return f"{visibility + COMPLETION_MARGIN_S:g}s (visibility_timeout + {COMPLETION_MARGIN_S:g}s)"

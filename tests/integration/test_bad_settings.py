@@ -31,6 +31,14 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
     [
         ({"SINGLETON_TEST_TTL": "0"}, "singleton_ttl", "got 0.0"),
         ({"SINGLETON_TEST_TTL": "-1"}, "singleton_ttl", "got -1.0"),
+        ({"SINGLETON_TEST_TTL": "inf"}, "singleton_ttl", "got inf"),
+        ({"SINGLETON_TEST_TTL": "nan"}, "singleton_ttl", "got nan"),
+        ({"SINGLETON_TEST_COMPLETION_TTL": "inf"}, "singleton_completion_ttl", "got inf"),
+        (  # a task option: the t.*window* tasks' singleton_lock_at_least
+            {"SINGLETON_TEST_AT_LEAST": "inf"},
+            "singleton_lock_at_least (task t.",
+            "got inf",
+        ),
         ({"SINGLETON_TEST_BAD_POLICY": "sometimes"}, "singleton_on_duplicate", "'sometimes'"),
         ({"SINGLETON_TEST_ON_REDIS_ERROR": "bogus"}, "singleton_on_redis_error", "'bogus'"),
         ({"SINGLETON_TEST_LOCK_URL": "http://x"}, "singleton_redis_url", "http://x"),
@@ -66,6 +74,10 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
     ids=[
         "ttl-zero",
         "ttl-negative",
+        "ttl-inf",
+        "ttl-nan",
+        "completion-ttl-inf",
+        "at-least-task-option-inf",
         "policy",
         "on-redis-error",
         "url-scheme",

@@ -182,6 +182,11 @@ if os.environ.get("SINGLETON_TEST_PREFIX"):
 if os.environ.get("SINGLETON_TEST_BAD_POLICY"):
     app.conf.singleton_on_duplicate = os.environ["SINGLETON_TEST_BAD_POLICY"]
 
+# SINGLETON_TEST_COMPLETION_TTL=<seconds> sets singleton_completion_ttl app-wide ("inf": the
+# worker must refuse to start).
+if os.environ.get("SINGLETON_TEST_COMPLETION_TTL"):
+    app.conf.singleton_completion_ttl = float(os.environ["SINGLETON_TEST_COMPLETION_TTL"])
+
 
 # -- added for test_release_paths: a late-acked task, and one with a slow finally block -------
 

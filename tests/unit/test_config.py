@@ -9,9 +9,16 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS
+from celery_singleton_lock.broker import visibility_timeout as broker_visibility
+from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS, Setting
 from celery_singleton_lock.core.urls import redact_url
-from celery_singleton_lock.options import Options, describe, read_options, resolve_redis_url
+from celery_singleton_lock.options import (
+    Options,
+    describe,
+    read_beat_options,
+    read_options,
+    resolve_redis_url,
+)
 from celery_singleton_lock.worker import banner_lines
 
 
@@ -223,6 +230,124 @@ def test_redis_url_from_celery_app_broker() -> None:
     assert read_options(_app(broker_url="redis://b:1/5").conf).redis_url == "redis://b:1/5"
 
 
+# -- the broker as Celery resolves it --------------------------------------------------------
+
+#: the failover list of the tests below: the first URL's Redis holds the locks
+FIRST = "redis://:pw-8f3e@first.example:6379/2"
+SECOND = "redis://second.example:6379/3"
+BROKERS: dict[str, Any] = {
+    "one": FIRST,
+    "semicolons": f"{FIRST};{SECOND}",
+    "list": [FIRST, SECOND],
+}
+SOURCES = ["keyword", "config_from_object", "environment", "django_namespace"]
+#: the broker's visibility timeout in these tests: the default completion_ttl follows it
+VISIBILITY = 7200
+
+
+def _app_with_broker(source: str, broker: Any, monkeypatch: pytest.MonkeyPatch) -> Celery:
+    """A Celery app given ``broker`` and its visibility timeout through ``source``."""
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    transport = {"visibility_timeout": VISIBILITY}
+    name = "tests.unit.test_config"
+    if source == "keyword":
+        app = Celery(name, broker=broker, set_as_current=False)
+        app.conf.broker_transport_options = transport
+    elif source == "config_from_object":
+        app = Celery(name, set_as_current=False)
+        app.config_from_object(
+            SimpleNamespace(broker_url=broker, broker_transport_options=transport)
+        )
+    elif source == "environment":  # a list cannot be: the variable is one string
+        monkeypatch.setenv(
+            "CELERY_BROKER_URL", broker if isinstance(broker, str) else ";".join(broker)
+        )
+        app = Celery(name, set_as_current=False)
+        app.conf.broker_transport_options = transport
+    else:  # Django's settings.py, read with namespace="CELERY"
+        app = Celery(name, namespace="CELERY", set_as_current=False)
+        settings = SimpleNamespace(
+            CELERY_BROKER_URL=broker, CELERY_BROKER_TRANSPORT_OPTIONS=transport
+        )
+        app.config_from_object(settings, namespace="CELERY")
+    return app
+
+
+@pytest.mark.parametrize("broker", BROKERS.values(), ids=BROKERS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_broker_default_follows_the_broker_celery_resolves(
+    source: str, broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wherever the broker comes from (keyword, config_from_object, CELERY_BROKER_URL in the
+    environment, a namespaced settings object) and however its failover list is given, its
+    first URL's Redis holds the locks (tasks, banner, beat) and an acks_late task's default
+    completion_ttl is its visibility timeout + 300 s."""
+    app = _app_with_broker(source, broker, monkeypatch)
+
+    @app.task(name="t.late", base=SingletonTask, shared=False, acks_late=True)
+    def late() -> None: ...
+
+    assert resolve_redis_url(app.conf) == FIRST
+    assert late.singleton_options().redis_url == FIRST
+    assert late.singleton_options().completion_ttl == VISIBILITY + 300
+    assert read_beat_options(app.conf).redis_url == FIRST
+    shown = describe(read_options(app.conf), app.conf)
+    assert shown["redis"] == "redis://:***@first.example:6379/2"
+    assert (
+        shown["completion_ttl"]
+        == f"acks_late tasks: {VISIBILITY + 300}s (visibility_timeout + 300s)"
+    )
+    assert "pw-8f3e" not in banner_lines(app.conf, [late])
+    app.close()
+
+
+def test_the_environment_wins_over_broker_url_as_in_celery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery connects to CELERY_BROKER_URL even when broker_url is set: so do the locks."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://env.example:6379/4")
+    app = _app(broker_url="amqp://guest@localhost//")
+    with app.connection_for_write() as connection:  # not connected: only the URL is read
+        assert (connection.transport_cls, connection.hostname) == ("redis", "env.example")
+    assert resolve_redis_url(app.conf) == "redis://env.example:6379/4"
+    app.close()
+
+
+def test_singleton_redis_url_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://env.example:6379/4")
+    app = _app(singleton_redis_url="redis://locks.example:6379/1")
+    assert resolve_redis_url(app.conf) == "redis://locks.example:6379/1"
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("broker", "visibility"),
+    [
+        ("amqp://guest@localhost//;redis://b:6379/0", None),  # the first URL is not Redis
+        (["amqp://guest@localhost//", "redis://b:6379/0"], None),
+        ([], None),
+        ("", None),
+        (["sqs://", "redis://b:6379/0"], 1800.0),
+        (" redis://a:6379/0 ; redis://b:6379/0", 3600.0),
+    ],
+)
+def test_a_failover_list_is_followed_by_its_first_url(
+    broker: Any, visibility: float | None
+) -> None:
+    """Only the first URL counts: a Redis one later in the list is not where kombu connects."""
+    conf = {"broker_url": broker}
+    expected = "redis://a:6379/0" if visibility == 3600.0 else DEFAULT_REDIS_URL
+    assert resolve_redis_url(conf) == expected
+    assert broker_visibility(conf) == visibility
+
+
+def test_an_infinite_visibility_timeout_gives_no_infinite_completion_ttl() -> None:
+    conf = {
+        "broker_url": "redis://a/0",
+        "broker_transport_options": {"visibility_timeout": float("inf")},
+    }
+    task = SimpleNamespace(name="t.late", acks_late=True)
+    assert read_options(conf, task).completion_ttl == 3600.0
+
+
 # -- invalid values ---------------------------------------------------------------------------
 
 
@@ -293,6 +418,121 @@ def test_invalid_key_fn() -> None:
     """A key that is not callable is rejected, naming the setting."""
     with pytest.raises(SingletonConfigError, match="singleton_key"):
         read_options({"singleton_key": "account_id"})
+
+
+# -- numbers: every numeric row of the table, as an app setting and as a task option ----------
+
+#: numbers a numeric setting may take: a row whose check accepts one of them is numeric
+_SOME_NUMBERS = (1, 2, 1.5, 60, 1000)
+#: refused by every numeric setting, whatever its range
+_NEVER_NUMBERS: tuple[Any, ...] = (
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -1,
+    -0.5,
+    True,
+    False,
+    "1",
+    "inf",
+    b"1",
+    [1],
+)
+#: by the seconds ones: ints no float holds (the second has no repr either: ValueError past
+#: 4300 digits)
+_TOO_BIG_FOR_FLOAT = (10**400, 10**5000)
+#: by the integer ones: a float, even a whole one
+_NOT_INTEGERS = (1.0, 2.5)
+
+
+def _accepts(setting: Setting, value: Any) -> bool:
+    try:
+        setting.check(setting.conf_key, value)
+    except SingletonConfigError:
+        return False
+    return True
+
+
+def _numeric_settings() -> list[Setting]:
+    """The rows of :data:`SETTINGS` whose check accepts a number: a new one cannot skip the
+    tests below."""
+    return [s for s in SETTINGS.values() if any(_accepts(s, n) for n in _SOME_NUMBERS)]
+
+
+def _integer(setting: Setting) -> bool:
+    return not any(_accepts(setting, n) for n in (1.5, 2.5))
+
+
+def _bad_numbers(setting: Setting) -> list[Any]:
+    return [*_NEVER_NUMBERS, *(_NOT_INTEGERS if _integer(setting) else _TOO_BIG_FOR_FLOAT)]
+
+
+def _read_everything(conf: dict[str, Any], task: object | None = None) -> None:
+    """What a worker (every task's options, the banner's) and a beat read at start-up."""
+    read_options(conf, task)
+    if task is None:
+        read_beat_options(conf)
+
+
+def test_the_numeric_settings_are_found() -> None:
+    """The probe finds every numeric setting known today, and only numbers pass it."""
+    names = {s.name for s in _numeric_settings()}
+    assert names >= {
+        "wait_replicas",
+        "wait_timeout",
+        "permits",
+        "ttl",
+        "retry_countdown",
+        "max_hold",
+        "completion_ttl",
+        "publish_ttl",
+        "beat_skew",
+        "lock_at_least",
+        "beat_lease",
+    }
+    assert {s.name for s in _numeric_settings() if _integer(s)} == {"wait_replicas", "permits"}
+
+
+@pytest.mark.parametrize("setting", _numeric_settings(), ids=lambda s: s.name)
+def test_numeric_setting_refuses_non_numbers(setting: Setting) -> None:
+    """NaN, infinities, negatives, bools, strings, an int no float holds (and, for an integer
+    setting, floats) are a SingletonConfigError naming the setting: from its check, as an app
+    setting, and as a task option where it is one. None only where it means "not set"."""
+    for value in _bad_numbers(setting):
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            setting.check(setting.conf_key, value)
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            _read_everything({setting.conf_key: value})
+        if setting.task_option:
+            task = SimpleNamespace(name="t.numbers", **{setting.conf_key: value})
+            named = rf"{setting.conf_key} \(task t\.numbers\)"
+            with pytest.raises(SingletonConfigError, match=named):
+                _read_everything({}, task)
+    if setting.default is not None:
+        with pytest.raises(SingletonConfigError, match=setting.conf_key):
+            setting.check(setting.conf_key, None)
+
+
+@pytest.mark.parametrize("setting", _numeric_settings(), ids=lambda s: s.name)
+def test_numeric_setting_error_shows_the_value(setting: Setting) -> None:
+    """The message shows what was given, and an int too long for a repr as its size."""
+    with pytest.raises(SingletonConfigError, match=r"got inf$"):
+        setting.check(setting.conf_key, float("inf"))
+    if _integer(setting):
+        return
+    with pytest.raises(SingletonConfigError, match=r"got 1000000000\d{67}\.\.\.$"):
+        setting.check(setting.conf_key, 10**400)
+    with pytest.raises(SingletonConfigError, match=r"got an integer of 16610 bits$"):
+        setting.check(setting.conf_key, 10**5000)
+
+
+def test_infinite_ttls_never_reach_a_lock() -> None:
+    """ttl=inf was a bare OverflowError (ttl_ms); completion_ttl and lock_at_least = inf
+    passed and every release then died with OverflowError."""
+    for name in ("ttl", "completion_ttl", "lock_at_least", "max_hold", "publish_ttl"):
+        task = SimpleNamespace(name="t.inf", **{f"singleton_{name}": float("inf")})
+        with pytest.raises(SingletonConfigError, match=f"singleton_{name}"):
+            read_options({}, task).ttl_ms  # noqa: B018 - the property raised before
 
 
 def test_config_error_is_a_value_error() -> None:
