@@ -441,3 +441,20 @@ def test_coalesce_with_reject_on_worker_lost_runs_the_redelivered_holder_first(b
     last = next(e for e in runs if e.key == f"{key}:newest")
     assert first.end_us is not None
     assert first.end_us <= last.start_us
+
+
+def test_a_requeued_duplicate_keeps_its_custom_headers_and_priority(bed: Bed) -> None:
+    """Under "retry" a duplicate is published again while the key is held: the custom headers
+    and the priority it was sent with reach its run."""
+    key = _key()
+    holder = bed.app.send_task("x.headers", args=(key, True))
+    bed.wait_held("x.headers", key)
+    duplicate = bed.app.send_task("x.headers", args=(key,), headers={"tenant": "acme"}, priority=3)
+    wait_for(
+        lambda: f"duplicate_retried {duplicate.id}" in bed.signals(),
+        20,
+        "the duplicate to be requeued",
+        bed.worker,
+    )
+    bed.go(holder.id)
+    assert duplicate.get(timeout=20) == {"tenant": "acme", "priority": 3}

@@ -270,3 +270,23 @@ def coalesce_lost_late(self: Any, key: str, payload: str = "") -> str:
         os.kill(os.getpid(), signal.SIGKILL)
     _run(self, f"{key}:{payload}", 0.0)
     return payload
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="x.headers",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="retry",
+    singleton_retry_countdown=0.2,
+)
+def headers(self: Any, key: str, hold: bool = False) -> Any:
+    """Under "retry": returns its message's custom ``tenant`` header and its priority; with
+    ``hold``, waits for its go first."""
+    if hold:
+        _wait_for_go(self)
+    _run(self, key, 0.0)
+    return {
+        "tenant": self.request.get("tenant"),
+        "priority": (self.request.delivery_info or {}).get("priority"),
+    }
