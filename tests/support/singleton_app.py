@@ -526,7 +526,7 @@ def _log_event(event: str) -> None:
 def _celery_signal_logger(name: str) -> Any:
     def receiver(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
         task = sender if task_id is not None else kwargs.get("task", sender)
-        if getattr(task, "name", None) != "t.contract":
+        if getattr(task, "name", None) not in ("t.contract", "t.hold_renewed"):
             return
         if task_id is None:  # task_success: the id is the request's
             task_id = task.request.id
@@ -943,3 +943,27 @@ if not _REDLOCK:
         """At most 2 exports of a tenant per AT_LEAST seconds: each run's slot is held for a
         window after it started."""
         return {**_run(self, self.singleton.key, seconds), "key": self.singleton.key}
+
+
+# -- added for test_pools: prefork's start method, and what a run saw of its renewals ----------
+
+# SINGLETON_TEST_START_METHOD=spawn: prefork children are fresh interpreters (Celery 5.7's
+# worker_pool_start_method), which inherit nothing from the worker's main process
+if os.environ.get("SINGLETON_TEST_START_METHOD"):
+    app.conf.worker_pool_start_method = os.environ["SINGLETON_TEST_START_METHOD"]
+# SINGLETON_TEST_WORKER_POOL=gevent: the pool named by the worker_pool setting only (Celery then
+# monkey-patches nothing: it reads -P from the command line)
+if os.environ.get("SINGLETON_TEST_WORKER_POOL"):
+    app.conf.worker_pool = os.environ["SINGLETON_TEST_WORKER_POOL"]
+
+
+@app.task(bind=True, base=SingletonTask, name="t.hold_renewed", singleton_key_args=("key",))
+def hold_renewed(
+    self: Any, key: str, seconds: float = 0.0, fail: bool = False, until: str | None = None
+) -> dict[str, Any]:
+    """Like hold (``until``: as hold_coalesce), and how often this process renewed the lock;
+    with ``fail``, it then raises. Celery's signals for it are logged as t.contract's."""
+    result = {**_run(self, key, seconds, until), "renewals": self.singleton.renewals}
+    if fail:
+        raise ValueError(f"failed on purpose after {result}")
+    return result
