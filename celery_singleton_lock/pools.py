@@ -36,10 +36,13 @@ GREEN_POOLS = {"celery.concurrency.gevent": "gevent", "celery.concurrency.eventl
 
 
 def worker_pool_of(conf: Any, options: Mapping[str, Any]) -> Any:
-    """The pool a starting worker will run, as ``celeryd_init`` sees it: the worker's
-    ``pool_cls``/``pool`` argument (``-P``, a class or a name), else the ``worker_pool``
-    setting (as Celery's ``WorkController`` chooses it)."""
-    return options.get("pool_cls") or options.get("pool") or conf.get("worker_pool")
+    """The pool a starting worker will run, as ``celeryd_init`` sees it: the worker's ``pool``
+    or ``pool_cls`` argument (``-P`` gives a class), else the ``worker_pool`` setting, in the
+    order Celery's ``WorkController.setup_defaults`` takes them."""
+    for given in (options.get("pool"), options.get("pool_cls")):
+        if given is not None:
+            return given
+    return conf.get("worker_pool")
 
 
 def pool_module(pool: Any) -> str:

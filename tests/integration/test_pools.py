@@ -59,31 +59,34 @@ def _needs(pool: str) -> None:
 
 
 class PoolBed(Bed):
-    """Bed's helpers, with one worker per pool, started at first use, each on its own queue."""
+    """Bed's helpers, with one worker per pool, each on its own queue, started at the first
+    test of its pool (and only then: an xdist process starts the workers of its tests only)."""
 
     def __init__(self, app: Celery, client: redis.Redis, prefix: str, factory: WorkerFactory):
         super().__init__(app, client, prefix, factory)
         self.workers: dict[str, WorkerProcess] = {}
 
     def worker(self, pool: str) -> WorkerProcess:
-        """The worker of ``pool``, started (and waited for) at the first call."""
+        """The worker of ``pool``, ready (skips the test when its library is not installed)."""
         _needs(pool)
         if pool not in self.workers:
-            spawn = pool == "spawn"
-            env = {"SINGLETON_TEST_TTL": str(TTL)}
-            if spawn:
-                env["SINGLETON_TEST_START_METHOD"] = "spawn"
-            worker = self.factory.start(
-                SINGLETON_APP,
-                pool="prefork" if spawn else pool,
-                concurrency=2 if spawn else GREEN_CONCURRENCY,
-                name=f"pools-{pool}-{uuid.uuid4().hex[:6]}",
-                env=env,
-                extra_args=("-Q", _queue(pool)),
-            )
-            self.workers[pool] = worker
+            self.workers[pool] = worker = self._start(pool)
             worker.wait_ready(self.app, timeout=60)
         return self.workers[pool]
+
+    def _start(self, pool: str) -> WorkerProcess:
+        spawn = pool == "spawn"
+        env = {"SINGLETON_TEST_TTL": str(TTL)}
+        if spawn:
+            env["SINGLETON_TEST_START_METHOD"] = "spawn"
+        return self.factory.start(
+            SINGLETON_APP,
+            pool="prefork" if spawn else pool,
+            concurrency=2 if spawn else GREEN_CONCURRENCY,
+            name=f"pools-{pool}-{uuid.uuid4().hex[:6]}",
+            env=env,
+            extra_args=("-Q", _queue(pool)),
+        )
 
     def run(self, pool: str, name: str, *args: Any, **kwargs: Any) -> AsyncResult:
         """Send task ``name`` to the worker of ``pool``."""
@@ -136,19 +139,19 @@ def pools(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
 def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(
     pools: PoolBed, pool: str
 ) -> None:
-    """A run holding its key for 3 ttls: a duplicate sent once the lock outlived its ttl is
-    skipped in front of Celery's tracer (task_postrun SUCCESS, no lock_acquired: the
-    ``__trace__`` wrapper applies, also in a spawned child); the run's lock was renewed and
-    never lost; the key is free after it, and the release's reply was read."""
+    """A run holding its key for 3 ttls (it waits, cooperatively, for the test to let it go):
+    a duplicate sent once the lock outlived its ttl is skipped in front of Celery's tracer
+    (task_postrun SUCCESS, no lock_acquired: the ``__trace__`` wrapper applies, also in a
+    spawned child); the run's lock was renewed and never lost; the key is free after it, and
+    the release's reply was read."""
     worker = pools.worker(pool)
-    key = new_key()
-    run = pools.run(pool, "t.hold_renewed", key, 3 * TTL)
+    key, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
+    run = pools.run(pool, "t.hold_renewed", key, until=gate)
     lock = pools.wait_held(run.id)
     started = wait_for(lambda: [e for e in pools.history() if e.key == key], 10, "the start")
-    wait_for(  # the lock outlived its ttl: it was renewed, and is still the run's
-        lambda: pools.server_us() > started[0].start_us + 1.5 * TTL * 1e6, 10, "1.5 ttls"
-    )
-    assert pools.lock(lock)["owner"] == run.id
+    start_us = started[0].start_us
+    wait_for(lambda: pools.server_us() > start_us + 1.5 * TTL * 1e6, 10, "1.5 ttls")
+    assert pools.lock(lock)["owner"] == run.id  # it outlived its ttl: renewed
 
     duplicate = pools.run(pool, "t.hold_renewed", key)
     info = skip_info(duplicate.get(timeout=20))
@@ -161,6 +164,8 @@ def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(
         "task_postrun SUCCESS",
     ]
 
+    wait_for(lambda: pools.server_us() > start_us + 3 * TTL * 1e6, 10, "3 ttls")
+    pools.client.rpush(gate, "go")
     result = run.get(timeout=20)
     assert result["lost"] is False
     assert result["renewals"] > 0
@@ -249,18 +254,19 @@ def test_every_duplicate_is_skipped_by_the_pool(pools: PoolBed, pool: str) -> No
 @pytest.mark.slow(seconds=6)
 def test_a_killed_spawned_child_lock_is_released_by_the_main_process(pools: PoolBed) -> None:
     """SIGKILL of the spawned child running a run: the worker's main process releases its lock
-    (task_failure with WorkerLostError), long before its ttl would let it go."""
+    (task_failure with WorkerLostError), long before its 30 s ttl would let it go."""
     worker = pools.worker("spawn")
     key, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
-    run = pools.run("spawn", "t.hold_renewed", key, until=gate)
+    run = pools.run("spawn", "t.hold_long_ttl", key, until=gate)
     lock = pools.wait_held(run.id)
     pid = int(pools.lock(lock)["pid"])
     assert pid in worker.child_pids()
     kill_child(pools.client, pid)
-    pools.wait_gone(lock, 5)
+    pools.wait_gone(lock, 10)
     wait_result(run)
     assert run.state == "FAILURE"
-    line = f"singleton: released by main process after worker lost: t.hold_renewed[{run.id}]"
+    assert type(run.result).__name__ == "WorkerLostError"
+    line = f"singleton: released by main process after worker lost: t.hold_long_ttl[{run.id}]"
     wait_for(lambda: line in worker.log_text(), 5, "the main process's release", worker)
 
 
@@ -315,24 +321,26 @@ else:
 
 
 @pytest.mark.parametrize("pool", GREEN)
-@pytest.mark.parametrize(("first", "said"), [("patch", "accepted"), ("import", "refused: ")])
-def test_patching_after_the_library_was_imported_is_refused(
-    pool: str, first: str, said: str
-) -> None:
+def test_patching_after_the_library_was_imported_is_refused(pool: str) -> None:
     """Patched first (what -P does), the pool is accepted; the library imported first (its
-    per-run state then one per OS thread), it is refused."""
+    per-run state then one per OS thread), it is refused. One process for each order, both
+    at once."""
     _needs(pool)
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _ORDER, pool, first],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert done.stdout.startswith(said), done.stdout + done.stderr
-    if first == "import":
-        assert f"worker_pool {pool!r} needs threading and socket monkey-patched" in done.stdout
+    orders = {
+        first: subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", _ORDER, pool, first],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for first in ("patch", "import")
+    }
+    said = {first: process.communicate(timeout=60)[0] for first, process in orders.items()}
+    assert said["patch"].startswith("accepted"), said["patch"]
+    assert said["import"].startswith(
+        f"refused: worker_pool {pool!r} needs threading and socket monkey-patched"
+    ), said["import"]
 
 
 @pytest.mark.parametrize(

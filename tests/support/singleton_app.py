@@ -967,3 +967,16 @@ def hold_renewed(
     if fail:
         raise ValueError(f"failed on purpose after {result}")
     return result
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.hold_long_ttl",
+    singleton_key_args=("key",),
+    singleton_ttl=30,
+)
+def hold_long_ttl(self: Any, key: str, until: str | None = None) -> dict[str, Any]:
+    """Like hold_renewed, with a 30 s ttl whatever SINGLETON_TEST_TTL says: a lock of it that is
+    gone within seconds was released, not expired."""
+    return _run(self, key, 0.0, until)
