@@ -957,26 +957,23 @@ if os.environ.get("SINGLETON_TEST_WORKER_POOL"):
     app.conf.worker_pool = os.environ["SINGLETON_TEST_WORKER_POOL"]
 
 
-@app.task(bind=True, base=SingletonTask, name="t.hold_renewed", singleton_key_args=("key",))
-def hold_renewed(
-    self: Any, key: str, seconds: float = 0.0, fail: bool = False, until: str | None = None
-) -> dict[str, Any]:
-    """Like hold (``until``: as hold_coalesce), and how often this process renewed the lock;
-    with ``fail``, it then raises. Celery's signals for it are logged as t.contract's."""
-    result = {**_run(self, key, seconds, until), "renewals": self.singleton.renewals}
-    if fail:
-        raise ValueError(f"failed on purpose after {result}")
-    return result
+def _renewed_task(name: str, **options: Any) -> Any:
+    @app.task(bind=True, base=SingletonTask, name=name, singleton_key_args=("key",), **options)
+    def hold_renewed(
+        self: Any, key: str, seconds: float = 0.0, fail: bool = False, until: str | None = None
+    ) -> dict[str, Any]:
+        """Like hold (``until``: as hold_coalesce), and how often this process renewed the
+        lock; with ``fail``, it then raises."""
+        result = {**_run(self, key, seconds, until), "renewals": self.singleton.renewals}
+        if fail:
+            raise ValueError(f"failed on purpose after {result}")
+        return result
+
+    return hold_renewed
 
 
-@app.task(
-    bind=True,
-    base=SingletonTask,
-    name="t.hold_long_ttl",
-    singleton_key_args=("key",),
-    singleton_ttl=30,
-)
-def hold_long_ttl(self: Any, key: str, until: str | None = None) -> dict[str, Any]:
-    """Like hold_renewed, with a 30 s ttl whatever SINGLETON_TEST_TTL says: a lock of it that is
-    gone within seconds was released, not expired."""
-    return _run(self, key, 0.0, until)
+#: Celery's signals for it are logged as t.contract's
+hold_renewed = _renewed_task("t.hold_renewed")
+#: with a 30 s ttl whatever SINGLETON_TEST_TTL says: a lock of it that is gone within seconds
+#: was released, not expired
+hold_long_ttl = _renewed_task("t.hold_long_ttl", singleton_ttl=30)
