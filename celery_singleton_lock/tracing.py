@@ -59,7 +59,7 @@ from .errors import LockUnavailableError, SingletonKeyError
 if TYPE_CHECKING:
     from .task import SingletonTask
 
-__all__ = ["FirstTry", "end_skip", "take_first_try", "trace_run"]
+__all__ = ["FirstTry", "end_skip", "follows_threading_local", "take_first_try", "trace_run"]
 
 Tracer = Callable[[str, Sequence[Any], Mapping[str, Any], dict[str, Any]], Any]
 
@@ -81,6 +81,13 @@ class _Pending(threading.local):
 
 
 _pending = _Pending()
+
+
+def follows_threading_local() -> bool:
+    """Whether the per-run state above is local to what ``threading.local`` is now: False once
+    gevent or eventlet patched ``threading`` after this module was imported (the state is then
+    one per OS thread, shared by all its green threads; pools.py refuses that)."""
+    return issubclass(_Pending, threading.local)
 
 
 def take_first_try(task_id: str) -> FirstTry | None:

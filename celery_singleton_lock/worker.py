@@ -44,7 +44,7 @@ import logging
 import signal
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from functools import partial
 from typing import Any
@@ -61,6 +61,7 @@ from .core.arguments import check_key_args
 from .core.connection import flush_releases
 from .errors import SingletonConfigError
 from .options import describe, read_options
+from .pools import check_pool, worker_pool_of
 from .reaper import ChildReaper
 from .scopes import check_scopes
 from .strategy import learning
@@ -248,8 +249,11 @@ def _flush_releases(**_: Any) -> None:
     flush_releases()
 
 
-def _check_and_announce(instance: Any = None, **_: Any) -> None:
-    """Fail start-up on a bad setting; add the lock settings to the worker banner.
+def _check_and_announce(
+    instance: Any = None, options: Mapping[str, Any] | None = None, **_: Any
+) -> None:
+    """Fail start-up on a bad setting, or a green pool the library cannot run under
+    (pools.py); add the lock settings to the worker banner.
 
     Also adds the ChildReaper bootstep (reaper.py: a killed prefork child is noticed, and
     its lock released, at once); ``celeryd_init`` comes before the worker builds its steps.
@@ -268,6 +272,7 @@ def _check_and_announce(instance: Any = None, **_: Any) -> None:
             for task in tasks:
                 check_key_args(task.run, task.singleton_options().key_args)
             check_scopes(tasks)
+            check_pool(worker_pool_of(app.conf, options or {}))
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
     for warning in caught:  # Python hides DeprecationWarnings in a worker: log them

@@ -531,7 +531,7 @@ def _log_event(event: str) -> None:
 def _celery_signal_logger(name: str) -> Any:
     def receiver(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
         task = sender if task_id is not None else kwargs.get("task", sender)
-        if getattr(task, "name", None) != "t.contract":
+        if getattr(task, "name", None) not in ("t.contract", "t.hold_renewed"):
             return
         if task_id is None:  # task_success: the id is the request's
             task_id = task.request.id
@@ -1001,3 +1001,37 @@ def _payload_logger(signal_name: str) -> Any:
 if os.environ.get("SINGLETON_TEST_PREFIX") and os.environ.get("SINGLETON_TEST_SIGNAL_PAYLOADS"):
     for _signal_name in _singleton_signals.__all__:
         getattr(_singleton_signals, _signal_name).connect(_payload_logger(_signal_name), weak=False)
+
+
+# -- added for test_pools: prefork's start method, and what a run saw of its renewals ----------
+
+# SINGLETON_TEST_START_METHOD=spawn: prefork children are fresh interpreters (Celery 5.7's
+# worker_pool_start_method), which inherit nothing from the worker's main process
+if os.environ.get("SINGLETON_TEST_START_METHOD"):
+    app.conf.worker_pool_start_method = os.environ["SINGLETON_TEST_START_METHOD"]
+# SINGLETON_TEST_WORKER_POOL=gevent: the pool named by the worker_pool setting only (Celery then
+# monkey-patches nothing: it reads -P from the command line)
+if os.environ.get("SINGLETON_TEST_WORKER_POOL"):
+    app.conf.worker_pool = os.environ["SINGLETON_TEST_WORKER_POOL"]
+
+
+def _renewed_task(name: str, **options: Any) -> Any:
+    @app.task(bind=True, base=SingletonTask, name=name, singleton_key_args=("key",), **options)
+    def hold_renewed(
+        self: Any, key: str, seconds: float = 0.0, fail: bool = False, until: str | None = None
+    ) -> dict[str, Any]:
+        """Like hold (``until``: as hold_coalesce), and how often this process renewed the
+        lock; with ``fail``, it then raises."""
+        result = {**_run(self, key, seconds, until), "renewals": self.singleton.renewals}
+        if fail:
+            raise ValueError(f"failed on purpose after {result}")
+        return result
+
+    return hold_renewed
+
+
+#: Celery's signals for it are logged as t.contract's
+hold_renewed = _renewed_task("t.hold_renewed")
+#: with a 30 s ttl whatever SINGLETON_TEST_TTL says: a lock of it that is gone within seconds
+#: was released, not expired
+hold_long_ttl = _renewed_task("t.hold_long_ttl", singleton_ttl=30)
