@@ -12,6 +12,7 @@ import gc
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -76,9 +77,9 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
-@pytest.fixture
-def key_prefix(redis_url: str) -> Iterator[str]:
-    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted at teardown."""
+@contextmanager
+def private_prefix(redis_url: str) -> Iterator[str]:
+    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted on leaving."""
     prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
     yield prefix
     client = redis.Redis.from_url(redis_url)
@@ -86,6 +87,13 @@ def key_prefix(redis_url: str) -> Iterator[str]:
         delete_prefix(client, prefix)
     finally:
         client.close()
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted at teardown."""
+    with private_prefix(redis_url) as prefix:
+        yield prefix
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from celery import Celery
 
 from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import KeyDeriver
-from tests.conftest import delete_prefix
+from tests.conftest import private_prefix
 from tests.support import features_app
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.chaos import deliveries_key
@@ -77,6 +77,11 @@ class Bed:
     def runs(self, key: str) -> list[Any]:
         return [e for e in load_history(self.client, history_key(self.prefix)) if e.key == key]
 
+    def wait_signal(self, name: str, task_id: str) -> None:
+        """Wait until the worker sent the library signal ``name`` for ``task_id``."""
+        entry = f"{name} {task_id}"
+        wait_for(lambda: entry in self.signals(), 20, entry, self.worker)
+
     def signals(self) -> list[str]:
         return [raw.decode() for raw in self.client.lrange(f"{self.prefix}signals", 0, -1)]
 
@@ -96,13 +101,8 @@ def _start(
 
 @pytest.fixture(scope="module")
 def module_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        delete_prefix(client, prefix)
-    finally:
-        client.close()
+    with private_prefix(redis_url) as prefix:
+        yield prefix
 
 
 @pytest.fixture(scope="module")
@@ -308,12 +308,7 @@ def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
     holder = bed.app.send_task("x.ignored", args=(key, True))
     bed.wait_held("x.ignored", key)
     duplicate = bed.app.send_task("x.ignored", args=(key,))
-    wait_for(
-        lambda: f"duplicate_skipped {duplicate.id}" in bed.signals(),
-        20,
-        "the duplicate to be skipped",
-        bed.worker,
-    )
+    bed.wait_signal("duplicate_skipped", duplicate.id)
     bed.go(holder.id)
     bed.wait_free("x.ignored", key)
     assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{duplicate.id}")
@@ -384,12 +379,7 @@ def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> No
         with pytest.raises(DuplicateTaskError):
             duplicate.get(timeout=20)
     elif policy == "retry":
-        wait_for(
-            lambda: f"duplicate_retried {duplicate.id}" in bed.signals(),
-            20,
-            "the duplicate to be requeued",
-            bed.worker,
-        )
+        bed.wait_signal("duplicate_retried", duplicate.id)
     else:
         duplicate.get(timeout=20)
         info = skip_info(duplicate)
@@ -451,11 +441,6 @@ def test_a_requeued_duplicate_keeps_its_custom_headers_and_priority(bed: Bed) ->
     holder = bed.app.send_task("x.headers", args=(key, True))
     bed.wait_held("x.headers", key)
     duplicate = bed.app.send_task("x.headers", args=(key,), headers={"tenant": "acme"}, priority=3)
-    wait_for(
-        lambda: f"duplicate_retried {duplicate.id}" in bed.signals(),
-        20,
-        "the duplicate to be requeued",
-        bed.worker,
-    )
+    bed.wait_signal("duplicate_retried", duplicate.id)
     bed.go(holder.id)
     assert duplicate.get(timeout=20) == {"tenant": "acme", "priority": 3}
