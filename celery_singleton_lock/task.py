@@ -5,9 +5,12 @@ message can arrive (``delay``, ``send_task``, canvas, beat) is covered. Its owne
 task id and its generation the retries count, so:
 
 - a retried message (same id, one more retry) takes the lock over from the run that
-  called ``retry()``; that run extends the lock to cover the countdown first, so nothing
-  can slip in between;
+  called ``retry()``, once Celery published it (its base
+  :class:`~celery_singleton_lock.handover.RetryHandOver`);
 - the worker's main process can release a lock its dead pool child held (see worker.py).
+
+A subclass's own ``before_start`` is wrapped so that the lock is taken before it, whether or
+not it calls ``super()``.
 
 The release runs from the ``task_postrun`` signal (worker.py), which fires for every
 outcome of a traced run: success, failure, Ignore, Reject and Retry.
@@ -23,7 +26,6 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
 from functools import partial, wraps
 from typing import Any, ClassVar
 
@@ -33,7 +35,7 @@ from celery.result import EagerResult
 
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
-from .callrepr import REPR_OPTIONS, preview_of, repr_options, request_field
+from .callrepr import REPR_OPTIONS, preview_of, request_field
 from .coalesce import publish_follow_up
 from .completion import drop_completed, ending_for
 from .core._pid import current_pid
@@ -51,6 +53,7 @@ from .core.renewer import HeldLock, Renewer
 from .errors import LockUnavailableError, SingletonKeyError
 from .events import configure_renewer, on_released
 from .handle import LockHandle, handle_of
+from .handover import RetryHandOver
 from .options import Options, read_options
 from .policies import DuplicatePolicies, waited
 from .publish import PublishDedup
@@ -60,7 +63,7 @@ from .tracing import FirstTry, Tracer, take_first_try, trace_run
 __all__ = ["LockHandle", "SingletonTask"]
 
 
-class SingletonTask(PublishDedup, DuplicatePolicies):
+class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
     """A Celery task that never runs twice at once for the same logical arguments.
 
     Options (each falls back to the app setting ``singleton_<option>``, then to the
@@ -233,43 +236,6 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
             return EagerResult(result.id, result.result.marker, states.SUCCESS, name=self.name)
         return result
 
-    def retry(  # noqa: PLR0917 - Celery's signature
-        self,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-        exc: BaseException | None = None,
-        throw: bool = True,
-        eta: datetime | None = None,
-        countdown: float | None = None,
-        max_retries: int | None = None,
-        **options: Any,
-    ) -> Any:
-        """Celery's retry; once Celery has published the retried message, the lock is handed
-        over to it. A retry Celery refuses (``max_retries`` used up) or cannot publish hands
-        nothing over: the run still holds its lock, and its end releases it. The same call is
-        published shown as its caller had Celery show it (Celery's own retry drops
-        ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
-        if args is None and kwargs is None:
-            options = {**repr_options(self.request), **options}
-        handle = self.singleton
-        held, renewer = handle._held, handle._renewer
-        if not handle.held or held is None or renewer is None or self.request.is_eager:
-            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        renewer.remove(held)  # once published, the retried message may take the lock over
-        try:
-            ret = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        except Retry as published:
-            if published.sig is None:  # not published (called directly): nothing to hand over
-                renewer.add(held)
-            else:
-                self._singleton_hand_over(handle, published.when)
-            raise
-        except BaseException:  # refused, or the publish failed: the run still holds its lock
-            renewer.add(held)
-            raise
-        self._singleton_hand_over(handle, ret.when)  # throw=False: published, the body goes on
-        return ret
-
     # -- acquire ------------------------------------------------------------------------------
 
     def _singleton_renewer(self, opts: Options) -> Renewer:
@@ -398,27 +364,6 @@ class SingletonTask(PublishDedup, DuplicatePolicies):
         self._singleton_follow_up(keys, "a run that did not start")  # it ran nothing: no newer run
 
     # -- hand-over and release ----------------------------------------------------------------
-
-    def _singleton_hand_over(self, handle: LockHandle, when: datetime | float | None) -> None:
-        """Stop renewing and stretch the lock over the countdown of the retry Celery
-        published (``when``: its eta or countdown)."""
-        held, renewer = handle._held, handle._renewer
-        assert held is not None
-        assert renewer is not None
-        delay = _seconds_until(when)
-        ttl_ms = round((max(delay, 0.0) + self.singleton_options().ttl) * 1000)
-        handle._handed_over = True  # the run's end (retry(throw=False)) must not release it
-        try:
-            renewer.hand_over(held, ttl_ms)
-        except LockUnavailableError as exc:
-            logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
-        logger.debug(
-            "singleton: handing over to retry in %ss: %s[%s] key=%s",
-            delay,
-            self.name,
-            held.owner,
-            held.key,
-        )
 
     def _singleton_after_run(self, state: str, retval: Any = None) -> None:
         """Stop renewing and release; after a hand-over (``retry()``, also with
@@ -576,13 +521,3 @@ def _lock_first(hook: Hook) -> Hook:
 
     before_start._singleton_locks_first = True  # type: ignore[attr-defined]
     return before_start
-
-
-def _seconds_until(when: datetime | float | None) -> float:
-    """Seconds until a retry's ``when`` (Celery's ``Retry.when``: an eta, or a countdown)."""
-    if when is None:
-        return 0.0
-    if isinstance(when, datetime):
-        now = datetime.now(timezone.utc) if when.tzinfo else datetime.now()
-        return (when - now).total_seconds()
-    return float(when)
