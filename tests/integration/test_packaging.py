@@ -197,7 +197,7 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 #: duplicate policies and their signals, a lock taken away from its run, and a hand-over to
 #: self.retry() on real workers; eager mode; the command on a live worker; the metrics and the
 #: dashboard; the task logger; a pool child's lock released by the main process; beats claiming
-#: and publishing runs.
+#: and publishing runs; the fast cells of the matrix of Celery's own features.
 SMOKE = (
     "tests/integration/test_policies.py::test_signals_for_skip_raise_and_retry",
     "tests/integration/test_policies.py::test_lock_taken_by_another_owner_is_reported_lost",
@@ -209,6 +209,14 @@ SMOKE = (
     "tests/integration/test_release_paths.py::test_child_sigkill_released_by_main_process",
     "tests/integration/test_beat.py::test_banner_shows_mode_redis_without_password_and_prefix",
     "tests/integration/test_beat.py::test_run_claimed_by_a_dead_claimer_is_published_late_not_lost",
+    # Celery's own features: a refused retry, a before_start without super(), two matrix cells
+    "tests/integration/test_celery_features.py::"
+    "test_a_retry_that_max_retries_refuses_releases_the_lock_at_once[prefork]",
+    "tests/integration/test_celery_features.py::"
+    "test_a_before_start_override_without_super_keeps_the_lock_renewed[prefork]",
+    "tests/integration/test_celery_features.py::test_each_ending_under_each_policy[prefork-return-retry]",
+    "tests/integration/test_celery_features.py::"
+    "test_each_ending_under_each_policy[prefork-retry_refused-coalesce]",
 )
 
 #: Warnings of old dependencies that the smoke run lets pass (the suite turns warnings into
