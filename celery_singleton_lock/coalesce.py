@@ -53,12 +53,13 @@ logger = logging.getLogger(__name__)
 
 
 def call_record(
-    task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+    task: Task, request: Any, args: Sequence[Any], kwargs: Mapping[str, Any], lock_key: str
 ) -> dict[str, str | bytes]:
     """A duplicate's call as pending-record fields: enough to publish it again, shown as its
     caller had Celery show it (``argsrepr``/``kwargsrepr``, empty when not given: a later
-    duplicate's call overwrites an earlier one's)."""
-    content_type, encoding, body = _dumps(task, [list(args), dict(kwargs)])
+    duplicate's call overwrites an earlier one's). Written so that it reads back as a call of
+    ``lock_key`` (:func:`_dumps`); raises ``EncodeError`` when no serializer can."""
+    content_type, encoding, body = _dumps(task, [list(args), dict(kwargs)], lock_key)
     argsrepr, kwargsrepr = reprs_of(request)
     record: dict[str, str | bytes] = {
         "task": task.name,
@@ -77,25 +78,31 @@ def call_record(
     return record
 
 
-def _dumps(task: Task, call: list[Any]) -> tuple[str, str, bytes]:
+def _dumps(task: Task, call: list[Any], lock_key: str) -> tuple[str, str, bytes]:
     """``call`` in the task's serializer; else in the first of the app's ``accept_content``
-    that can write it. A message sent with another serializer than its task's (``pickle``
-    where the task's is ``json``) may carry what only that one writes: it came in one the app
-    accepts, so one of those does."""
+    that writes it and reads it back as a call of the same lock. A message sent with another
+    serializer than its task's (``pickle`` where the task's is ``json``) may carry what only
+    that one writes, or keeps: JSON reads a tuple back as a list, which keys differently, so
+    the follow-up would take another lock (and the release would drop it as not ours)."""
     first = task.serializer or task.app.conf.task_serializer
-    try:
-        return dumps(call, serializer=first)  # type: ignore[no-untyped-call, no-any-return]
-    except EncodeError as exc:
-        failed = exc
+    names = [first]
     for item in task.app.conf.accept_content or ():
         for content_type in sorted(prepare_accept_content([item])):  # type: ignore[no-untyped-call]
             name = registry.type_to_name.get(content_type)
-            if name is not None and name != first:
-                try:
-                    return dumps(call, serializer=name)  # type: ignore[no-untyped-call, no-any-return]
-                except EncodeError:
-                    pass
-    raise failed
+            if name is not None and name not in names:
+                names.append(name)
+    failed: Exception | None = None
+    for name in names:
+        try:
+            written: tuple[str, str, bytes] = dumps(call, serializer=name)  # type: ignore[no-untyped-call]
+            content_type, encoding, body = written
+            args, kwargs = loads(body, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
+            _check_lock(task, list(args), dict(kwargs), lock_key)
+        except Exception as exc:  # this serializer cannot keep the call: the next one
+            failed = failed or exc
+            continue
+        return written
+    raise EncodeError(f"no serializer the app accepts keeps the call of {lock_key}: {failed!r}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Retry
+from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from . import signals
@@ -36,6 +37,11 @@ __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
 #: Pauses (seconds) between the tries of a message whose lock is held by the run that published
 #: it (a chain step, a link callback); after them it is requeued like a redelivered message.
 PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
+
+
+#: What a duplicate that cannot be coalesced meets: Redis down, or no serializer the app accepts
+#: keeps its call's key (coalesce.py); it is requeued instead.
+_COALESCE_ERRORS: tuple[type[Exception], ...] = (*LOGGED_ERRORS, EncodeError)
 
 
 #: Message header of a duplicate requeued to wait for its lock: ``[first requeue, retries]``,
@@ -187,7 +193,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
 
         None when left; else the countdown to requeue the duplicate after, never dropping it:
         the holder let go meanwhile (at once, or after an at-least window's end: it then takes
-        the lock or meets its new holder), or Redis failed (``retry_countdown``).
+        the lock or meets its new holder), or Redis failed, or no serializer the app accepts
+        keeps the call's key (``retry_countdown``).
 
         Left, the duplicate's message is recorded as completed (as a run's release records
         it): the follow-up carries its call, so a broker's copy of it is dropped."""
@@ -198,10 +205,10 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 keys,
                 holder,
                 uuid(),
-                call_record(self, request, args, kwargs),
+                call_record(self, request, args, kwargs, keys.lock),
                 (task_id, _retries(request), _completion_ms(opts, request)),
             )
-        except LOGGED_ERRORS as exc:
+        except _COALESCE_ERRORS as exc:
             logger.warning(
                 "singleton: could not coalesce duplicate, requeued: %s[%s] key=%s: %s",
                 self.name,

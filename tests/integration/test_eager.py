@@ -429,3 +429,37 @@ def test_an_eager_run_shows_its_arguments_as_the_caller_masked_them(
     masked_kwargs = charge.apply(kwargs={"card": card}, kwargsrepr="{'card': '*'}").get()
     assert masked_kwargs == "() {'card': '*'}"
     assert charge.apply(("plain",), headers={"h": 1}).get() == "('plain',) {}"
+
+
+@pytest.mark.parametrize("accepts_pickle", [True, False])
+def test_a_coalesced_call_is_kept_so_that_it_keys_the_same(
+    redis_url: str, accepts_pickle: bool
+) -> None:
+    """A JSON task's duplicate whose key argument is a tuple (a message sent with pickle, or an
+    eager call): JSON would read it back as a list, which keys differently, and the release
+    would drop the follow-up as not ours. The call is kept with a serializer the app accepts
+    that keeps its key (pickle); with none, the duplicate is not coalesced but requeued (in
+    eager mode: it raises), never dropped."""
+    app = Celery("eager-tuple-key", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        singleton_redis_url=redis_url,
+        task_serializer="json",
+        accept_content=["json", "pickle"] if accepts_pickle else ["json"],
+    )
+    runs = _coalescing_task(app, "e.coalesce_tuple")
+    coalesce = app.tasks["e.coalesce_tuple"]
+    key = ("region", 7)
+    with isolated_locks(app):
+        _hold_elsewhere(coalesce, key)  # type: ignore[arg-type]
+        if not accepts_pickle:
+            with pytest.raises(DuplicateTaskError):  # apply(): the tuple as a worker gets it
+                coalesce.apply((key, "follow")).get()
+            app.close()
+            return
+        info = skip_info(coalesce.apply((key, "follow")))
+        assert info is not None
+        assert info.follow_up is not None
+        coalesce._singleton_abandon(coalesce.singleton_keys((key,), {}), "other-run", 0)
+        assert runs == ["follow"]  # published by the holder's release, in the same key
+    app.close()
