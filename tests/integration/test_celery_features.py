@@ -50,6 +50,8 @@ class Bed:
     ) -> None:
         self.app, self.client, self.prefix, self.worker = app, client, prefix, worker
         self.pool = pool
+        #: a second queue the worker consumes (routing)
+        self.other_queue = f"features-{pool}-other"
 
     def lock_key(self, name: str, key: str) -> str:
         """The lock key of ``name(key, ...)`` (features_app's tasks key on ``key``)."""
@@ -92,9 +94,14 @@ POOLS = ["prefork", "threads", "gevent"]
 
 
 def _start(
-    factory: WorkerFactory, app: Celery, pool: str, env: dict[str, str] | None = None
+    factory: WorkerFactory,
+    app: Celery,
+    pool: str,
+    env: dict[str, str] | None = None,
+    queues: str | None = None,
 ) -> Any:
-    worker = factory.start(FEATURES_APP, pool=pool, concurrency=3, env=env or {})
+    extra = () if queues is None else ("-Q", queues)
+    worker = factory.start(FEATURES_APP, pool=pool, concurrency=3, env=env or {}, extra_args=extra)
     worker.wait_ready(app)
     return worker
 
@@ -126,7 +133,7 @@ def bed(
     queue = f"features-{pool}"
     app = make_app(redis_url, module_prefix, queue)
     client = redis.Redis.from_url(redis_url)
-    worker = _start(factory, app, pool, {"SINGLETON_TEST_QUEUE": queue})
+    worker = _start(factory, app, pool, {"SINGLETON_TEST_QUEUE": queue}, f"{queue},{queue}-other")
     try:
         yield Bed(app, client, module_prefix, worker, pool)
     finally:
@@ -434,13 +441,20 @@ def test_coalesce_with_reject_on_worker_lost_runs_the_redelivered_holder_first(b
     assert first.end_us <= last.start_us
 
 
-def test_a_requeued_duplicate_keeps_its_custom_headers_and_priority(bed: Bed) -> None:
-    """Under "retry" a duplicate is published again while the key is held: the custom headers
-    and the priority it was sent with reach its run."""
+def test_a_requeued_duplicate_keeps_its_headers_priority_and_queue(bed: Bed) -> None:
+    """Under "retry" a duplicate is published again while the key is held: the custom headers,
+    the priority and the queue it was sent with (routed to another queue than the task's
+    default) reach its run."""
     key = _key()
     holder = bed.app.send_task("x.headers", args=(key, True))
     bed.wait_held("x.headers", key)
-    duplicate = bed.app.send_task("x.headers", args=(key,), headers={"tenant": "acme"}, priority=3)
+    duplicate = bed.app.send_task(
+        "x.headers", args=(key,), headers={"tenant": "acme"}, priority=3, queue=bed.other_queue
+    )
     bed.wait_signal("duplicate_retried", duplicate.id)
     bed.go(holder.id)
-    assert duplicate.get(timeout=20) == {"tenant": "acme", "priority": 3}
+    assert duplicate.get(timeout=20) == {
+        "tenant": "acme",
+        "priority": 3,
+        "queue": bed.other_queue,
+    }

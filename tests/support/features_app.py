@@ -281,12 +281,14 @@ def coalesce_lost_late(self: Any, key: str, payload: str = "") -> str:
     singleton_retry_countdown=0.2,
 )
 def headers(self: Any, key: str, hold: bool = False) -> Any:
-    """Under "retry": returns its message's custom ``tenant`` header and its priority; with
-    ``hold``, waits for its go first."""
+    """Under "retry": returns its message's custom ``tenant`` header, its priority and the
+    queue it came from; with ``hold``, waits for its go first."""
     if hold:
         _wait_for_go(self)
     _run(self, key, 0.0)
+    delivery = self.request.delivery_info or {}
     return {
         "tenant": self.request.get("tenant"),
-        "priority": (self.request.delivery_info or {}).get("priority"),
+        "priority": delivery.get("priority"),
+        "queue": delivery.get("routing_key"),
     }
