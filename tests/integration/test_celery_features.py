@@ -14,6 +14,7 @@ short visibility timeout).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -458,3 +459,53 @@ def test_a_requeued_duplicate_keeps_its_headers_priority_and_queue(bed: Bed) -> 
         "priority": 3,
         "queue": bed.other_queue,
     }
+
+
+# -- how results are kept -------------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("results", ["ignore", "extended", "none"])
+def test_skip_and_coalesce_with_each_way_of_keeping_results(
+    tmp_path: Path, redis_url: str, key_prefix: str, redis_client: redis.Redis, results: str
+) -> None:
+    """``task_ignore_result``, ``result_extended``, and no result backend at all: a duplicate
+    is skipped (its marker stored only where results are kept, with the extended fields where
+    they are on) and a coalesced one runs after the holder; every lock is released."""
+    app = make_app(redis_url, key_prefix)
+    factory = WorkerFactory(
+        tmp_path,
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
+    )
+    try:
+        worker = _start(factory, app, "prefork", {"SINGLETON_TEST_RESULTS": results})
+        bed = Bed(app, redis_client, key_prefix, worker, "prefork")
+        for policy in ("skip", "coalesce"):
+            name, key = f"x.end_{policy}", _key()
+            holder = app.send_task(name, args=(key, "return"))
+            bed.wait_held(name, key)
+            duplicate = app.send_task(name, args=(key,))
+            bed.wait_signal("duplicate_skipped", duplicate.id)
+            meta = redis_client.get(f"{key_prefix}celery-task-meta-{duplicate.id}")
+            if results in ("ignore", "none"):
+                assert meta is None
+            else:
+                stored = json.loads(meta or b"{}")
+                assert stored["status"] == "SUCCESS"
+                assert stored["result"]["holder"] == holder.id
+                assert stored["name"] == name  # result_extended's fields
+            bed.go(holder.id)
+            expected = 2 if policy == "coalesce" else 1
+            wait_for(
+                lambda key=key, expected=expected: (
+                    len(bed.runs(key)) == expected and all(e.finished for e in bed.runs(key))
+                ),
+                20,
+                f"{expected} run(s) of {key}",
+                worker,
+            )
+            bed.wait_free(name, key)
+            assert_no_overlap(check_history(bed.runs(key)), allow_unfinished=False)
+    finally:
+        close_app(app)
+        factory.close()

@@ -292,3 +292,14 @@ def headers(self: Any, key: str, hold: bool = False) -> Any:
         "priority": delivery.get("priority"),
         "queue": delivery.get("routing_key"),
     }
+
+
+# SINGLETON_TEST_RESULTS: how the worker keeps results ("ignore": task_ignore_result; "extended":
+# result_extended; "none": no result backend at all)
+_RESULTS = os.environ.get("SINGLETON_TEST_RESULTS")
+if _RESULTS == "ignore":
+    app.conf.task_ignore_result = True
+elif _RESULTS == "extended":
+    app.conf.result_extended = True
+elif _RESULTS == "none":
+    app.conf.result_backend = None
