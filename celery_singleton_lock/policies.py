@@ -20,7 +20,7 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._tasklog import LOGGED_ERRORS, about, logger
-from .callrepr import repr_options
+from .callrepr import repr_options, request_field
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
 from .core.backend import Acquired, Contended
@@ -349,15 +349,13 @@ def _waiting_since(request: Any) -> list[float] | None:
 
 def _retries(request: Any) -> int:
     """The retries count of a Celery request: a Context, or the dict a worker's tracer gets."""
-    value = request.get("retries") if isinstance(request, dict) else request.retries
-    return int(value or 0)
+    return int(request_field(request, "retries") or 0)
 
 
 def _completion_ms(opts: Options, request: Any) -> int:
     """The completion ttl (ms) of a Celery request's message (a Context, or a dict): longer
     for one that carried an eta or countdown (``Options.delayed_completion_ttl``)."""
-    delayed = bool(request.get("eta") if isinstance(request, dict) else request.eta)
-    return round(opts.completion_ttl_of(delayed) * 1000)
+    return round(opts.completion_ttl_of(bool(request_field(request, "eta"))) * 1000)
 
 
 def waited(request: Any) -> float | None:
