@@ -495,14 +495,20 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
             logger.info(
                 "singleton: not released by main process after %s, %s: %s[%s] key=%s",
                 reason,
-                "handed over to its retry" if handed_over else "held by another run",
+                "handed over to its retry"
+                if handed_over
+                else "no slot of its own left, the others held"
+                if keys.permits > 1
+                else "held by another run",
                 self.name,
                 task_id,
                 key,
                 extra=about(self.name, task_id),
             )
-        if status in (ReleaseStatus.RELEASED, ReleaseStatus.NOT_HELD):  # or it expired
-            self._singleton_follow_up(keys, reason, task_id)
+        # Whatever became of its own lock or slot (released, expired, taken, handed over): a
+        # follow-up left meanwhile goes out if a slot is free (take_pending.lua checks), not at
+        # the next release (with permits, a lost run's expired slot is free beside held ones).
+        self._singleton_follow_up(keys, reason, task_id)
         return status
 
 

@@ -616,17 +616,24 @@ def test_a_burst_met_by_every_slot_gives_one_follow_up_with_the_latest_arguments
 
 
 @pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("expired_first", [False, True])
 def test_the_main_process_publishes_the_follow_up_of_a_killed_slot_holder(
     worker_factory: WorkerFactory,
     client_app: Celery,
     key_prefix: str,
     redis_client: redis.Redis,
+    expired_first: bool,
 ) -> None:
     """Two permits, both held (ttl 30 s), one duplicate coalesced: SIGKILL of the child of one
     holder. The worker's main process releases that slot and publishes the follow-up, which
-    runs in it while the other holder still runs."""
+    runs in it while the other holder still runs. ``expired_first``: the child was stopped
+    (SIGSTOP) until its slot expired (ttl 1 s), then killed: the main process finds the slot
+    gone, and still publishes the follow-up into it."""
     worker = worker_factory.start(
-        SINGLETON_APP, pool="prefork", concurrency=4, env={"SINGLETON_TEST_TTL": "30"}
+        SINGLETON_APP,
+        pool="prefork",
+        concurrency=4,
+        env={"SINGLETON_TEST_TTL": "1" if expired_first else "30"},
     )
     worker.wait_ready(client_app)
     holders, gates, held = _fill_the_slots(client_app, redis_client, key_prefix, worker)
@@ -635,6 +642,9 @@ def test_the_main_process_publishes_the_follow_up_of_a_killed_slot_holder(
     follow_up = _follow_up_of([duplicate])
     victim_key = next(key for key, info in held.items() if info["owner"] == holders[1].id)
     pid = int(held[victim_key]["pid"])
+    if expired_first:
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: not redis_client.exists(victim_key), 10, "the slot to expire", worker)
     os.kill(pid, signal.SIGKILL)
     killed_us = server_time_us(redis_client)
     value = AsyncResult(follow_up, app=client_app).get(timeout=15)
@@ -642,7 +652,8 @@ def test_the_main_process_publishes_the_follow_up_of_a_killed_slot_holder(
     assert value["pid"] != pid
     assert not holders[0].ready()
     log = worker.log_text()
-    assert "singleton: released by main process after worker lost" in log
+    released = "singleton: released by main process after worker lost" in log
+    assert released is not expired_first  # an expired slot: nothing left to release
     assert "singleton: coalesced follow-up published after worker lost" in log
     redis_client.rpush(gates[0], "go")
     holders[0].get(timeout=10)
