@@ -31,7 +31,12 @@ from tests.support import features_app
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.chaos import deliveries_key
 from tests.support.features_app import ENDINGS, LONG_TTL, go_key
-from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.history import (
+    assert_no_overlap,
+    check_history,
+    load_history,
+    server_time_us,
+)
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -381,6 +386,51 @@ def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> No
     holder = bed.app.send_task(name, args=(key, ending), **options)
     bed.wait_held(name, key)
     wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    duplicate, follow_up = _duplicate_meets(bed, name, key, holder.id, policy)
+    bed.go(holder.id)
+    wait_for(lambda: all(e.finished for e in bed.runs(key)), 20, "the holder's end", bed.worker)
+    _the_waiting_call_runs(duplicate, follow_up, policy, bed.app)
+    bed.wait_free(name, key)
+    runs = bed.runs(key)
+    assert len(runs) == (2 if policy in ("retry", "coalesce") else 1), runs
+    assert_no_overlap(check_history(runs), allow_unfinished=False)
+
+
+@pytest.mark.parametrize("policy", ["skip", "retry", "raise", "coalesce"])
+@pytest.mark.parametrize("ending", ["hard_limit", "revoke"])
+def test_each_killed_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> None:
+    """The holder's child is ended from outside while a duplicate meets ``policy``: its hard
+    time limit (the child is SIGKILLed: the main process releases), or ``revoke(terminate=True)``
+    (SIGTERM: the child's own end releases). The lock is released long before its 60 s ttl, and
+    a requeued duplicate or the follow-up runs once, after the holder was ended."""
+    if bed.pool != "prefork":
+        pytest.skip("time limits and terminate end a prefork child")
+    name = f"x.end_{policy}"
+    key = _key()
+    options = {"time_limit": 4} if ending == "hard_limit" else {}
+    holder = bed.app.send_task(name, args=(key, "hold"), **options)
+    bed.wait_held(name, key)
+    started = wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)[0]
+    duplicate, follow_up = _duplicate_meets(bed, name, key, holder.id, policy)
+    if ending == "hard_limit":  # no run may start before the child was killed, at 4 s
+        ended_by_us = started.start_us + 4_000_000
+    else:
+        ended_by_us = server_time_us(bed.client)
+        bed.app.control.revoke(holder.id, terminate=True)
+    wait_for(holder.ready, 20, "the holder's end", bed.worker)
+    assert holder.state == ("FAILURE" if ending == "hard_limit" else "REVOKED")
+    _the_waiting_call_runs(duplicate, follow_up, policy, bed.app)
+    bed.wait_free(name, key)
+    later = [e for e in bed.runs(key) if e.exec_id != started.exec_id]
+    assert len(later) == (1 if policy in ("retry", "coalesce") else 0), later
+    assert all(e.start_us >= ended_by_us for e in later), (started, later)
+
+
+def _duplicate_meets(
+    bed: Bed, name: str, key: str, holder: str, policy: str
+) -> tuple[Any, str | None]:
+    """Send a duplicate of ``name(key)`` while ``holder`` holds the key, and check what it met
+    under ``policy``; the duplicate's result, and the follow-up it was coalesced into."""
     duplicate = bed.app.send_task(name, args=(key,))
     follow_up = None
     if policy == "raise":
@@ -392,19 +442,18 @@ def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> No
         duplicate.get(timeout=20)
         info = skip_info(duplicate)
         assert info is not None
-        assert info.holder == holder.id
+        assert info.holder == holder
         follow_up = info.follow_up
         assert (follow_up is not None) == (policy == "coalesce")
-    bed.go(holder.id)
-    wait_for(lambda: all(e.finished for e in bed.runs(key)), 20, "the holder's end", bed.worker)
+    return duplicate, follow_up
+
+
+def _the_waiting_call_runs(duplicate: Any, follow_up: str | None, policy: str, app: Celery) -> None:
+    """Under "retry" the requeued duplicate, under "coalesce" the follow-up, runs after all."""
     if policy == "retry":
         assert duplicate.get(timeout=20) == "now"
     if follow_up is not None:
-        assert bed.app.AsyncResult(follow_up).get(timeout=20) == "now"
-    bed.wait_free(name, key)
-    runs = bed.runs(key)
-    assert len(runs) == (2 if policy in ("retry", "coalesce") else 1), runs
-    assert_no_overlap(check_history(runs), allow_unfinished=False)
+        assert app.AsyncResult(follow_up).get(timeout=20) == "now"
 
 
 def test_a_message_requeued_by_reject_inside_its_window_waits_for_the_window_once(
