@@ -566,6 +566,9 @@ def test_a_late_follow_up_never_replaces_a_newer_call(
     first = hold("H0", gates[0])
     stale = coalesce("A", queue=side)  # its follow-up goes back to the side queue
     client_app.control.cancel_consumer(side, destination=[worker.nodename], reply=True)
+    # a blocking read of the Redis transport issued before the cancel still names the side
+    # queue (for up to 1 s): one message through the main queue makes the worker read again
+    client_app.send_task("t.hold", args=(f"{key}-cycle",)).get(timeout=10)
     redis_client.rpush(gates[0], "go")  # H0 ends: the follow-up of A waits in the side queue
     first.get(timeout=10)
     second = hold("B", gates[1])
