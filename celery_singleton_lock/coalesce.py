@@ -212,6 +212,11 @@ def _call_of(
     if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
         raise TypeError(f"not [args, kwargs]: {type(args).__name__}, {type(kwargs).__name__}")
     options: dict[str, Any] = {f: record[f].decode() for f in _ROUTE if f in record}
+    if options.get("exchange") == "" and options.get("routing_key"):
+        # the default exchange: a queue named by the routing key, which Celery's router must
+        # be given as the queue (its own signature_from_request does the same); with the bare
+        # routing key it would take the task's default queue's exchange instead
+        options = {"queue": options["routing_key"]}
     for name in REPR_OPTIONS:  # the latest duplicate's: its mask stays on (callrepr.py)
         shown = record.get(name)
         if shown:

@@ -547,9 +547,15 @@ def test_a_late_follow_up_never_replaces_a_newer_call(
     main = client_app.conf.task_default_queue
     side = f"{main}-side"
     worker = worker_factory.start(
-        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", f"{main},{side}")
+        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", main)
     )
     worker.wait_ready(client_app)
+    # the side queue's only consumer, for A's delivery: it is gone before A's follow-up comes
+    # (a cancel_consumer left a blocking read naming the side queue in flight)
+    side_worker = worker_factory.start(
+        SINGLETON_APP, pool="solo", concurrency=1, extra_args=("-Q", side)
+    )
+    side_worker.wait_ready(client_app)
     key, lock = "late", _lock_key(key_prefix, "late")
     gates = [f"{key_prefix}gate:late:{n}" for n in range(2)]
 
@@ -565,12 +571,11 @@ def test_a_late_follow_up_never_replaces_a_newer_call(
 
     first = hold("H0", gates[0])
     stale = coalesce("A", queue=side)  # its follow-up goes back to the side queue
-    client_app.control.cancel_consumer(side, destination=[worker.nodename], reply=True)
-    # a blocking read of the Redis transport issued before the cancel still names the side
-    # queue (for up to 1 s): one message through the main queue makes the worker read again
-    client_app.send_task("t.hold", args=(f"{key}-cycle",)).get(timeout=10)
+    side_worker.terminate()
     redis_client.rpush(gates[0], "go")  # H0 ends: the follow-up of A waits in the side queue
     first.get(timeout=10)
+    # the result is stored before the release: B sent in between would be coalesced onto H0
+    wait_for(lambda: not redis_client.exists(lock), 10, "H0's release", worker)
     second = hold("B", gates[1])
     latest = coalesce("X")
     client_app.control.add_consumer(side, destination=[worker.nodename], reply=True)
