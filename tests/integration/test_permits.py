@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from celery_singleton_lock import skip_info
 from celery_singleton_lock.cli import singleton
-from celery_singleton_lock.core.admin import iter_locks, read_lock
+from celery_singleton_lock.core.admin import LockInfo, iter_locks, read_lock
 from celery_singleton_lock.core.backend import (
     Acquired,
     Completed,
@@ -484,13 +484,22 @@ def test_a_window_per_slot_lets_n_runs_start_per_window(
     assert skip_info(second_value) is None  # the first one's window blocks its slot only
     assert first_value["key"] != second_value["key"]
 
-    windows = {
-        info.key: info
-        for info in iter_locks(redis_client, f"{key_prefix}lock:")
-        if info.permit is not None
-    }
+    def slots() -> dict[str, LockInfo]:
+        return {
+            info.key: info
+            for info in iter_locks(redis_client, f"{key_prefix}lock:")
+            if info.permit is not None
+        }
+
+    # the result is stored before the run's release: the second slot turns into a window then
+    windows = wait_for(
+        lambda: (found := slots()) and {i.state for i in found.values()} == {"window"} and found,
+        5,
+        "both slots to be windows",
+        worker,
+        details=lambda: repr(slots()),
+    )
     assert set(windows) == {first_value["key"], second_value["key"]}
-    assert {info.state for info in windows.values()} == {"window"}
     listed = CliRunner().invoke(
         singleton, ["--url", redis_url, "--prefix", f"{key_prefix}lock:", "list"]
     )
