@@ -201,13 +201,11 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
         values[setting.name] = setting.check(where, value)
     values["redis_url"] = resolve_redis_url(conf)
     if task is not None:
-        given = values["completion_ttl"]
-        values["delayed_completion_ttl"] = (
-            default_completion_ttl(conf, task, delayed=True) if given is None else given
-        )
-        if given is None:
+        if values["completion_ttl"] is None:  # not given: the defaults, by how it was sent
             values["completion_ttl"] = default_completion_ttl(conf, task)
-    if task is not None:
+            values["delayed_completion_ttl"] = default_completion_ttl(conf, task, delayed=True)
+        else:
+            values["delayed_completion_ttl"] = values["completion_ttl"]
         values["failure_is_final"] = failure_is_final(conf, task)
     if values["key_args"] is not None and values["key"] is not None:
         raise SingletonConfigError(

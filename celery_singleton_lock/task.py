@@ -386,8 +386,12 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
         if handle._handed_over:
             renewer.remove(held)
             return
-        published = isinstance(retval, Retry) and retval.sig is not None
-        if state == states.RETRY and published and not request.is_eager:
+        if (  # RETRY, and Celery published the retry (checked only then: every run ends here)
+            state == states.RETRY
+            and not request.is_eager
+            and isinstance(retval, Retry)
+            and retval.sig is not None
+        ):
             self._singleton_hand_over(handle, retval.when)
             return
         self._singleton_release(handle, state, eager=request.is_eager, delayed=bool(request.eta))
