@@ -360,8 +360,8 @@ def _best(fn: Callable[[], object], n: int, repeats: int) -> tuple[float, float]
 def glue(url: str, n: int, repeats: int) -> Table:
     import inspect
 
+    from celery_singleton_lock import LockHandle
     from celery_singleton_lock.core.renewer import HeldLock
-    from celery_singleton_lock.task import LockHandle
 
     app = _eager_app(url)
 

@@ -1,6 +1,6 @@
 """A private Redis server for the benchmarks, and its command statistics.
 
-The server is :class:`celery_singleton_lock._devserver.DevServer` (shared with the demo and
+The server is :class:`celery_singleton_lock._dev.server.DevServer` (shared with the demo and
 the tests): a throw-away server on a free loopback port, no persistence, its own session,
 killed at interpreter exit; redis-server is preferred, since the figures are for Redis.
 Because it is private, ``CONFIG RESETSTAT`` and ``INFO commandstats`` are fine here; never
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_singleton_lock._devserver import DevServer, find_server_binary, free_port
+from celery_singleton_lock._dev.server import DevServer, find_server_binary, free_port
 
 __all__ = [
     "STATS_COMMANDS",

@@ -105,7 +105,7 @@ class _Tasks:
 
         self.app = app
         self.task = task
-        # as a worker assigns it, so a SingletonTask's own wrapper (tracing.py) is in the count
+        # as a worker assigns it, so a SingletonTask's own wrapper (task/tracer.py) is in the count
         task.__trace__ = build_tracer(task.name, task, eager=False, app=app, hostname="bench@work")
         self.trace = task.__trace__
         self.next = int(uuid.uuid4().int % 10**12) * 1000

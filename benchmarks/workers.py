@@ -1,7 +1,7 @@
 """Real ``celery worker`` subprocesses for the throughput benchmarks.
 
 Each worker runs ``python -m celery -A benchmarks.bench_app worker`` from the repository root:
-a :class:`~celery_singleton_lock._devprocess.DevProcess`, in its own session, so
+a :class:`~celery_singleton_lock._dev.process.DevProcess`, in its own session, so
 :meth:`BenchWorker.close` can SIGKILL its whole process group. Workers log at WARNING: a
 per-task INFO line would cost more than some of the differences measured.
 """
@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_lock._devprocess import DevProcess, children_of, cpu_seconds
+from celery_singleton_lock._dev.process import DevProcess, children_of, cpu_seconds
 
 from .bench_app import URL_ENV
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import hidden_settings as _hidden_settings
 from . import signals
-from . import worker as _worker  # connects the worker-side hooks
 from .core.fencing import FencedWrite, fenced_get, fenced_set
+from .duplicates.skips import SkipInfo, skip_info
 from .errors import (
     DuplicateTaskError,
     LockUnavailableError,
@@ -24,9 +23,10 @@ from .errors import (
     SingletonError,
     SingletonKeyError,
 )
-from .skips import SkipInfo, skip_info
-from .task import LockHandle, SingletonTask
-from .worker import SingletonRequest
+from .settings import masking as _hidden_settings
+from .task.singleton_task import LockHandle, SingletonTask
+from .worker import hooks as _worker  # connects the worker-side hooks
+from .worker.hooks import SingletonRequest
 
 if TYPE_CHECKING:
     from .beat.django_beat import SingletonDatabaseScheduler

@@ -15,7 +15,7 @@ threads worker), the renewer's thread for ``lock_lost``, ``lock_max_hold`` and
 ``lock_renewed_late``, the worker's main process for releases after a lost child, a hard
 time limit or a terminate, and the ``celery singleton`` command's process for
 ``lock_force_released`` (and for the ``duplicate_skipped`` of a coalesced follow-up superseded
-by the newer run whose lock it released: coalesce.py).
+by the newer run whose lock it released: duplicates/coalesce.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_lock._devserver import DevServer, find_server_binary, ping
+from celery_singleton_lock._dev.server import DevServer, find_server_binary, ping
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 APP = "examples.demo_app"

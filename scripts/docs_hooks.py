@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_singleton_lock.config import SETTINGS
+from celery_singleton_lock.settings.table import SETTINGS
 
 PAGE = "settings-reference.md"
 
@@ -23,8 +23,8 @@ def render_settings_reference() -> str:
     lines = [
         "# Settings reference",
         "",
-        "Generated from the settings table in `celery_singleton_lock/config.py` when the site",
-        "is built. Every setting is a Celery configuration key; with",
+        "Generated from the settings table in `celery_singleton_lock/settings/table.py` when",
+        "the site is built. Every setting is a Celery configuration key; with",
         '`Celery(..., namespace="CELERY")` (Django) it is spelled in upper case with the',
         "`CELERY_` prefix. *Task option*: also settable per task, as a keyword of",
         "`@app.task(...)` or a class attribute. The full story of each is in",

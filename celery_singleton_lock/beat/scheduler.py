@@ -33,7 +33,7 @@ from ..core.backend import REDIS_ERRORS, Acquired, Contended, LockBackend, Renew
 from ..core.keys import leader_keys, run_claim_key
 from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
-from ..options import BeatOptions, read_beat_options
+from ..settings.options import BeatOptions, read_beat_options
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
 from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
 

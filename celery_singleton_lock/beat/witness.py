@@ -1,7 +1,7 @@
 """The workers' witness of scheduled runs: a scheduled run's second message is dropped.
 
 Every message a SingletonScheduler publishes names its run's claim (headers, beat/claims.py).
-When a worker receives one (``task_received``, in the main process; worker.py connects it), it
+When a worker receives one (``task_received``, in the main process; worker/hooks.py connects it), it
 records the message as the run's witness; a second message of the same run (another task id:
 its beat instance died between publishing and confirming, and another instance published the
 run again) is dropped as revoked, for every task, not only SingletonTasks. Never imports
@@ -18,7 +18,7 @@ from celery.worker import state as worker_state
 
 from ..core._pid import current_pid
 from ..errors import LockUnavailableError, SingletonConfigError
-from ..options import read_options
+from ..settings.options import read_options
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
 
 __all__ = ["WITNESS_KEEP_MS", "witness_scheduled_run"]

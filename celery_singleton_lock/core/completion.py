@@ -16,7 +16,7 @@ delivery (``acquire.lua``, in its one round trip):
   releases leave it alone, and publish-time dedup names the finished run. A run that ends after
   the window's length has passed deletes its lock as before.
 
-Knows nothing of Celery: which run ends write what is the caller's choice (task.py).
+Knows nothing of Celery: which run ends write what is the caller's choice (task/singleton_task.py).
 """
 
 from __future__ import annotations

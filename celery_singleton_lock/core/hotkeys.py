@@ -4,7 +4,7 @@ A process that has just seen a lock held (a duplicate of it was skipped) expects
 message for that lock to be a duplicate too. :class:`HotKeys` remembers such keys, each until
 a deadline (:data:`HORIZON_S` after it was last seen held, or sooner if the lock's own time
 to live says so), at most :data:`SIZE` of them, the key seen longest ago dropped first. The
-worker's main process asks Redis about a message only when its key is hot (strategy.py).
+worker's main process asks Redis about a message only when its key is hot (worker/mainskip.py).
 
 ``entries`` is a plain dict: an empty one is the caller's "nothing hot" test, the cheapest
 there is. Marks may come from other threads (the threads pool reports a run's end in the

@@ -277,7 +277,8 @@ def derive_keys(  # noqa: PLR0917 - the documented positional API
 class KeyDeriver:
     """:func:`derive_keys` for one task, with what does not change from call to call worked
     out once: the key's head, the parameters keyed on and their encoded names, in the order
-    the encoding sorts them. A task keeps one (task.py): a call then costs its binding, its
+    the encoding sorts them. A task keeps one (task/singleton_task.py): a call then costs its
+    binding, its
     values' encoding and the digest.
 
     Raises as :func:`derive_keys`: when made (a ``key_args`` name that is not a parameter, an

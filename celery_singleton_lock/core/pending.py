@@ -21,7 +21,7 @@ The record outlives the lock by :data:`PENDING_TTL_MS`, so a lock that expired (
 worker killed outright) still has its follow-up for whoever releases or takes the key next. A
 record taken at the release of a run that is not among its ``holders`` is *superseded*
 (:func:`superseded_by`): that run took its slot after every call the record carries.
-Knows nothing of Celery: the call's fields are the caller's (coalesce.py).
+Knows nothing of Celery: the call's fields are the caller's (duplicates/coalesce.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ answers as ``acquire.lua`` and ``acquire_permit.lua`` would, up to the point whe
 a :class:`~.backend.Contended` (every slot held; by whom, for how long, whether in an at-least
 window), a :class:`~.backend.Completed` (this message already ran to its end), or None (a run
 would take a slot, or re-enter its own). The worker's main process asks it before it turns a
-duplicate away without handing it to its pool (the Celery glue: strategy.py).
+duplicate away without handing it to its pool (the Celery glue: worker/mainskip.py).
 
 The probe goes through a connection of its own (:func:`~.connection.prober_for`), whose
 calls fail fast: a caller that cannot wait answers a failure by doing what it would have done

@@ -213,7 +213,7 @@ class RedlockStore(SequentialReleases):
         """
         check_owner(owner, generation)
         check_ttl(ttl_ms)
-        if keys.permits != 1:  # options.py refuses singleton_permits > 1 with redlock URLs
+        if keys.permits != 1:  # settings/options.py refuses singleton_permits > 1 with redlock URLs
             raise ValueError("Redlock locks have one permit: permits > 1 is not supported")
         drift_ms = self.drift_ms(ttl_ms)
         if ttl_ms <= drift_ms:

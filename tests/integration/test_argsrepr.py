@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
-from celery_singleton_lock.cli import singleton
+from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.singleton_app import signal_payloads_key
 from tests.support.waiting import wait_for

@@ -8,7 +8,7 @@ import pytest
 from celery_singleton_lock import SingletonConfigError
 from celery_singleton_lock.core.connection import client_for
 from celery_singleton_lock.core.urls import redact_url
-from celery_singleton_lock.options import read_beat_options, read_options
+from celery_singleton_lock.settings.options import read_beat_options, read_options
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.beats import BeatFactory
 from tests.support.workers import WorkerFactory

@@ -17,7 +17,6 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SkipInfo, skip_info
-from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.core.admin import (
     ForceStatus,
     force_release,
@@ -29,6 +28,7 @@ from celery_singleton_lock.core.admin import (
 from celery_singleton_lock.core.keys import derive_keys, keys_of, lock_keys
 from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
+from celery_singleton_lock.tools.cli import singleton
 from tests.integration.test_permits import COALESCE, coalesce_keys
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.waiting import wait_for

@@ -22,9 +22,9 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
-from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.core.admin import read_lock
 from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key, lock_prefix
 from tests.support.history import load_history

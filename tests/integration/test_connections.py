@@ -33,7 +33,11 @@ from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import lock_keys, run_claim_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import LockUrl, parse_lock_url, redact_url
-from celery_singleton_lock.options import read_beat_options, read_options, resolve_redis_url
+from celery_singleton_lock.settings.options import (
+    read_beat_options,
+    read_options,
+    resolve_redis_url,
+)
 from tests.support.servers import (
     SERVER_ENV,
     RedisServer,

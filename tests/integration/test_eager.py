@@ -12,10 +12,10 @@ from celery import Celery, chain
 from celery.exceptions import Retry
 
 from celery_singleton_lock import DuplicateTaskError, SingletonTask, SkipInfo, skip_info
-from celery_singleton_lock.coalesce import FOLLOW_UP_HEADER
 from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.pending import pending_key
+from celery_singleton_lock.duplicates.coalesce import FOLLOW_UP_HEADER
 from celery_singleton_lock.testing import held_locks, isolated_locks
 
 
@@ -181,7 +181,7 @@ def test_eager_coalesced_duplicate_leaves_its_call_and_a_newer_run_supersedes_it
     assert eager_app.eager_runs == []  # type: ignore[attr-defined]
 
     store_for(coalesce.singleton_options().redis_url).release(lock, "other-run", 0)
-    with caplog.at_level("INFO", logger="celery_singleton_lock.coalesce"):
+    with caplog.at_level("INFO", logger="celery_singleton_lock.duplicates.coalesce"):
         nxt = coalesce.delay("k", "next")
     assert nxt.get() == "next"
     assert eager_app.eager_runs == ["next"]  # type: ignore[attr-defined]
@@ -308,7 +308,7 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         store.release(lock, "other-run", 0)
         # the record's type is not (or no longer) one the app accepts
         app.conf.accept_content = ["json" if serializer != "json" else "pickle"]
-        with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+        with caplog.at_level("ERROR", logger="celery_singleton_lock.duplicates.coalesce"):
             coalesce.delay("k", "last")
         assert runs == [payload, "last"]  # the refused record was not run
         assert not store.client.exists(pending_key(lock))  # nor put back
@@ -346,7 +346,7 @@ def test_a_pending_record_we_did_not_write_is_dropped_not_put_back(
     coalesce = eager_app.tasks["e.coalesce"]
     lock = coalesce.singleton_keys(("k",), {}).lock
     redis_client.hset(pending_key(lock), mapping=record)
-    with caplog.at_level("ERROR", logger="celery_singleton_lock.coalesce"):
+    with caplog.at_level("ERROR", logger="celery_singleton_lock.duplicates.coalesce"):
         assert coalesce.delay("k", "run").get() == "run"
     assert eager_app.eager_runs == ["run"]  # type: ignore[attr-defined]
     assert not redis_client.exists(pending_key(lock))

@@ -24,7 +24,7 @@ from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys, lock_keys
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
-from celery_singleton_lock.events import configure_renewer
+from celery_singleton_lock.run.events import configure_renewer
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import load_history
 from tests.support.mainskip import reached_celery, turn_hot

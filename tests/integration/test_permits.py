@@ -13,7 +13,6 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import skip_info
-from celery_singleton_lock.cli import singleton
 from celery_singleton_lock.core.admin import LockInfo, iter_locks, read_lock
 from celery_singleton_lock.core.backend import (
     Acquired,
@@ -29,6 +28,7 @@ from celery_singleton_lock.core.completion import Ending, done_key
 from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_key_problem, lock_keys
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
+from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import (
     assert_no_overlap,

@@ -1,5 +1,5 @@
 """The gevent and eventlet pools, and prefork with ``worker_pool_start_method="spawn"``, on real
-workers (celery_singleton_lock/pools.py; docs/deployments.md, "Worker pools").
+workers (celery_singleton_lock/worker/pools.py; docs/deployments.md, "Worker pools").
 
 One worker per pool serves every test of the module (``-P gevent -c 20``, ``-P eventlet -c 20``,
 ``-P prefork -c 2`` with spawned children), each on its own queue, all on one key prefix; the
@@ -28,7 +28,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
-from celery_singleton_lock.pools import check_pool, pool_module
+from celery_singleton_lock.worker.pools import check_pool, pool_module
 from tests.conftest import delete_prefix
 from tests.integration.test_release_paths import (
     Bed,
@@ -310,10 +310,10 @@ def patch():
 
 if first == "patch":
     patch()
-import celery_singleton_lock.worker
+import celery_singleton_lock.worker.hooks
 if first == "import":
     patch()
-from celery_singleton_lock.pools import check_pool
+from celery_singleton_lock.worker.pools import check_pool
 try:
     check_pool(pool)
 except ValueError as exc:

@@ -13,10 +13,11 @@ from celery import Celery, group
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
-from celery_singleton_lock import DuplicateTaskError, SingletonTask, publish, signals, skip_info
+from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys, queued_key
-from celery_singleton_lock.publish import marker_ttl_ms
+from celery_singleton_lock.publish import dedup as publish
+from celery_singleton_lock.publish.dedup import marker_ttl_ms
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import load_history
 from tests.support.waiting import wait_for

@@ -22,9 +22,9 @@ from celery import Celery
 
 from celery_singleton_lock.beat.claims import claims_and_store
 from celery_singleton_lock.beat.scheduler import _BeatState
-from celery_singleton_lock.cli import _Target
 from celery_singleton_lock.core.urls import redact_url
-from celery_singleton_lock.options import read_beat_options, read_options
+from celery_singleton_lock.settings.options import read_beat_options, read_options
+from celery_singleton_lock.tools.cli import _Target
 from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
 from tests.support.workers import REPO_ROOT, WorkerFactory
@@ -201,7 +201,7 @@ def test_the_settings_filter_keeps_celerys_behaviour_and_installs_once() -> None
     too); installing again does not wrap twice."""
     from celery.app import utils as celery_app_utils
 
-    from celery_singleton_lock import hidden_settings
+    from celery_singleton_lock.settings import masking as hidden_settings
 
     installed = celery_app_utils.filter_hidden_settings
     hidden_settings.install()

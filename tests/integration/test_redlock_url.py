@@ -21,7 +21,7 @@ from celery_singleton_lock.core.pending import pending_key, put_back, take_pendi
 from celery_singleton_lock.core.redlock import RedlockStore
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import parse_lock_url, redact_url
-from celery_singleton_lock.options import read_options
+from celery_singleton_lock.settings.options import read_options
 from tests.integration.test_beat_mixin import (
     INTERVAL,
     RENEWAL_FAILS,

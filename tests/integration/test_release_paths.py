@@ -3,7 +3,7 @@
 Every test starts its own ``celery worker`` (tests.support.singleton_app) on a private key
 prefix, drives one release path and asserts the lock's state in Redis (gone, or held by whom)
 and, where the path has one, the worker's ``singleton: `` log line. See the table in
-``celery_singleton_lock/worker.py`` for which hook releases on which path.
+``celery_singleton_lock/worker/hooks.py`` for which hook releases on which path.
 """
 
 from __future__ import annotations

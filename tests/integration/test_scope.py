@@ -11,7 +11,7 @@ from celery import Celery
 from celery_singleton_lock import SingletonConfigError, SingletonTask, skip_info
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.pending import pending_key
-from celery_singleton_lock.scopes import check_scopes
+from celery_singleton_lock.worker.scopes import check_scopes
 from tests.support.basic_app import SINGLETON_APP, history_key, make_app
 from tests.support.chaos import lock_prefix
 from tests.support.history import assert_no_overlap, check_history, load_history

@@ -1,7 +1,7 @@
 """Real ``celery beat`` processes for integration tests (the beat side of ``workers.py``).
 
 Each beat runs ``python -m celery -A <module> beat -S <scheduler> -s <file> --max-interval 1``
-from the repository root: a :class:`~celery_singleton_lock._devprocess.DevProcess`, in its own
+from the repository root: a :class:`~celery_singleton_lock._dev.process.DevProcess`, in its own
 session, with stdout+stderr in a log file. It can be killed (SIGKILL), paused (SIGSTOP), resumed
 (SIGCONT) or stopped (SIGTERM); :class:`BeatFactory` and an atexit hook make sure none outlives
 the tests. The log is parsed into timestamped lines, so a test can tell what a beat did and when
@@ -20,7 +20,7 @@ from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
 
-from celery_singleton_lock._devprocess import DevProcess
+from celery_singleton_lock._dev.process import DevProcess
 from tests.support.history import Execution
 from tests.support.workers import REPO_ROOT
 

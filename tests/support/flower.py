@@ -1,7 +1,7 @@
 """A real Flower for integration tests, and an event receiver in the test process.
 
 :class:`FlowerProcess` runs ``python -m celery -A <module> flower`` headless on a free loopback
-port (a :class:`~celery_singleton_lock._devprocess.DevProcess`: its own session, a log file,
+port (a :class:`~celery_singleton_lock._dev.process.DevProcess`: its own session, a log file,
 killed with everything it started), with its HTTP API open (``FLOWER_UNAUTHENTICATED_API``).
 :class:`EventCapture` is what ``celery events`` does: an event receiver, in a thread of the test
 process, keeping every event it gets.
@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_singleton_lock._devprocess import DevProcess
+from celery_singleton_lock._dev.process import DevProcess
 from tests.support.servers import free_port
 from tests.support.workers import REPO_ROOT
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import signal
 
-from celery_singleton_lock._devserver import (
+from celery_singleton_lock._dev.server import (
     DEFAULT_ORDER,
     DevServer,
     free_port,
     ping,
 )
-from celery_singleton_lock._devserver import find_server_binary as _find_server_binary
+from celery_singleton_lock._dev.server import find_server_binary as _find_server_binary
 
 __all__ = [
     "SERVER_ENV",
@@ -86,7 +86,7 @@ def shared_redis_url() -> str | None:
 class RedisServer(DevServer):
     """A private Redis (or Valkey) server on a free loopback port, without persistence.
 
-    :class:`celery_singleton_lock._devserver.DevServer` (shared with the demo and the
+    :class:`celery_singleton_lock._dev.server.DevServer` (shared with the demo and the
     benchmarks), with the binary chosen by ``SINGLETON_TEST_SERVER``, started at once unless
     ``start=False``, and able to restart, pause and resume.
     """

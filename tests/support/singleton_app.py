@@ -478,7 +478,7 @@ if os.environ.get("SINGLETON_TEST_PREFIX"):
 
 # SINGLETON_TEST_POOL_MAINTENANCE=<s>: the prefork pool's periodic maintenance (AsynPool.timers,
 # every 5 s), which finds exited children its exit tracking missed, runs every <s> seconds, so
-# a test sees whether something else notices a killed child (celery_singleton_lock.reaper).
+# a test sees whether something else notices a killed child (celery_singleton_lock.worker.reaper).
 if os.environ.get("SINGLETON_TEST_POOL_MAINTENANCE"):
     from celery.concurrency import asynpool as _asynpool
 

@@ -1,7 +1,7 @@
 """Real Celery worker processes for integration tests.
 
 Each worker runs ``python -m celery -A <module> worker ...`` (this interpreter, from the repository
-root, unless told otherwise): a :class:`~celery_singleton_lock._devprocess.DevProcess`, in its
+root, unless told otherwise): a :class:`~celery_singleton_lock._dev.process.DevProcess`, in its
 own session (so its process group is its pid), with stdout+stderr in a log file. ``kill()``
 SIGKILLs the whole tree; :class:`WorkerFactory` and an atexit hook make sure nothing outlives
 the tests.
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_lock._devprocess import DevProcess, children_of, group_members, is_alive
+from celery_singleton_lock._dev.process import DevProcess, children_of, group_members, is_alive
 
 __all__ = [
     "REPO_ROOT",

@@ -9,8 +9,8 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.options import describe, read_options
-from celery_singleton_lock.worker import _check_and_announce
+from celery_singleton_lock.settings.options import describe, read_options
+from celery_singleton_lock.worker.hooks import _check_and_announce
 
 
 class _Task:

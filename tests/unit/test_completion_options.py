@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonConfigError
-from celery_singleton_lock.completion import ending_for
-from celery_singleton_lock.config import COMPLETION_MARGIN_S, DEFAULT_COMPLETION_TTL_S
 from celery_singleton_lock.core.completion import NO_ENDING, Ending, done_key
-from celery_singleton_lock.options import describe, read_beat_options, read_options
+from celery_singleton_lock.run.completion import ending_for
+from celery_singleton_lock.settings.options import describe, read_beat_options, read_options
+from celery_singleton_lock.settings.table import COMPLETION_MARGIN_S, DEFAULT_COMPLETION_TTL_S
 
 
 def _task(**attributes: Any) -> Any:

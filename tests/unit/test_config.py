@@ -9,17 +9,17 @@ import pytest
 from celery import Celery
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
-from celery_singleton_lock.broker import visibility_timeout as broker_visibility
-from celery_singleton_lock.config import DEFAULT_REDIS_URL, SETTINGS, Setting
 from celery_singleton_lock.core.urls import redact_url
-from celery_singleton_lock.options import (
+from celery_singleton_lock.settings.broker import visibility_timeout as broker_visibility
+from celery_singleton_lock.settings.options import (
     Options,
     describe,
     read_beat_options,
     read_options,
     resolve_redis_url,
 )
-from celery_singleton_lock.worker import banner_lines
+from celery_singleton_lock.settings.table import DEFAULT_REDIS_URL, SETTINGS, Setting
+from celery_singleton_lock.worker.hooks import banner_lines
 
 
 def _app(**conf: Any) -> Celery:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kombu import serialization
 
-from celery_singleton_lock.publish import delivered_arguments
+from celery_singleton_lock.publish.dedup import delivered_arguments
 
 SERIALIZERS = ["json", "msgpack", "yaml", "pickle"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from celery_singleton_lock.config import SETTINGS
+from celery_singleton_lock.settings.table import SETTINGS
 from scripts.docs_hooks import render_settings_reference
 
 ROOT = Path(__file__).resolve().parents[2]

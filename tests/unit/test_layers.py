@@ -1,49 +1,94 @@
-"""The architecture, checked: the core never imports Celery, no import cycles, beat stays apart.
+"""The architecture, checked (docs/design.md, "Module map").
 
-- ``celery_singleton_lock/core/`` imports redis, the standard library, other core modules and
-  ``celery_singleton_lock.errors`` only: read from the source (every import, also inside
-  functions) and proven at run time with celery, kombu and billiard made unimportable;
-- the package's module-level imports form no cycle;
-- a worker (``import celery_singleton_lock``) does not load ``celery.beat``;
-- the parts SingletonTask is built from (publish.py, policies.py, handle.py) never import
-  task.py.
+The package is a stack of wings. A module may import its own wing and the wings below it, never
+one above, and every import counts: inside functions and under ``TYPE_CHECKING`` too.
+
+- leaves: ``errors.py``, ``signals.py``;
+- ``core/``: the lock; redis and the standard library, never celery, kombu or billiard;
+- ``settings/``: the settings table and reading it;
+- ``beat/``: the scheduler, its claims and the workers' witness;
+- ``run/``: what every run holds and leaves: log, call reprs, handle, events, completion;
+- ``publish/``: publish-time dedup;
+- ``duplicates/``: what a duplicate meets: policies, coalesce, skips, the canvas;
+- ``task/``: SingletonTask, and the tracer hook that runs it;
+- ``worker/``: the worker's main process: hooks, main-process skip, reaper, start-up checks;
+- ``tools/``: the CLI, metrics, the pytest plugin;
+- the face: ``__init__.py`` and the documented import paths (redlock, metrics, testing).
+
+``_dev/`` stands apart: it imports nothing of the package and nothing of the package imports
+it. Besides: no import cycle anywhere, no module over 500 lines, every module placed in a wing,
+the core loads with Celery unimportable, a worker does not load ``celery.beat``, and only the
+database scheduler loads Django. A violation planted in a copy of the package fails each check.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 PKG = "celery_singleton_lock"
 ROOT = Path(__file__).resolve().parents[2] / PKG
 CELERY_FAMILY = ("celery", "kombu", "billiard")
 CORE_MAY_IMPORT = (f"{PKG}.core", f"{PKG}.errors")
 
+#: The wings, lowest first.
+LAYERS = (
+    "leaves",
+    "core",
+    "settings",
+    "beat",
+    "run",
+    "publish",
+    "duplicates",
+    "task",
+    "worker",
+    "tools",
+    "face",
+)
+RANK = {wing: rank for rank, wing in enumerate(LAYERS)}
+LEAVES = frozenset({"errors", "signals"})
+#: Top-level modules that only give a documented import path to a name that lives in a wing.
+SHIMS = frozenset({"redlock", "metrics", "testing"})
+APART = "_dev"
+MAX_LINES = 500
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
 
 
-def _is_package(path: Path) -> bool:
-    return path.name == "__init__.py"
+def wing_of(name: str) -> str | None:
+    """The wing of a module of the package (None: a module no wing holds)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return "face"
+    top = parts[1]
+    if top in LEAVES:
+        return "leaves"
+    if top in SHIMS:
+        return "face"
+    if top == APART or (top in RANK and top not in ("leaves", "face")):
+        return top
+    return None
 
 
-def imports(path: Path, *, module_level_only: bool) -> set[str]:
+def imports(
+    path: Path, *, module_level_only: bool, typing: bool = False, root: Path = ROOT
+) -> set[str]:
     """Absolute names of the modules ``path`` imports (``from x import y`` gives ``x.y`` when
-    that is a module of the package, else ``x``). Imports under ``if TYPE_CHECKING:`` are left
-    out; so are imports inside functions when ``module_level_only``."""
-    known = modules()
-    name = module_name(path)
-    package = name if _is_package(path) else name.rpartition(".")[0]
+    that is a module of the package, else ``x``). Imports under ``if TYPE_CHECKING:`` count
+    only when ``typing``; imports inside functions only when not ``module_level_only``."""
+    known = modules(root)
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
 
@@ -51,6 +96,8 @@ def imports(path: Path, *, module_level_only: bool) -> set[str]:
         for node in nodes:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 visit(node.orelse)
+                if typing:
+                    visit(node.body)
                 continue
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
@@ -75,6 +122,123 @@ def imports(path: Path, *, module_level_only: bool) -> set[str]:
 
     visit(tree.body)
     return found
+
+
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Every module's imports of the package's modules: all of them (in functions, typing)."""
+    known = modules(root)
+    return {
+        name: {
+            t
+            for t in imports(path, module_level_only=False, typing=True, root=root)
+            if t in known and t != name
+        }
+        for name, path in known.items()
+    }
+
+
+def unplaced(root: Path = ROOT) -> list[str]:
+    return sorted(name for name in modules(root) if wing_of(name) is None)
+
+
+def layer_violations(root: Path = ROOT) -> list[tuple[str, str]]:
+    """``(module, imported)`` for each import of a wing above the importer's, or across
+    ``_dev``'s fence."""
+    bad = []
+    for name, targets in graph(root).items():
+        mine = wing_of(name)
+        for target in sorted(targets):
+            theirs = wing_of(target)
+            if mine is None or theirs is None:
+                continue  # unplaced() reports them
+            if APART in (mine, theirs):
+                if mine != theirs:
+                    bad.append((name, target))
+            elif RANK[theirs] > RANK[mine]:
+                bad.append((name, target))
+    return bad
+
+
+def find_cycle(root: Path = ROOT) -> list[str] | None:
+    edges = graph(root)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
+
+
+def oversized(root: Path = ROOT) -> list[tuple[str, int]]:
+    sizes = {
+        name: len(path.read_text(encoding="utf-8").splitlines())
+        for name, path in modules(root).items()
+    }
+    return sorted((name, n) for name, n in sizes.items() if n > MAX_LINES)
+
+
+def test_every_module_sits_in_a_wing() -> None:
+    assert not unplaced(), "place these in a wing (LAYERS) or make them a documented shim"
+    wings = {wing_of(name) for name in modules()}
+    assert wings == {*LAYERS, APART}, sorted(map(str, wings))
+
+
+def test_no_wing_imports_a_wing_above_it() -> None:
+    assert not layer_violations()
+
+
+def test_no_import_cycle_anywhere() -> None:
+    """Every import counts: a cycle only under TYPE_CHECKING or inside a function is still two
+    modules that cannot be read apart."""
+    cycle = find_cycle()
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_no_module_over_500_lines() -> None:
+    assert not oversized()
+
+
+def test_a_planted_violation_fails_each_check(tmp_path: Path) -> None:
+    copy = tmp_path / PKG
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert (unplaced(copy), layer_violations(copy), find_cycle(copy), oversized(copy)) == (
+        [],
+        [],
+        None,
+        [],
+    )
+
+    def append(relative: str, text: str) -> None:
+        target = copy / relative
+        target.write_text(target.read_text(encoding="utf-8") + text, encoding="utf-8")
+
+    append("core/fencing.py", "\ndef _late():\n    from ..task import SingletonTask\n")
+    append("run/log.py", "\nfrom .._dev import process\n")
+    append("run/events.py", "\nimport typing\nif typing.TYPE_CHECKING:\n    from . import handle\n")
+    append("run/handle.py", "\nfrom . import events\n")
+    append("run/callrepr.py", "\n" * (MAX_LINES + 1))
+    (copy / "stray.py").write_text("", encoding="utf-8")
+
+    assert layer_violations(copy) == [
+        (f"{PKG}.core.fencing", f"{PKG}.task"),
+        (f"{PKG}.run.log", f"{PKG}._dev.process"),
+    ]
+    assert set(find_cycle(copy) or []) == {f"{PKG}.run.events", f"{PKG}.run.handle"}
+    assert [name for name, _ in oversized(copy)] == [f"{PKG}.run.callrepr"]
+    assert unplaced(copy) == [f"{PKG}.stray"]
 
 
 def test_the_core_imports_neither_celery_nor_the_glue() -> None:
@@ -115,35 +279,9 @@ print("ok", len({names!r}))
     assert done.stdout.startswith("ok"), done.stdout
 
 
-def test_no_import_cycles() -> None:
-    known = modules()
-    graph = {
-        name: {t for t in imports(path, module_level_only=True) if t in known and t != name}
-        for name, path in known.items()
-    }
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def walk(node: str) -> None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycle = [*path[path.index(nxt) :], nxt]
-                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-            if nxt not in state:
-                walk(nxt)
-        path.pop()
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            walk(node)
-
-
 def test_a_worker_does_not_load_celery_beat() -> None:
     code = (
-        "import sys, celery_singleton_lock, celery_singleton_lock.worker;"
+        "import sys, celery_singleton_lock, celery_singleton_lock.worker.hooks;"
         "assert 'celery.beat' not in sys.modules, 'celery.beat loaded';"
         "from celery_singleton_lock import SingletonScheduler;"
         "assert 'celery.beat' in sys.modules;"
@@ -173,7 +311,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked: " + name)
         return None
 sys.meta_path.insert(0, Block())
-import celery_singleton_lock, celery_singleton_lock.worker, celery_singleton_lock.beat.witness
+import celery_singleton_lock, celery_singleton_lock.worker.hooks, celery_singleton_lock.beat.witness
 from celery_singleton_lock import SingletonScheduler, SingletonSchedulerMixin
 from celery_singleton_lock.beat import SingletonScheduler
 try:
@@ -189,22 +327,19 @@ print("ok")
     assert done.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("module", ["publish.py", "policies.py", "handle.py", "_tasklog.py"])
-def test_the_tasks_parts_never_import_the_task(module: str) -> None:
-    """SingletonTask is built from these (its bases, its handle, its logger): they never import
-    task.py, not even inside a function."""
-    found = imports(ROOT / module, module_level_only=False)
-    assert f"{PKG}.task" not in found, sorted(found)
-
-
 def test_the_checks_see_imports() -> None:
     """The import reader finds what the checks rely on (a reader that found nothing would let
     every check pass)."""
     assert f"{PKG}.core.store" in imports(ROOT / "core" / "cluster.py", module_level_only=True)
-    assert "celery" in imports(ROOT / "task.py", module_level_only=True)
+    assert "celery" in imports(ROOT / "task" / "singleton_task.py", module_level_only=True)
     assert f"{PKG}.beat.scheduler" in imports(
         ROOT / "beat" / "__init__.py", module_level_only=False
     )
     assert f"{PKG}.beat.scheduler" not in imports(
         ROOT / "beat" / "__init__.py", module_level_only=True
     )
+    typed = imports(ROOT / "worker" / "scopes.py", module_level_only=True, typing=True)
+    assert f"{PKG}.task.singleton_task" in typed
+    plain = imports(ROOT / "worker" / "scopes.py", module_level_only=True)
+    assert f"{PKG}.task.singleton_task" not in plain
+    assert len(graph()) == len(modules()) > 60

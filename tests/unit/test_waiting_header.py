@@ -6,7 +6,7 @@ import time
 
 from celery.app.task import Context
 
-from celery_singleton_lock.policies import WAITING_HEADER, _waiting_since, waited
+from celery_singleton_lock.duplicates.policies import WAITING_HEADER, _waiting_since, waited
 
 
 def test_no_header_no_wait() -> None:

@@ -18,15 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .broker import ConfLike, redis_broker_url, visibility_timeout
-from .compat import legacy_options
-from .config import (
-    COMPLETION_MARGIN_S,
-    DEFAULT_COMPLETION_TTL_S,
-    DEFAULT_REDIS_URL,
-    SETTINGS,
-)
-from .core.urls import (
+from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
     URL_KINDS,
     query_names,
@@ -34,7 +26,15 @@ from .core.urls import (
     repr_without_password,
     url_scheme,
 )
-from .errors import SingletonConfigError
+from ..errors import SingletonConfigError
+from .broker import ConfLike, redis_broker_url, visibility_timeout
+from .legacy import legacy_options
+from .table import (
+    COMPLETION_MARGIN_S,
+    DEFAULT_COMPLETION_TTL_S,
+    DEFAULT_REDIS_URL,
+    SETTINGS,
+)
 
 __all__ = [
     "BeatOptions",

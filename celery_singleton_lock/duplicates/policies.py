@@ -2,9 +2,10 @@
 raise, coalesce), the wait for the run that published it, Redis down
 (``singleton_on_redis_error``), and the requeue they share.
 
-:class:`DuplicatePolicies` is a base of :class:`~celery_singleton_lock.task.SingletonTask`;
+:class:`DuplicatePolicies` is a base of
+:class:`~celery_singleton_lock.task.singleton_task.SingletonTask`;
 its methods run inside the task's ``before_start`` (and, for a skip, in front of Celery's
-tracer: tracing.py), with the task's ``self.request``.
+tracer: task/tracer.py), with the task's ``self.request``.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from celery.exceptions import Retry
 from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
-from . import signals
-from ._tasklog import LOGGED_ERRORS, about, logger
-from .callrepr import repr_options, request_field
+from .. import signals
+from ..core.backend import Acquired, Contended
+from ..core.connection import store_for
+from ..core.keys import LockKeys
+from ..core.pending import leave_pending
+from ..core.renewer import Renewer
+from ..errors import DuplicateTaskError, LockUnavailableError
+from ..run.callrepr import repr_options, request_field
+from ..run.log import LOGGED_ERRORS, about, logger
+from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
-from .core.backend import Acquired, Contended
-from .core.connection import store_for
-from .core.keys import LockKeys
-from .core.pending import leave_pending
-from .core.renewer import Renewer
-from .errors import DuplicateTaskError, LockUnavailableError
-from .options import Options
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
@@ -40,7 +41,7 @@ PARENT_WAITS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
 
 #: What a duplicate that cannot be coalesced meets: Redis down, or no serializer the app accepts
-#: keeps its call's key (coalesce.py); it is requeued instead.
+#: keeps its call's key (duplicates/coalesce.py); it is requeued instead.
 _COALESCE_ERRORS: tuple[type[Exception], ...] = (*LOGGED_ERRORS, EncodeError)
 
 
@@ -51,7 +52,8 @@ WAITING_HEADER = "singleton_waiting_since"
 
 
 class DuplicatePolicies(Task):  # type: ignore[misc]
-    """The duplicate policies of :class:`~celery_singleton_lock.task.SingletonTask`."""
+    """The duplicate policies of
+    :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`."""
 
     if TYPE_CHECKING:  # given by SingletonTask
 
@@ -188,7 +190,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         kwargs: Mapping[str, Any],
         request: Any,
     ) -> float | None:
-        """Leave this duplicate's call as the lock's pending follow-up (coalesce.py) while
+        """Leave this duplicate's call as the lock's pending follow-up (duplicates/coalesce.py)
+        while
         ``holder`` still holds it; the follow-up's id goes on ``request`` for the marker.
 
         None when left; else the countdown to requeue the duplicate after, never dropping it:
@@ -238,7 +241,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         self, keys: LockKeys, holder: str, task_id: str, request: Any
     ) -> dict[str, Any]:
         """Store a skipped duplicate's result (SUCCESS, the skip marker) and return it; so is
-        that of each canvas task that will not run after it (canvas.py)."""
+        that of each canvas task that will not run after it (duplicates/canvas.py)."""
         marker = skip_marker(
             keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
         )
@@ -311,7 +314,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
 
     def _singleton_requeue(self, countdown: float, reason: Exception) -> NoReturn:
         """Publish this message again, retries unchanged, and end this delivery as RETRY; shown
-        as its caller had Celery show it (``argsrepr``/``kwargsrepr``: callrepr.py)."""
+        as its caller had Celery show it (``argsrepr``/``kwargsrepr``: run/callrepr.py)."""
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason

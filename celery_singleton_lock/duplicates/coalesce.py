@@ -32,11 +32,11 @@ from celery.app.task import Context
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
-from . import signals
-from .callrepr import REPR_OPTIONS, reprs_of, request_field
+from .. import signals
+from ..core.keys import LockKeys
+from ..core.pending import Run, put_back, superseded_by, take_pending
+from ..run.callrepr import REPR_OPTIONS, reprs_of, request_field
 from .canvas import store_skip
-from .core.keys import LockKeys
-from .core.pending import Run, put_back, superseded_by, take_pending
 from .skips import skip_marker
 
 __all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
@@ -217,7 +217,7 @@ def _call_of(
         # be given as the queue (its own signature_from_request does the same); with the bare
         # routing key it would take the task's default queue's exchange instead
         options = {"queue": options["routing_key"]}
-    for name in REPR_OPTIONS:  # the latest duplicate's: its mask stays on (callrepr.py)
+    for name in REPR_OPTIONS:  # the latest duplicate's: its mask stays on (run/callrepr.py)
         shown = record.get(name)
         if shown:
             options[name] = shown.decode(errors="replace")

@@ -1,7 +1,8 @@
 """The retry hand-over: ``self.retry()`` hands the run's lock to the retried message, once
 Celery has published it.
 
-:class:`RetryHandOver` is a base of :class:`~celery_singleton_lock.task.SingletonTask`. Its
+:class:`RetryHandOver` is a base of
+:class:`~celery_singleton_lock.task.singleton_task.SingletonTask`. Its
 owner is the task id and its generation the retries count, so the retried message (the same
 id, one more retry) takes the lock over when it comes (``acquire.lua``); until then the lock is
 stretched over the countdown, so nothing slips in between. A retry Celery refuses
@@ -18,19 +19,19 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from celery.exceptions import Retry
 
-from ._tasklog import logger
+from ..errors import LockUnavailableError
 from .callrepr import repr_options
-from .errors import LockUnavailableError
 from .handle import LockHandle
+from .log import logger
 
 __all__ = ["RetryHandOver"]
 
 
 class RetryHandOver(Task):  # type: ignore[misc]
-    """The retry hand-over of :class:`~celery_singleton_lock.task.SingletonTask`."""
+    """The retry hand-over of :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`."""
 
     if TYPE_CHECKING:  # given by SingletonTask
-        from .options import Options
+        from ..settings.options import Options
 
         @property
         def singleton(self) -> LockHandle: ...

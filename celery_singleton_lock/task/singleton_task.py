@@ -6,18 +6,18 @@ task id and its generation the retries count, so:
 
 - a retried message (same id, one more retry) takes the lock over from the run that
   called ``retry()``, once Celery published it (its base
-  :class:`~celery_singleton_lock.handover.RetryHandOver`);
-- the worker's main process can release a lock its dead pool child held (see worker.py).
+  :class:`~celery_singleton_lock.run.handover.RetryHandOver`);
+- the worker's main process can release a lock its dead pool child held (see worker/hooks.py).
 
 A subclass's own ``before_start`` is wrapped so that the lock is taken before it, whether or
 not it calls ``super()``.
 
-The release runs from the ``task_postrun`` signal (worker.py), which fires for every
-outcome of a traced run: success, failure, Ignore, Reject and Retry.
-
-What a run does when it does not get the lock (the duplicate policies, Redis down) is in its
-base :class:`~celery_singleton_lock.policies.DuplicatePolicies`; publish-time dedup in its
-base :class:`~celery_singleton_lock.publish.PublishDedup`.
+The release runs from the ``task_postrun`` signal (worker/hooks.py), which fires for every
+outcome of a traced run: success, failure, Ignore, Reject and Retry; how a run ends is in its
+base :class:`~celery_singleton_lock.task.endings.RunEndings`. What a run does when it does not
+get the lock (the duplicate policies, Redis down) is in its base
+:class:`~celery_singleton_lock.duplicates.policies.DuplicatePolicies`; publish-time dedup in
+its base :class:`~celery_singleton_lock.publish.dedup.PublishDedup`.
 """
 
 from __future__ import annotations
@@ -30,40 +30,37 @@ from functools import partial, wraps
 from typing import Any, ClassVar
 
 from celery import states
-from celery.exceptions import Retry
 from celery.result import EagerResult
 
-from . import signals
-from ._tasklog import LOGGED_ERRORS, about, logger
-from .callrepr import REPR_OPTIONS, preview_of, request_field
-from .coalesce import publish_follow_up
-from .completion import drop_completed, ending_for
-from .core._pid import current_pid
-from .core.arguments import scope_key_names
-from .core.backend import (
+from .. import signals
+from ..core._pid import current_pid
+from ..core.arguments import scope_key_names
+from ..core.backend import (
     Acquired,
     Completed,
     Contended,
-    ReleaseStatus,
-    release_lost_slot,
 )
-from .core.connection import renewer_for, store_for
-from .core.keys import KeyDeriver, LockKeys, keys_of
-from .core.renewer import HeldLock, Renewer
-from .errors import LockUnavailableError, SingletonKeyError
-from .events import configure_renewer, on_released
-from .handle import LockHandle, handle_of
-from .handover import RetryHandOver
-from .options import Options, read_options
-from .policies import DuplicatePolicies, waited
-from .publish import PublishDedup
-from .skips import Skipped
-from .tracing import FirstTry, Tracer, take_first_try, trace_run
+from ..core.connection import renewer_for, store_for
+from ..core.keys import KeyDeriver, LockKeys
+from ..core.renewer import HeldLock, Renewer
+from ..duplicates.policies import DuplicatePolicies, waited
+from ..duplicates.skips import Skipped
+from ..errors import LockUnavailableError, SingletonKeyError
+from ..publish.dedup import PublishDedup
+from ..run.callrepr import REPR_OPTIONS, preview_of, request_field
+from ..run.completion import drop_completed
+from ..run.events import configure_renewer
+from ..run.handle import LockHandle, handle_of
+from ..run.handover import RetryHandOver
+from ..run.log import logger
+from ..settings.options import Options, read_options
+from .endings import RunEndings
+from .tracer import FirstTry, Tracer, take_first_try, trace_run
 
 __all__ = ["LockHandle", "SingletonTask"]
 
 
-class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
+class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
     """A Celery task that never runs twice at once for the same logical arguments.
 
     Options (each falls back to the app setting ``singleton_<option>``, then to the
@@ -72,7 +69,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
     ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``,
     ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``;
     ``singleton_lock_at_least`` is read from the task only. The option spellings of
-    celery-singleton and celery-once are read too, with a DeprecationWarning (compat.py).
+    celery-singleton and celery-once are read too, with a DeprecationWarning (settings/legacy.py).
     """
 
     singleton_on_duplicate: ClassVar[str | None] = None
@@ -88,17 +85,17 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
     singleton_lock_at_least: ClassVar[float | None] = None
 
     #: Celery's worker-side request class for this task: tells the worker's main process which
-    #: generation a lost child held (worker.py). A custom one must subclass it.
-    Request = "celery_singleton_lock.worker:SingletonRequest"
-    #: Celery's default strategy, with the main-process skip in front of it (strategy.py).
-    Strategy = "celery_singleton_lock.strategy:singleton_strategy"
+    #: generation a lost child held (worker/hooks.py). A custom one must subclass it.
+    Request = "celery_singleton_lock.worker.hooks:SingletonRequest"
+    #: Celery's default strategy, with the main-process skip in front of it (worker/mainskip.py).
+    Strategy = "celery_singleton_lock.worker.mainskip:singleton_strategy"
 
     _singleton_opts: Options | None = None
     #: the key deriver of this task, and the options it was made from (singleton_keys)
     _singleton_keyed: tuple[Options, KeyDeriver] | None = None
 
     # The function a worker runs each message through (Celery's ``build_tracer``), wrapped so
-    # that the lock is taken before it and a skipped duplicate ends without it (tracing.py).
+    # that the lock is taken before it and a skipped duplicate ends without it (task/tracer.py).
     @property
     def __trace__(self) -> Tracer | None:
         tracer: Tracer | None = self.__dict__.get("_singleton_tracer")
@@ -204,7 +201,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
                 marker = skip.marker
             else:
                 return
-        finally:  # the queued marker is handed over to the lock (publish.py)
+        finally:  # the queued marker is handed over to the lock (publish/dedup.py)
             if opts.lock_on != "execute" and not request.is_eager:
                 self._singleton_forget_queued(task_id, keys, "start")
         # Raised here, not where the skip was decided: Celery snapshots and formats the
@@ -227,7 +224,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
         """Celery's eager apply; a skipped duplicate's result is its skip marker (SUCCESS).
 
         ``argsrepr``/``kwargsrepr``, which Celery's eager request drops, go on in its headers:
-        the lock shows the call as the caller has Celery show it (callrepr.py)."""
+        the lock shows the call as the caller has Celery show it (run/callrepr.py)."""
         shown = {name: kwargs.pop(name) for name in REPR_OPTIONS if kwargs.get(name)}
         if shown:
             kwargs["headers"] = {**(kwargs.get("headers") or {}), **shown}
@@ -249,7 +246,7 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
     ) -> dict[str, str]:
         """What the lock hash tells about its holder (``celery singleton show``); ``request``
         is the run's (a Context, or the dict a worker's tracer gets): its arguments are shown
-        as the caller has Celery show them (callrepr.py)."""
+        as the caller has Celery show them (run/callrepr.py)."""
         return {
             "task": self.name,
             "host": str(request_field(request, "hostname") or socket.gethostname()),
@@ -362,158 +359,6 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver):
             )
             return
         self._singleton_follow_up(keys, "a run that did not start")  # it ran nothing: no newer run
-
-    # -- hand-over and release ----------------------------------------------------------------
-
-    def _singleton_after_run(self, state: str, retval: Any = None) -> None:
-        """Stop renewing and release; after a hand-over (``retry()``, also with
-        ``throw=False`` and the body went on), leave the lock for the retried message.
-
-        A run that ends in ``RETRY`` without a hand-over hands over here when Celery published
-        its retry (``retval`` is the ``Retry``, with the retried signature: a ``retry()``
-        override that did not call this class's), and releases when nothing was published (a
-        ``Retry`` raised by hand, an eager run: its retry, if any, runs after this ending).
-
-        Outside eager runs the release leaves the run's critical path: written at once, its
-        reply read later (``Renewer.release_later``; "Deferred release" in docs/design.md);
-        one that records a completion and cannot be written ahead is made in the run.
-        """
-        request = self.request
-        handle = handle_of(request)
-        held, renewer = handle._held, handle._renewer
-        if held is None or renewer is None:
-            return
-        if handle._handed_over:
-            renewer.remove(held)
-            return
-        if (  # RETRY, and Celery published the retry (checked only then: every run ends here)
-            state == states.RETRY
-            and not request.is_eager
-            and isinstance(retval, Retry)
-            and retval.sig is not None
-        ):
-            self._singleton_hand_over(handle, retval.when)
-            return
-        self._singleton_release(handle, state, eager=request.is_eager, delayed=bool(request.eta))
-
-    def _singleton_release(
-        self, handle: LockHandle, state: str, *, eager: bool, delayed: bool = False
-    ) -> None:
-        """Release the lock of a run that ended in ``state`` (see ``_singleton_after_run``);
-        ``delayed``: its message carried an eta or countdown."""
-        held, renewer = handle._held, handle._renewer
-        assert held is not None
-        assert renewer is not None
-        handle._held = None
-        opts = self._singleton_opts or self.singleton_options()
-        held.ending = ending_for(
-            opts.completion_ttl_of(delayed),
-            opts.lock_at_least,
-            state,
-            opts.failure_is_final,
-        )
-        if opts.on_duplicate == "coalesce":  # released now: the follow-up goes out at once
-            on_released(held, renewer.release_now(held), state)
-            self._singleton_follow_up(keys_of(held.key, opts.permits), state, held.owner)
-            return
-        # A completion record must reach Redis before the message's acknowledgement, which
-        # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
-        # wait_replicas, a failed write) the release is made here, not left to the thread.
-        if not eager and renewer.release_later(
-            held, state, queue=not held.ending.completion_ttl_ms
-        ):
-            return
-        on_released(held, renewer.release_now(held), state)
-
-    def _singleton_follow_up(
-        self, keys: LockKeys, reason: str, releaser: str | None = None
-    ) -> None:
-        """Publish the pending follow-up of ``keys``, if it has one and a slot is free
-        (coalesce.py); only under the coalesce policy. ``releaser``: the task id of the run
-        whose release this is (a follow-up left beside older runs only is superseded by it)."""
-        if self.singleton_options().on_duplicate != "coalesce":
-            return
-        try:
-            publish_follow_up(
-                self,
-                store_for(self.singleton_options().redis_url).run_script,
-                keys,
-                reason,
-                releaser,
-            )
-        except LOGGED_ERRORS as exc:
-            logger.warning(
-                "singleton: could not take coalesced follow-up, it waits for the next release "
-                "or purge: %s key=%s: %s",
-                self.name,
-                keys.lock,
-                exc,
-                extra=about(self.name, ""),
-            )
-
-    def singleton_release_for(
-        self,
-        task_id: str,
-        args: Sequence[Any] | None,
-        kwargs: Mapping[str, Any] | None,
-        generation: int,
-        reason: str,
-    ) -> ReleaseStatus | None:
-        """Release the lock a lost run of this task held, from outside it (main process).
-
-        Only that run's generation, and never a lock it handed over to a retry
-        (``release_lost.lua``).
-        """
-        try:
-            keys = self.singleton_keys(args, kwargs)
-            opts = self.singleton_options()
-            key, status = release_lost_slot(
-                store_for(opts.redis_url),
-                keys,
-                task_id,
-                generation,
-                round(opts.lock_at_least * 1000),
-            )
-        except (SingletonKeyError, LockUnavailableError) as exc:
-            logger.warning(
-                "singleton: could not release after %s, lock expires in its ttl: %s[%s]: %s",
-                reason,
-                self.name,
-                task_id,
-                exc,
-                extra=about(self.name, task_id),
-            )
-            return None
-        if status is ReleaseStatus.RELEASED:
-            logger.warning(
-                "singleton: released by main process after %s: %s[%s] key=%s",
-                reason,
-                self.name,
-                task_id,
-                key,
-                extra=about(self.name, task_id),
-            )
-            signals.lock_released.send(sender=self, key=key, task_id=task_id, reason=reason)
-        elif status is not ReleaseStatus.NOT_HELD:
-            handed_over = status is ReleaseStatus.HANDED_OVER
-            logger.info(
-                "singleton: not released by main process after %s, %s: %s[%s] key=%s",
-                reason,
-                "handed over to its retry"
-                if handed_over
-                else "no slot of its own left, the others held"
-                if keys.permits > 1
-                else "held by another run",
-                self.name,
-                task_id,
-                key,
-                extra=about(self.name, task_id),
-            )
-        # Whatever became of its own lock or slot (released, expired, taken, handed over): a
-        # follow-up left meanwhile goes out if a slot is free (take_pending.lua checks), not at
-        # the next release (with permits, a lost run's expired slot is free beside held ones).
-        self._singleton_follow_up(keys, reason, task_id)
-        return status
 
 
 Hook = Callable[[Any, str, Sequence[Any], Mapping[str, Any]], None]

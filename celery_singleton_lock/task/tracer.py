@@ -3,7 +3,8 @@ skipped duplicate ends without it.
 
 A worker runs every message through ``task.__trace__``, the function Celery's
 ``build_tracer`` makes (assigned by the consumer for the solo and threads pools, and by each
-prefork child's initializer). :class:`~celery_singleton_lock.task.SingletonTask` makes that
+prefork child's initializer). :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`
+makes that
 attribute a property which wraps Celery's function in :func:`trace_run`:
 
 1. The keys are derived and the lock acquired (one round trip), as the message's task id,
@@ -14,7 +15,7 @@ attribute a property which wraps Celery's function in :func:`trace_run`:
    retval). What is returned is what Celery's tracer returns for a task that succeeded, so the
    worker's main process acknowledges the message and reports a finished task (the
    ``task-succeeded`` event) as for any other.
-3. A copy of a message that already ran to its end (its completion record: completion.py)
+3. A copy of a message that already ran to its end (its completion record: run/completion.py)
    ends here too, as Celery's tracer ends an ``Ignore``: one ``singleton: already completed``
    line, ``redelivery_dropped``, the message acknowledged, and nothing stored, not even the
    ``STARTED`` a task with ``track_started`` reports before ``before_start``: the first run's
@@ -27,7 +28,7 @@ attribute a property which wraps Celery's function in :func:`trace_run`:
 
 Why: Celery answers an ``Ignore`` by snapshotting and formatting its tracer's frames twice,
 which cost several times a no-op task's run (docs/performance.md). Eager runs (``apply()``)
-use Celery's tracer directly; their skip still ends in an ``Ignore`` (skips.py).
+use Celery's tracer directly; their skip still ends in an ``Ignore`` (duplicates/skips.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from billiard.einfo import ExceptionInfo
 from celery import signals as celery_signals
@@ -48,20 +49,64 @@ from celery.app.trace import TraceInfo, trace_ok_t
 from celery.exceptions import Ignore
 from celery.utils.saferepr import saferepr
 
-from ._tasklog import about, logger
-from .coalesce import is_follow_up
-from .completion import dropped, report_drop
-from .core.backend import Acquired, Completed, Contended
-from .core.keys import LockKeys
-from .core.renewer import Renewer
-from .errors import LockUnavailableError, SingletonKeyError
+from ..core.backend import Acquired, Completed, Contended
+from ..core.keys import LockKeys
+from ..core.renewer import Renewer
+from ..duplicates.coalesce import is_follow_up
+from ..errors import LockUnavailableError, SingletonKeyError
+from ..run.completion import dropped, report_drop
+from ..run.log import about, logger
+from ..settings.options import Options
 
-if TYPE_CHECKING:
-    from .task import SingletonTask
-
-__all__ = ["FirstTry", "end_skip", "follows_threading_local", "take_first_try", "trace_run"]
+__all__ = [
+    "FirstTry",
+    "TracedTask",
+    "end_skip",
+    "follows_threading_local",
+    "take_first_try",
+    "trace_run",
+]
 
 Tracer = Callable[[str, Sequence[Any], Mapping[str, Any], dict[str, Any]], Any]
+
+
+class TracedTask(Protocol):
+    """What the tracer hook asks of a task: TracedTask (task/singleton_task.py), named by what it
+    does so
+    that the tracer need not import the class it is part of."""
+
+    name: str
+    request_stack: Any
+    _singleton_opts: Options | None
+
+    def singleton_options(self) -> Options: ...
+    def singleton_keys(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> LockKeys: ...
+    def _singleton_renewer(self, opts: Options) -> Renewer: ...
+    def _singleton_meta(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], request: Any
+    ) -> dict[str, str]: ...
+    def _singleton_skips(
+        self, outcome: Acquired | Contended | LockUnavailableError, task_id: str, parent: Any
+    ) -> bool: ...
+    def _singleton_coalesce(  # noqa: PLR0917 - as DuplicatePolicies' own
+        self,
+        keys: LockKeys,
+        holder: str,
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        request: Any,
+    ) -> float | None: ...
+    def _singleton_store_skip(
+        self, keys: LockKeys, holder: str, task_id: str, request: Any
+    ) -> dict[str, Any]: ...
+    def _singleton_forget_queued(self, task_id: str, keys: LockKeys, reason: str) -> None: ...
+    def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None: ...
+    def _singleton_abandon(
+        self, keys: LockKeys, task_id: str, generation: int, slot: int = 1
+    ) -> None: ...
 
 
 @dataclass
@@ -86,7 +131,7 @@ _pending = _Pending()
 def follows_threading_local() -> bool:
     """Whether the per-run state above is local to what ``threading.local`` is now: False once
     gevent or eventlet patched ``threading`` after this module was imported (the state is then
-    one per OS thread, shared by all its green threads; pools.py refuses that)."""
+    one per OS thread, shared by all its green threads; worker/pools.py refuses that)."""
     return issubclass(_Pending, threading.local)
 
 
@@ -100,7 +145,7 @@ def take_first_try(task_id: str) -> FirstTry | None:
 
 
 def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound first
-    task: SingletonTask,
+    task: TracedTask,
     celery_trace: Tracer,
     uuid: str,
     args: Sequence[Any],
@@ -119,7 +164,9 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
         and (
             task.singleton_options().on_duplicate != "coalesce"
-            or is_follow_up(request)  # never coalesced again: ends as a skip (coalesce.py)
+            or is_follow_up(
+                request
+            )  # never coalesced again: ends as a skip (duplicates/coalesce.py)
             or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
             is None
         )
@@ -144,7 +191,7 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
 
 
 def _first_try(
-    task: SingletonTask,
+    task: TracedTask,
     uuid: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
@@ -168,7 +215,7 @@ def _first_try(
 
 @contextmanager
 def _as_run(
-    task: SingletonTask, request: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    task: TracedTask, request: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Iterator[Context]:
     """The task and its request current, as Celery's tracer makes them for a run."""
     context = Context(request, args=args, called_directly=False, kwargs=kwargs)
@@ -182,7 +229,7 @@ def _as_run(
 
 
 def _skip(
-    task: SingletonTask,
+    task: TracedTask,
     first: FirstTry,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
@@ -197,7 +244,7 @@ def _skip(
 
 
 def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
-    task: SingletonTask,
+    task: TracedTask,
     keys: LockKeys,
     holder: str,
     uuid: str,
@@ -211,7 +258,7 @@ def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
     (storing failed), nothing was sent yet.
 
     ``request`` is the message's request dict, as Celery's tracer gets it. In front of
-    Celery's tracer (:func:`trace_run`), and in the worker's main process (strategy.py)."""
+    Celery's tracer (:func:`trace_run`), and in the worker's main process (worker/mainskip.py)."""
     started = time.monotonic()
     with _as_run(task, request, args, kwargs) as context:
         # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
@@ -237,7 +284,7 @@ def end_skip(  # noqa: PLR0917 - the duplicate, what it met, and its message
 
 
 def _drop(
-    task: SingletonTask,
+    task: TracedTask,
     first: FirstTry,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],

@@ -1,15 +1,15 @@
 """Scopes (``singleton_scope``): the check that tasks sharing one lock can share it, made at
-worker start (worker.py)."""
+worker start (worker/hooks.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from .errors import SingletonConfigError
+from ..errors import SingletonConfigError
 
 if TYPE_CHECKING:
-    from .task import SingletonTask
+    from ..task.singleton_task import SingletonTask
 
 __all__ = ["check_scopes"]
 

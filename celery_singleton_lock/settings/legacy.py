@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import SingletonConfigError
+from ..errors import SingletonConfigError
 
 __all__ = ["LEGACY_OPTIONS", "legacy_options"]
 

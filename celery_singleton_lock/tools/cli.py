@@ -20,9 +20,9 @@ from typing import Any, NoReturn
 
 import click
 
-from . import signals
-from .core._pid import current_pid
-from .core.admin import (
+from .. import signals
+from ..core._pid import current_pid
+from ..core.admin import (
     ForceStatus,
     LockInfo,
     Orphan,
@@ -34,12 +34,12 @@ from .core.admin import (
     stale_reason,
     stats,
 )
-from .core.backend import REDIS_ERRORS, Client
-from .core.connection import client_for, store_for
-from .core.keys import LockKeys, keys_of
-from .core.urls import redact_url, repr_without_password
-from .errors import SingletonConfigError
-from .options import read_options
+from ..core.backend import REDIS_ERRORS, Client
+from ..core.connection import client_for, store_for
+from ..core.keys import LockKeys, keys_of
+from ..core.urls import redact_url, repr_without_password
+from ..errors import SingletonConfigError
+from ..settings.options import read_options
 
 __all__ = ["singleton"]
 
@@ -272,7 +272,8 @@ def _publish_pending(  # noqa: PLR0917 - the lock, its follow-up, and who let it
     releaser: str | None = None,
 ) -> bool:
     """Publish the coalesced follow-up waiting beside a lock a release or purge freed
-    (coalesce.py): ``releaser`` is the owner of the lock released (None: an orphan's, whose
+    (duplicates/coalesce.py): ``releaser`` is the owner of the lock released (None: an orphan's,
+    whose
     lock is gone); a follow-up it supersedes is not published. Without the task in this app,
     say where it stays. True when published."""
     task = None if target.app is None else target.app.tasks.get(task_name or "")
@@ -283,7 +284,7 @@ def _publish_pending(  # noqa: PLR0917 - the lock, its follow-up, and who let it
             err=True,
         )
         return False
-    from .coalesce import publish_follow_up  # the Celery side, only when there is one
+    from ..duplicates.coalesce import publish_follow_up  # the Celery side, only when there is one
 
     run = store_for(target.redis_url).run_script
     try:

@@ -13,7 +13,7 @@
   line only), and a program that imports its tasks before it patches leaves the library's
   state shared by every green thread: a run could release the lock another one just took, or
   block every green thread on a real lock. :func:`check_pool` refuses both at start-up
-  (worker.py), with a ``SingletonConfigError`` naming ``worker_pool``.
+  (worker/hooks.py), with a ``SingletonConfigError`` naming ``worker_pool``.
 
 See docs/deployments.md, "Worker pools".
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 from celery.concurrency import ALIASES
 
-from .errors import SingletonConfigError
-from .tracing import follows_threading_local
+from ..errors import SingletonConfigError
+from ..task.tracer import follows_threading_local
 
 __all__ = ["GREEN_POOLS", "check_pool", "pool_module", "worker_pool_of"]
 

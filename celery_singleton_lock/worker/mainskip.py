@@ -5,12 +5,12 @@ before any Request, pool hand-off or Celery tracer.
 test. A message of a task with no hot key (core/hotkeys.py) goes to Celery's handler at once:
 an empty-dict test is all a run pays. A key becomes hot when a skip decided in the executing
 process comes back to the main process (:func:`learning` wraps the ``on_success`` of the
-task's Request class, worker.py); while a key of the task is hot, each of its messages is
+task's Request class, worker/hooks.py); while a key of the task is hot, each of its messages is
 decoded (Celery decodes it in the main process anyway), its keys are derived, and when its
 own key is hot Redis is asked in one read-only round trip (core/probe.py) what an acquire
 would find. A skip (held by another run than this message's earlier delivery and than the
 run that published it, or an at-least window, or every permit slot held) ends here, with
-what the executing process does for one (tracing.py :func:`~.tracing.end_skip`: the marker
+what the executing process does for one (task/tracer.py :func:`~.tracing.end_skip`: the marker
 stored, ``task_prerun``, the one ``singleton: duplicate skipped`` line, ``duplicate_skipped``,
 ``task_postrun``), the events Flower reads (task-received, task-started, task-succeeded) and
 the message acknowledged; the probe refreshes the key. Anything else (the lock free, this
@@ -38,17 +38,17 @@ from celery.utils.saferepr import saferepr
 from celery.worker.request import logger as request_logger
 from celery.worker.strategy import default
 
-from ._tasklog import about, logger
-from .beat.claims import CLAIM_HEADER
-from .core.connection import prober_for
-from .core.hotkeys import HotKeys
-from .core.probe import probe
-from .errors import LockUnavailableError
-from .skips import SKIP_MARKER
-from .tracing import end_skip
+from ..beat.claims import CLAIM_HEADER
+from ..core.connection import prober_for
+from ..core.hotkeys import HotKeys
+from ..core.probe import probe
+from ..duplicates.skips import SKIP_MARKER
+from ..errors import LockUnavailableError
+from ..run.log import about, logger
+from ..task.tracer import end_skip
 
 if TYPE_CHECKING:
-    from .task import SingletonTask
+    from ..task.singleton_task import SingletonTask
 
 __all__ = ["MAIN_PROCESS_POOLS", "hot_keys_of", "learning", "singleton_strategy"]
 

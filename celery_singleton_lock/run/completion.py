@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore
 
-from . import signals
-from ._tasklog import logger
-from .core.backend import Completed
-from .core.completion import NO_ENDING, Ending
+from .. import signals
+from ..core.backend import Completed
+from ..core.completion import NO_ENDING, Ending
+from .log import logger
 
 __all__ = ["FINAL_STATES", "drop_completed", "dropped", "ending_for", "report_drop"]
 
@@ -85,7 +85,7 @@ def drop_completed(task: Any, key: str, outcome: Completed, task_id: str) -> NoR
     """Drop this delivery inside Celery's tracer (an eager run, or an acquire made in
     ``before_start``): its message (same task id, generation ``outcome.holder_generation`` or
     later) already ran to its end. Logged, signalled, acknowledged; the result the first run
-    stored is left as it is. A worker drops most copies before Celery's tracer (tracing.py),
+    stored is left as it is. A worker drops most copies before Celery's tracer (task/tracer.py),
     where not even ``STARTED`` is written."""
     report_drop(task, key, outcome, task_id, task.request.retries)
     raise dropped(task_id)

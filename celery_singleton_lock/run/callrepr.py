@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .core.arguments import args_preview
+from ..core.arguments import args_preview
 
 __all__ = ["REPR_OPTIONS", "preview_of", "repr_options", "reprs_of", "request_field"]
 

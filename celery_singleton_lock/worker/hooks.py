@@ -29,7 +29,7 @@ whole node killed                             nobody: the lock expires after its
 Scheduled runs: ``task_received`` hands every message to beat's witness (beat/witness.py),
 which drops a scheduled run's second message.
 Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
-of a message revoked or expired before it ran (publish.py).
+of a message revoked or expired before it ran (publish/dedup.py).
 
 The main process releases with the task id as owner and the run's retries count as
 generation (``release_lost.lua``), so it never deletes a lock another run holds, nor one
@@ -54,18 +54,18 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
-from ._tasklog import about
-from ._tasklog import logger as task_logger
-from .beat.witness import witness_scheduled_run
-from .core.arguments import check_key_args
-from .core.connection import flush_releases
-from .errors import SingletonConfigError
-from .options import describe, read_options
+from ..beat.witness import witness_scheduled_run
+from ..core.arguments import check_key_args
+from ..core.connection import flush_releases
+from ..errors import SingletonConfigError
+from ..run.log import about
+from ..run.log import logger as task_logger
+from ..settings.options import describe, read_options
+from ..task.singleton_task import SingletonTask
+from .mainskip import learning
 from .pools import check_pool, worker_pool_of
 from .reaper import ChildReaper
 from .scopes import check_scopes
-from .strategy import learning
-from .task import SingletonTask
 
 __all__ = ["SingletonRequest"]
 
@@ -107,21 +107,21 @@ class SingletonRequest(Request):  # type: ignore[misc]
     Celery's own, except that while it reports a failure the request is known to the
     ``task_failure`` handler below, which so learns the generation (retries count) of a
     lost child's run; and that a duplicate the pool skipped makes its key hot, so the main
-    process turns the next ones away itself (strategy.py). A task with its own Request class
+    process turns the next ones away itself (worker/mainskip.py). A task with its own Request class
     must subclass this one; otherwise the main process cannot tell which generation a lost
     child held and leaves its lock to the ttl, and every duplicate goes to the pool.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Celery makes a subclass per task (``create_request_cls``) whose ``on_success``
-        does not call this one's: each subclass's own learns skips too (strategy.py)."""
+        does not call this one's: each subclass's own learns skips too (worker/mainskip.py)."""
         super().__init_subclass__(**kwargs)
         if "on_success" in cls.__dict__:
             cls.on_success = learning(cls.__dict__["on_success"])  # type: ignore[method-assign]
 
     @learning
     def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
-        """Celery's on_success; a skipped duplicate's key becomes hot first (strategy.py)."""
+        """Celery's on_success; a skipped duplicate's key becomes hot first (worker/mainskip.py)."""
         return super().on_success(failed__retval__runtime, **kwargs)
 
     def on_failure(self, *args: Any, **kwargs: Any) -> Any:
@@ -237,7 +237,7 @@ def _release_after_terminate(
 
 
 def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """A revoked or expired message will not run: drop its queued marker (publish.py)."""
+    """A revoked or expired message will not run: drop its queued marker (publish/dedup.py)."""
     if not (isinstance(sender, SingletonTask) and request is not None and request.id):
         return
     if sender.singleton_options().lock_on != "execute":
@@ -245,7 +245,8 @@ def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 def _flush_releases(**_: Any) -> None:
-    """Send the releases still queued in this process before it exits (see task.py)."""
+    """Send the releases still queued in this process before it exits (see
+    task/singleton_task.py)."""
     flush_releases()
 
 
@@ -253,9 +254,9 @@ def _check_and_announce(
     instance: Any = None, options: Mapping[str, Any] | None = None, **_: Any
 ) -> None:
     """Fail start-up on a bad setting, or a green pool the library cannot run under
-    (pools.py); add the lock settings to the worker banner.
+    (worker/pools.py); add the lock settings to the worker banner.
 
-    Also adds the ChildReaper bootstep (reaper.py: a killed prefork child is noticed, and
+    Also adds the ChildReaper bootstep (worker/reaper.py: a killed prefork child is noticed, and
     its lock released, at once); ``celeryd_init`` comes before the worker builds its steps.
     """
     app = getattr(instance, "app", None)

@@ -2,22 +2,22 @@
 renewal failed. Fixed log lines (docs/configuration.md, "Log lines") and the library's signals;
 :func:`configure_renewer` hands these callbacks to a process's renewer once.
 
-A line about one run goes through the task logger (_tasklog.py) with that run's name and id as
+A line about one run goes through the task logger (run/log.py) with that run's name and id as
 ``extra``: the renewer reports from its own thread, where no run is current, and a release made
 in the run's thread names the same run. A renewal that failed for a batch names no run and is
-logged as ``celery_singleton_lock.events``.
+logged as ``celery_singleton_lock.run.events``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import signals
-from ._tasklog import about
-from ._tasklog import logger as task_logger
-from .core.backend import ReleaseStatus, RenewStatus
-from .core.renewer import HeldLock, Renewer
-from .errors import LockUnavailableError
+from .. import signals
+from ..core.backend import ReleaseStatus, RenewStatus
+from ..core.renewer import HeldLock, Renewer
+from ..errors import LockUnavailableError
+from .log import about
+from .log import logger as task_logger
 
 __all__ = ["configure_renewer", "on_released"]
 

@@ -10,7 +10,7 @@ The marker never outlives its message for long:
 - the run hands it over to the lock: ``before_start`` deletes it once the acquire is done
   (taken or not), so a call made meanwhile finds the lock;
 - a revoked or expired message deletes it when a worker discards the message
-  (``task_revoked``, worker.py);
+  (``task_revoked``, worker/hooks.py);
 - a publish that fails deletes it at once;
 - a duplicate that finds a marker whose task has a ready result (SUCCESS, FAILURE, REVOKED)
   takes it over. Asking the result backend is a second round trip; its answer "not finished"
@@ -19,7 +19,8 @@ The marker never outlives its message for long:
 - otherwise (a purged queue, a message lost by the broker) it expires after
   ``singleton_publish_ttl`` seconds, counted from the message's countdown or eta.
 
-The task (task.py) decides when to mark, publish and forget; this module does it over plain
+The task (task/singleton_task.py) decides when to mark, publish and forget; this module does it
+over plain
 values (the keys, the store's script call, the ttl) and never imports the task.
 
 Every delete is compare-and-delete on the task id. The lock on the worker still guards every
@@ -54,16 +55,16 @@ from kombu import serialization
 from kombu.exceptions import DecodeError
 from kombu.utils.uuid import uuid
 
-from . import signals
-from ._tasklog import LOGGED_ERRORS, about
-from ._tasklog import logger as task_logger
-from .core import _wire
-from .core._wire import Script, as_text
-from .core.backend import REDIS_ERRORS
-from .core.connection import store_for
-from .core.keys import LockKeys, queued_key
-from .errors import DuplicateTaskError, SingletonKeyError
-from .options import Options
+from .. import signals
+from ..core import _wire
+from ..core._wire import Script, as_text
+from ..core.backend import REDIS_ERRORS
+from ..core.connection import store_for
+from ..core.keys import LockKeys, queued_key
+from ..errors import DuplicateTaskError, SingletonKeyError
+from ..run.log import LOGGED_ERRORS, about
+from ..run.log import logger as task_logger
+from ..settings.options import Options
 
 __all__ = [
     "UNFINISHED",
@@ -283,7 +284,8 @@ def not_published(  # noqa: PLR0917 - who, what, and what was found
 
 class PublishDedup(Task):  # type: ignore[misc]
     """The task's side of publish-time dedup, a base of
-    :class:`~celery_singleton_lock.task.SingletonTask`: when to mark, publish and forget."""
+    :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`: when to mark, publish and
+    forget."""
 
     if TYPE_CHECKING:  # given by SingletonTask
 
@@ -301,7 +303,7 @@ class PublishDedup(Task):  # type: ignore[misc]
         options: dict[str, Any],
         send: Callable[..., Any],
     ) -> Any:
-        """Publish unless the lock is held or the same call is queued (publish.py); return the
+        """Publish unless the lock is held or the same call is queued (publish/dedup.py); return the
         AsyncResult. ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async."""
         if (
             self.app.conf.task_always_eager

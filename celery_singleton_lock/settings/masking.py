@@ -30,7 +30,7 @@ from typing import Any
 
 from celery.app import utils as celery_app_utils
 
-from .core.urls import redact_url
+from ..core.urls import redact_url
 
 __all__ = ["install"]
 

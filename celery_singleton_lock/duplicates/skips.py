@@ -2,9 +2,10 @@
 
 A duplicate skipped under ``singleton_on_duplicate="skip"`` ends as a ``SUCCESS`` whose result
 is the marker below, naming the lock key and the run holding it (under ``"coalesce"`` also the
-follow-up run its call was coalesced into, coalesce.py); :func:`skip_info` decodes it
+follow-up run its call was coalesced into, duplicates/coalesce.py); :func:`skip_info` decodes it
 from a result or an AsyncResult. The body, ``on_success`` and ``task_success`` do not run; on a
-worker, what follows it in a canvas does not run either and holds the same marker (canvas.py).
+worker, what follows it in a canvas does not run either and holds the same marker
+(duplicates/canvas.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class SkipInfo:
     """Why a duplicate was skipped: its lock key and the task id holding it.
 
     ``task_id`` is the skipped duplicate's. A canvas step that did not run because of it (the
-    rest of a chain, a chord's body: canvas.py) holds the same marker, so there ``task_id``
+    rest of a chain, a chord's body: duplicates/canvas.py) holds the same marker, so there
+    ``task_id``
     names the step that was skipped, not the step itself.
     """
 
@@ -66,7 +68,7 @@ def skip_info(value: Any) -> SkipInfo | None:
 class Skipped(Ignore):  # type: ignore[misc]
     """How a skip ends where Celery's tracer runs it: an eager ``apply()`` (which returns the
     marker as a ``SUCCESS``), or a direct ``__call__``. A worker's run ends without it
-    (tracing.py)."""
+    (task/tracer.py)."""
 
     def __init__(self, marker: Mapping[str, Any]) -> None:
         super().__init__(dict(marker))  # args = (marker,): pickles from a pool child

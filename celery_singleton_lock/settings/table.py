@@ -19,15 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .core.keys import MAX_PERMITS, check_prefix
-from .core.urls import (
+from ..core.keys import MAX_PERMITS, check_prefix
+from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
     URL_KINDS,
     parse_lock_url,
     redact_url,
     url_scheme,
 )
-from .errors import SingletonConfigError
+from ..errors import SingletonConfigError
 
 __all__ = [
     "COMPLETION_MARGIN_S",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core.renewer import HeldLock, Renewer
+from ..core.renewer import HeldLock, Renewer
 
 __all__ = ["NOT_HELD", "LockHandle", "handle_of"]
 

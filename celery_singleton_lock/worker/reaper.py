@@ -1,7 +1,7 @@
 """Notice a killed prefork pool child at once, so that its lock is released at once.
 
 The worker's main process releases the lock of a lost pool child when Celery reports the
-child lost (``task_failure(WorkerLostError)``, worker.py). Celery's AsynPool learns that a
+child lost (``task_failure(WorkerLostError)``, worker/hooks.py). Celery's AsynPool learns that a
 child exited when the child's sentinel pipe becomes readable: it stops watching the sentinel
 and runs billiard's ``maintain_pool()``, which reaps exited children (``waitpid`` with
 ``WNOHANG``) and reports their jobs lost. The pipe closes while the kernel tears the dying
@@ -10,7 +10,7 @@ moment it finds the child still there, and nothing looks again until the pool's 
 maintenance, every 5 s (``AsynPool.timers``): the lock is released that much later
 (docs/performance.md, section 6, has the measured distribution).
 
-:class:`ChildReaper`, a worker bootstep added by worker.py at ``celeryd_init``, closes that
+:class:`ChildReaper`, a worker bootstep added by worker/hooks.py at ``celeryd_init``, closes that
 gap for the prefork pool: every :data:`REAP_INTERVAL_S` it looks for a child whose sentinel
 the pool no longer watches although the child was not reaped, and once such a child can be
 reaped it runs ``maintain_pool()``, which reaps it and reports its job lost. The look reads
