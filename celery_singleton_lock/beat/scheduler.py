@@ -7,7 +7,9 @@ The first claim wins; the others log and move on. Interval schedules are aligned
 Unix epoch, so every instance computes the same slots whatever its start time.
 
 Leader mode: one instance holds a renewed lease and publishes; the others poll for the
-lease. Runs are still claimed, so a failover never publishes a run twice.
+lease (leader.py). Runs are still claimed, so a failover never publishes a run twice.
+
+A run's name, claim key and how long its claim is kept come from runs.py.
 
 :class:`SingletonSchedulerMixin` goes in front of any scheduler class;
 :class:`SingletonScheduler` is the mixin on Celery's PersistentScheduler.
@@ -21,21 +23,21 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, SupportsIndex
 
 from celery.beat import PersistentScheduler, ScheduleEntry
-from celery.schedules import crontab, schedstate, schedule, solar
+from celery.schedules import schedstate
 
 from ..core._pid import current_pid
-from ..core.backend import REDIS_ERRORS, Acquired, Contended, LockBackend, RenewItem, RenewStatus
-from ..core.keys import leader_keys, run_claim_key
+from ..core.backend import REDIS_ERRORS
 from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
 from ..settings.options import BeatOptions, read_beat_options
-from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
-from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
+from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, claims_and_store
+from .leader import ERROR_RETRY_S, BeatState
+from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
+from .schedules import interval_slot, nominal_run, recent_runs, slot_start
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
@@ -44,30 +46,8 @@ logger = logging.getLogger(__name__)
 #: How long a claim may stay unconfirmed while its instance publishes the run. An
 #: instance that dies in that window delays the run by at most this much.
 PUBLISH_LEASE_S = 10.0
-#: How soon to try again a run that could not be claimed because Redis failed.
-ERROR_RETRY_S = 1.0
-#: Leader mode: after renewals Redis did not answer, the leader goes on leading until this
-#: part of the lease has passed since it last confirmed the lease (before the lease can end).
-LEASE_TRUSTED = 0.9
 #: At start-up, how many recent runs of each entry are checked for a claim left pending.
 RECENT_RUNS_MAX = 32
-#: The period a schedule that runs once (a clocked time) counts as, to keep its run's claim:
-#: an instance that learns late that the run happened must still find it claimed.
-ONCE_PERIOD_S = 7 * 86400.0
-
-
-def _is_interval(sched: object) -> bool:
-    return isinstance(sched, schedule) and not isinstance(sched, crontab | solar)
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One scheduled run: its entry, nominal run id, claim key and how long to keep it."""
-
-    entry_name: str
-    run: str
-    key: str
-    keep_ms: int
 
 
 class SingletonSchedulerMixin:
@@ -82,12 +62,12 @@ class SingletonSchedulerMixin:
     singleton_monotonic: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._singleton: _BeatState | None = None
+        self._singleton: BeatState | None = None
         #: per interval entry: its interval and the last slot this instance saw begin
         self._aligned_last: dict[str, tuple[float, int]] = {}
         self._due_slot: dict[str, int] = {}
         #: runs to claim again at a monotonic time: their claimer may have died, or Redis failed
-        self._rechecks: dict[_Run, float] = {}
+        self._rechecks: dict[Run, float] = {}
         #: entries whose recent runs this instance checked for claims left pending
         self._watched: set[str] = set()
         super().__init__(*args, **kwargs)
@@ -98,13 +78,13 @@ class SingletonSchedulerMixin:
     def singleton_options(self) -> BeatOptions:
         return read_beat_options(self.app.conf)
 
-    def _singleton_state(self) -> _BeatState:
+    def _singleton_state(self) -> BeatState:
         state = self._singleton
         if state is None or state.pid != current_pid():
             opts = self.singleton_options
             claimer = f"{socket.gethostname()}:{current_pid()}:{uuid.uuid4().hex[:8]}"
             claims, store = claims_and_store(opts.redis_url, claimer)
-            state = self._singleton = _BeatState(
+            state = self._singleton = BeatState(
                 opts=opts, pid=current_pid(), claimer=claimer, claims=claims, store=store
             )
             logger.info(
@@ -147,7 +127,7 @@ class SingletonSchedulerMixin:
         for that call only, by one that answers on the epoch grid.
         """
         sched = entry.schedule
-        if not _is_interval(sched):
+        if not is_interval(sched):
             state: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
             return state
         entry.schedule = _AlignedInterval(self, entry, sched)
@@ -175,7 +155,7 @@ class SingletonSchedulerMixin:
         else:
             last = seen[1]
         not_before = self.singleton_not_before(entry)
-        if not_before is not None and slot_start(interval, slot) < _aware(not_before):
+        if not_before is not None and slot_start(interval, slot) < aware(not_before):
             last = max(last, slot)  # this slot began before the entry's start: not its run
         due = slot > last
         self._aligned_last[entry.name] = (interval, slot if due else last)
@@ -218,19 +198,22 @@ class SingletonSchedulerMixin:
         """Give up the leader lease (if held) so a standby takes over at once."""
         state = self._singleton
         if state is not None and state.leading and state.pid == current_pid():
-            keys = leader_keys(state.opts.key_prefix, self._group())
-            try:
-                state.store.release(keys.lock, state.claimer, 0)
-                logger.info("beat: leadership released: instance=%s", state.claimer)
-            except LockUnavailableError as exc:
-                logger.warning("beat: could not release leadership: %s", exc)
-            state.leading = False
+            state.give_up(self._group())
         super().close()  # type: ignore[misc]
+
+    # -- leader mode (leader.py) -------------------------------------------------------------
+
+    def _group(self) -> str:
+        return str(self.app.main or "celery")
+
+    def _singleton_lead(self, state: BeatState) -> bool:
+        """True if this instance holds the leader lease (taken or renewed as it falls due)."""
+        return state.lead(self._group(), self.singleton_monotonic())
 
     # -- claims ------------------------------------------------------------------------------
 
     def _claim_and_publish(
-        self, state: _BeatState, entry: ScheduleEntry, run: _Run, producer: Any, **kwargs: Any
+        self, state: BeatState, entry: ScheduleEntry, run: Run, producer: Any, **kwargs: Any
     ) -> Any:
         key = run.key
         claimed_at = self.singleton_monotonic()
@@ -296,10 +279,10 @@ class SingletonSchedulerMixin:
         logger.info("beat: published run: entry=%s run=%s task_id=%s", entry.name, run.run, task_id)
         return result
 
-    def _recheck_later(self, run: _Run, delay: float) -> None:
+    def _recheck_later(self, run: Run, delay: float) -> None:
         self._rechecks[run] = self.singleton_monotonic() + delay
 
-    def _run_rechecks(self, state: _BeatState) -> None:
+    def _run_rechecks(self, state: BeatState) -> None:
         now = self.singleton_monotonic()
         for run, due in list(self._rechecks.items()):
             if due > now:
@@ -309,7 +292,7 @@ class SingletonSchedulerMixin:
             if entry is not None:
                 self._claim_and_publish(state, entry, run, self.producer)  # type: ignore[attr-defined]
 
-    def _watch_recent_runs(self, state: _BeatState) -> None:
+    def _watch_recent_runs(self, state: BeatState) -> None:
         """Look once at the recent runs of entries new to this instance for pending claims.
 
         An instance fires only the runs that come due while it runs: one started after a
@@ -322,13 +305,13 @@ class SingletonSchedulerMixin:
             return
         now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
         since = now - timedelta(seconds=PUBLISH_LEASE_S + 2 * state.opts.skew + 1)
-        runs: list[_Run] = []
+        runs: list[Run] = []
         for name, entry in list(self.schedule.items()):
             if name in self._watched:
                 continue
             self._watched.add(name)
             for nominal in recent_runs(entry.schedule, now, since, RECENT_RUNS_MAX):
-                runs.append(self._run_at(entry, state.opts, nominal))
+                runs.append(run_at(entry.name, entry.schedule, state.opts, nominal))
         try:
             claims = state.claims.peek([run.key for run in runs])
         except LockUnavailableError as exc:
@@ -354,132 +337,24 @@ class SingletonSchedulerMixin:
         """
         return None
 
-    def _run(self, entry: ScheduleEntry, opts: BeatOptions) -> _Run:
+    def _run(self, entry: ScheduleEntry, opts: BeatOptions) -> Run:
         """``entry``'s due run: its nominal run id and claim key."""
         once = self.singleton_once(entry)
         if once is not None:
             self._due_slot.pop(entry.name, None)
-            run = f"once-{run_id(_aware(once))}"
-            keep = max(opts.lock_at_least, 2 * ONCE_PERIOD_S + 2 * opts.skew + 60)
-            key = run_claim_key(opts.key_prefix, entry.name, run)
-            return _Run(entry.name, run, key, round(keep * 1000))
+            return once_run(entry.name, once, opts)
         sched = entry.schedule
-        if _is_interval(sched):
+        if is_interval(sched):
             interval = sched.run_every.total_seconds()
             slot = self._due_slot.pop(entry.name, None)
             if slot is None:
                 slot = interval_slot(interval, self.singleton_clock())
-            return self._run_at(entry, opts, slot_start(interval, slot))
+            return run_at(entry.name, sched, opts, slot_start(interval, slot))
         now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
         nominal = nominal_run(sched, now)
         if nominal is None:  # a schedule type we cannot place: buckets of the skew bound
-            bucket = max(2 * opts.skew, 1.0)
-            keep = max(opts.lock_at_least, 2 * opts.skew + 60)
-            run = f"b{int(now.timestamp() // bucket)}"
-            key = run_claim_key(opts.key_prefix, entry.name, run)
-            return _Run(entry.name, run, key, round(keep * 1000))
-        return self._run_at(entry, opts, nominal)
-
-    def _run_at(self, entry: ScheduleEntry, opts: BeatOptions, nominal: datetime) -> _Run:
-        """``entry``'s run at ``nominal``: its run id, claim key and how long to keep it."""
-        sched = entry.schedule
-        if _is_interval(sched):
-            period = sched.run_every.total_seconds()
-        elif isinstance(sched, solar):  # the nearest event to a second earlier is this one
-            period = 86400.0
-        else:  # a schedule that runs once (a clocked one) has no previous run
-            previous = nominal_run(sched, nominal - timedelta(seconds=1))
-            if previous is None or previous >= nominal:
-                period = ONCE_PERIOD_S
-            else:
-                period = (nominal - previous).total_seconds()
-        keep = max(opts.lock_at_least, 2 * period + 2 * opts.skew + 60)
-        run = run_id(nominal)
-        key = run_claim_key(opts.key_prefix, entry.name, run)
-        return _Run(entry.name, run, key, round(keep * 1000))
-
-    # -- leader mode -------------------------------------------------------------------------
-
-    def _group(self) -> str:
-        return str(self.app.main or "celery")
-
-    def _singleton_lead(self, state: _BeatState) -> bool:
-        """True if this instance holds the leader lease; renews it a third of its ttl after
-        it was last confirmed.
-
-        A renewal Redis does not answer does not depose the leader while its lease surely lives
-        (:data:`LEASE_TRUSTED`): nobody else can take it before it ends, and its runs are still
-        claimed, so those Redis refuses are retried as usual; the renewal is tried again
-        :data:`ERROR_RETRY_S` later. After any Redis error the lease may be this instance's (a
-        renewal that got no answer, an acquire that ran but whose reply was lost): the next
-        attempt renews it first, and a lease the acquire finds held by this instance is renewed
-        too. Renewals are owner-checked: a lease another instance holds is never taken.
-        """
-        now = self.singleton_monotonic()
-        if state.leading and now < state.renew_at:
-            return True
-        keys = leader_keys(state.opts.key_prefix, self._group())
-        lease = RenewItem(keys.lock, state.claimer, 0, round(state.opts.lease * 1000))
-        try:
-            if (state.leading or state.lease_unsure) and self._renew_lease(state, lease, now):
-                return True
-            outcome = state.store.acquire(
-                keys, state.claimer, 0, lease.ttl_ms, {"role": "beat-leader"}
-            )
-            if isinstance(outcome, Contended) and outcome.holder == state.claimer:
-                state.lease_unsure = True  # an earlier acquire took it; its reply was lost
-                return self._renew_lease(state, lease, now)
-        except LockUnavailableError as exc:
-            state.lease_unsure = True
-            trusted_until = state.lead_confirmed + state.opts.lease * LEASE_TRUSTED
-            if state.leading and now < trusted_until:
-                state.renew_at = min(now + ERROR_RETRY_S, trusted_until)
-                logger.error("beat: redis error, lease not renewed, still leading: %s", exc)
-                return True
-            state.leading = False
-            logger.error("beat: redis error, standing by: %s", exc)
-            return False
-        state.lease_unsure = False
-        if isinstance(outcome, Acquired):
-            state.confirmed(now)
-            logger.info("beat: became leader: instance=%s token=%d", state.claimer, outcome.token)
-            return True
-        return False
-
-    def _renew_lease(self, state: _BeatState, lease: RenewItem, now: float) -> bool:
-        """Renew the lease if this instance holds it; True if it does (it leads then)."""
-        status = state.store.renew([lease])[0]
-        if status is RenewStatus.RENEWED:
-            if state.lease_unsure:
-                logger.warning(
-                    "beat: leadership kept after a redis error: instance=%s", state.claimer
-                )
-            state.confirmed(now)
-            return True
-        if state.leading:
-            logger.error("beat: leadership lost: instance=%s reason=%s", state.claimer, status.name)
-        state.leading = state.lease_unsure = False
-        return False
-
-
-@dataclass
-class _BeatState:
-    opts: BeatOptions
-    pid: int
-    claimer: str
-    claims: Claims
-    store: LockBackend
-    leading: bool = False
-    #: monotonic time the lease was last taken or renewed, and of its next renewal
-    lead_confirmed: float = 0.0
-    renew_at: float = 0.0
-    #: a Redis call about the lease failed: the lease may be this instance's (or still be)
-    lease_unsure: bool = False
-
-    def confirmed(self, now: float) -> None:
-        """The lease was taken or renewed at ``now``: lead, renew it a third of its ttl later."""
-        self.leading, self.lease_unsure = True, False
-        self.lead_confirmed, self.renew_at = now, now + self.opts.lease / 3
+            return bucket_run(entry.name, opts, now)
+        return run_at(entry.name, sched, opts, nominal)
 
 
 def _shallow_copy(entry: ScheduleEntry) -> ScheduleEntry:
@@ -494,13 +369,8 @@ def _shallow_copy(entry: ScheduleEntry) -> ScheduleEntry:
     return clone
 
 
-def _aware(when: datetime) -> datetime:
-    """``when``, a naive one taken as UTC (as Celery's ``maybe_make_aware`` does)."""
-    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when
-
-
 def _slot_of(interval: float, when: datetime) -> int:
-    return interval_slot(interval, _aware(when).timestamp())
+    return interval_slot(interval, aware(when).timestamp())
 
 
 class _AlignedInterval:

@@ -21,7 +21,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock.beat.claims import claims_and_store
-from celery_singleton_lock.beat.scheduler import _BeatState
+from celery_singleton_lock.beat.leader import BeatState
 from celery_singleton_lock.core.urls import redact_url
 from celery_singleton_lock.settings.options import read_beat_options, read_options
 from celery_singleton_lock.tools.cli import _Target
@@ -168,7 +168,7 @@ def test_inspect_conf_of_a_worker_never_shows_the_password(
 
 
 def test_reprs_of_the_settings_objects_never_show_the_password() -> None:
-    """Options, BeatOptions, beat's _BeatState and the CLI's _Target keep the URL but show it
+    """Options, BeatOptions, beat's BeatState and the CLI's _Target keep the URL but show it
     masked (host, port and db stay visible)."""
     password = _password()
     for url in (
@@ -183,7 +183,7 @@ def test_reprs_of_the_settings_objects_never_show_the_password() -> None:
         shown = {
             "Options": options,
             "BeatOptions": beat_options,
-            "_BeatState": _BeatState(
+            "BeatState": BeatState(
                 opts=beat_options, pid=1, claimer="me", claims=claims, store=store
             ),
             "_Target": _Target(redis_url=url, prefix="p:", app=None),
