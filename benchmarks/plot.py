@@ -162,7 +162,7 @@ def _duplicates(ax: Any, data: Any) -> None:
     if not data:
         return _missing(ax, title)
     dups, series = data
-    dups = [s for s in dups if "coalesce" not in s.name]  # the skip rows
+    dups = [s for s in dups if s.name.startswith("SingletonTask") and "coalesce" not in s.name]
     pools = [s.pool for s in dups]
     skipped = [s.rate for s in dups]
     plain = [
