@@ -18,7 +18,7 @@ and then measures one of two things:
 Both are printed as a distribution: count, p50, p90, p99, max, and how many within 1 s. A
 release that waits for billiard's periodic pool maintenance (every 5 s) shows up near 5 s:
 the next kill follows such a late release closely, so it waits nearly a whole period if it
-is missed too. Figures and their history: docs/performance.md, section 6.
+is missed too. Figures: docs/performance.md, section 6.
 """
 
 from __future__ import annotations

@@ -87,7 +87,6 @@ def _throughput(ax: Any, data: Any) -> None:
         ax.bar(xs, ys, width, label=_short(name), color=color)
         for x, y in zip(xs, ys, strict=True):
             ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
-    ax.axhline(95, color=FLOOR_COLOR, linestyle="--", linewidth=1, label="target 95%")
     ax.set_xticks(range(len(pools)), pools)
     ax.set_ylabel("tasks/s, % of plain (median)")
     ax.set_ylim(0, 165)
@@ -162,7 +161,7 @@ def _duplicates(ax: Any, data: Any) -> None:
     if not data:
         return _missing(ax, title)
     dups, series = data
-    dups = [s for s in dups if "coalesce" not in s.name]  # the skip rows
+    dups = [s for s in dups if s.name.startswith("SingletonTask") and "coalesce" not in s.name]
     pools = [s.pool for s in dups]
     skipped = [s.rate for s in dups]
     plain = [

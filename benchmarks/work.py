@@ -56,6 +56,10 @@ CALLGRIND_TASKS = 150
 HARNESS_COMMANDS = STATS_COMMANDS
 #: the commands that run a script (``INFO commandstats`` names)
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro")
+#: the floor a run's instructions are read against: SingletonTask's Redis traffic, no library
+TRAFFIC_FLOOR = "plain + SingletonTask's Redis traffic (floor, no library Python)"
+#: a SingletonTask's publish and run at most this much over that floor, in instructions
+RUN_TARGET = 0.05
 
 
 @dataclass
@@ -289,6 +293,15 @@ def _table(works: list[Work], with_instructions: bool) -> Table:
             f"Instructions: callgrind, user space, ({CALLGRIND_TASKS} tasks minus "
             f"{CALLGRIND_TASKS // 3}) / {CALLGRIND_TASKS - CALLGRIND_TASKS // 3}."
         )
+        by_name = {w.name: w.instructions for w in works}
+        ours, floor = by_name.get("SingletonTask"), by_name.get(TRAFFIC_FLOOR)
+        if ours is not None and floor is not None:
+            over = ours / floor - 1
+            verdict = "met" if over <= RUN_TARGET else "not met"
+            table.notes.append(
+                f"Target: a SingletonTask publish and run within {RUN_TARGET:.0%} of the "
+                f"traffic-only floor's instructions: {over:+.1%} ({verdict})."
+            )
     return table
 
 
