@@ -39,7 +39,7 @@ message in the worker's main process, before any ``Request`` or pool:
 and ``bench.permits`` one with ``singleton_permits=3``: counted in section 2c beside
 ``SingletonTask``, as is ``bench.coalesce`` run without a duplicate (its release is made in
 place, and looks for a pending follow-up), and ``bench.acked_late``, a ``SingletonTask`` acked
-late: its release also records the run's completion (issue 17).
+late: its release also records the run's completion.
 
 ``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
 is not published (section 7).

@@ -36,14 +36,14 @@ RAW_PING_FLOOR = "two PINGs, bare connection"
 OURS = "celery-singleton-lock"
 #: the cycle as a SingletonTask worker runs it: the release rides in the next acquire
 OURS_DEFERRED = "celery-singleton-lock, release in next acquire"
-#: the same, for a task acked late: the release also records the run's completion (issue 17)
+#: the same, for a task acked late: the release also records the run's completion
 OURS_COMPLETION = "celery-singleton-lock, release in next acquire + completion record"
 
-#: singleton_permits=N (issue 19): the cycle takes the last free slot while the others are held
+#: singleton_permits=N: the cycle takes the last free slot while the others are held
 OURS_PERMITS_3 = "celery-singleton-lock, 3 permits (2 held)"
 OURS_PERMITS_10 = "celery-singleton-lock, 10 permits (9 held)"
 
-#: singleton_on_duplicate="coalesce" (issue 19): the release is made at once, then the pending
+#: singleton_on_duplicate="coalesce": the release is made at once, then the pending
 #: follow-up is looked for (take_pending.lua), as a coalescing run ends
 OURS_COALESCE = "celery-singleton-lock, coalesce: release + look for a follow-up"
 
