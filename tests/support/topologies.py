@@ -288,9 +288,13 @@ class SentinelSet:
         self.data: list[PasswordServer] = []
         self.sentinels: list[SentinelServer] = []
         try:
-            master = PasswordServer(password, binary=self.binary)
+            # a replica's full sync starts at once, not after the default 5 s diskless-sync
+            # delay (which waits for more replicas to share one transfer); the same on the
+            # replica, which becomes the master of the old one after a failover
+            no_delay = ("--repl-diskless-sync-delay", "0")
+            master = PasswordServer(password, no_delay, binary=self.binary)
             self.data.append(master)
-            replica_args = ("--replicaof", "127.0.0.1", str(master.port))
+            replica_args = (*no_delay, "--replicaof", "127.0.0.1", str(master.port))
             self.data.append(PasswordServer(password, replica_args, binary=self.binary))
             for _ in range(3):
                 self.sentinels.append(
