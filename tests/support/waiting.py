@@ -20,15 +20,12 @@ def wait_for(
     timeout: float,
     what: str = "the condition",
     *workers: _HasLog,
-    interval: float = 0.05,
+    interval: float = 0.02,
     details: Callable[[], str] | None = None,
     ignore: tuple[type[BaseException], ...] = (),
     fail: bool = True,
 ) -> T:
     """Call ``predicate`` every ``interval`` seconds until it returns something truthy (returned).
-    Every 50 ms by default (it was 20, and the suite's xdist worker processes themselves took a
-    quarter of the 2-core machine's CPU, much of it in these polls of Redis and of logs); a test
-    that must react sooner says so.
 
     The predicate is called once more at the deadline, so a slow poll never fails a condition
     that holds. Exceptions of the types in ``ignore`` count as "not yet" (the last one is named
