@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = longest_first(items)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what the collection made (every imported module, Celery, Django, hypothesis, the
+    test items): the collector then leaves it alone, and each test's ``gc.collect()`` below
+    only scans what was made since. Without it each one walked every object of the process:
+    0.07 s on a quiet machine, 0.27 s (median) in the parallel suite, 1000+ times."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def collect_garbage_after_the_test() -> Iterator[None]:
     """Collect the test's garbage in its own teardown, so a socket it left unclosed fails it

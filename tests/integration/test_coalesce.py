@@ -232,10 +232,13 @@ def test_pending_of_an_expired_lock_is_superseded_by_the_next_run(
     assert info == SkipInfo(key=lock, holder=nxt.id, task_id=follow_up)
     assert _runs(redis_client, key_prefix, key) == 1
     assert not redis_client.exists(pending_key(lock))
-    assert (
+    # the pool child's log line reaches the worker's log through its main process, after the
+    # results: wait for it (asserted at once, it was missing on a busy machine)
+    line = (
         "singleton: coalesced follow-up superseded by a newer run, not published: "
         f"{TASK}[{follow_up}] key={lock} holder={nxt.id} duplicates=1"
-    ) in worker.log_text()
+    )
+    wait_for(lambda: line in worker.log_text(), 10, "the superseded follow-up's log line", worker)
 
 
 @pytest.mark.slow(seconds=6)

@@ -29,7 +29,7 @@ from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key, lock_prefix
 from tests.support.history import load_history
 from tests.support.servers import RedisServer
-from tests.support.topologies import Cluster, SentinelSet
+from tests.support.topologies import sentinels_and_cluster
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -84,7 +84,7 @@ def start(
 @pytest.fixture(scope="module")
 def lock_urls() -> Iterator[dict[str, str]]:
     """A Sentinel set, a Cluster and three Redlock masters, private; their lock URLs."""
-    with SentinelSet() as sentinels, Cluster() as cluster:
+    with sentinels_and_cluster() as (sentinels, cluster):
         masters = [RedisServer() for _ in range(3)]
         try:
             hosts = ",".join(f"127.0.0.1:{m.port}" for m in masters)

@@ -25,7 +25,7 @@ from celery_singleton_lock.core.connection import new_store
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from tests.conftest import delete_prefix
 from tests.support.servers import RedisServer
-from tests.support.topologies import Cluster, SentinelSet
+from tests.support.topologies import sentinels_and_cluster
 from tests.support.waiting import wait_for
 
 TTL_MS = 10_000
@@ -36,7 +36,7 @@ WINDOW = Ending(at_least_ms=60_000)
 @pytest.fixture(scope="module")
 def stores(redis_url: str) -> Iterator[dict[str, LockBackend]]:
     """A store of each kind, on private servers (the single server: the shared one)."""
-    with SentinelSet() as sentinels, Cluster() as cluster:
+    with sentinels_and_cluster() as (sentinels, cluster):
         masters = [RedisServer() for _ in range(3)]
         try:
             hosts = ",".join(f"127.0.0.1:{m.port}" for m in masters)

@@ -3,9 +3,15 @@
 pool children, whole nodes and beats, each replaced; and (issue 17) a node SIGKILLed right after
 a run's body, before its ack: no message that finished runs again.
 
-``SINGLETON_LOAD_SECONDS`` sets the duration (default 180), ``SINGLETON_LOAD_SEED`` the random
+``SINGLETON_LOAD_SECONDS`` sets the duration (default 90), ``SINGLETON_LOAD_SEED`` the random
 seed (printed, and in every failure message). The figures go to
 ``$SINGLETON_RELIABILITY_OUT`` (tests/support/chaos.py).
+
+90 s (it was 180 until the suite had to fit in 6 minutes): the first kill comes 5-12 s in and
+one every 8-16 s after it, so the four kill kinds all happen by 60 s, before the quiet end at
+75 s, and every key still runs many times over (at least one run a second in all is
+asserted). A longer run (``SINGLETON_LOAD_SECONDS=180``, as docs/reliability.md's figures were
+measured) only repeats the same kills more often.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from tests.support.beats import BeatFactory
 from tests.support.chaos import LoadRig, record_figures, with_twice
 from tests.support.workers import WorkerFactory
 
-LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "180"))
+LOAD_SECONDS = float(os.environ.get("SINGLETON_LOAD_SECONDS", "90"))
 SEED = int(os.environ.get("SINGLETON_LOAD_SEED", "20240611"))
 NODES, CONCURRENCY, BEATS, KEYS = 3, 4, 3, 20
 KILL_KINDS = ["child", "node", "beat", "after-body"]

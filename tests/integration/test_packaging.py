@@ -14,12 +14,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from importlib import metadata
 from pathlib import Path
@@ -71,22 +73,33 @@ PIP = ("-m", "pip", "--disable-pip-version-check")
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of this checkout."""
-    wheels = tmp_path_factory.mktemp("wheel")
-    run(
-        [sys.executable, *PIP, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)],
-        "building the wheel",
-        timeout=300,
-    )
+    """The wheel of this checkout, built once per test run: by the first xdist worker that
+    needs it, in the run's base temp directory, while the others wait on a file lock (each
+    build costs ~10 s, and the tests that use it run on different workers)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, shared by its workers (popen-gw0, ...)
+    wheels = base / "wheel-of-this-checkout"
+    with open(base / "wheel.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not wheels.is_dir():
+                building = Path(tempfile.mkdtemp(prefix="wheel-building-", dir=base))
+                build = ["wheel", "--no-deps", "-w", str(building), str(REPO_ROOT)]
+                run([sys.executable, *PIP, *build], "building the wheel", timeout=300)
+                building.rename(wheels)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     (built,) = wheels.glob("celery_singleton_lock-*.whl")
     return built
 
 
 def new_venv(python: str, where: Path, *requirements: str) -> Path:
-    """A new venv at ``where`` made by ``python``, with ``requirements`` pip-installed."""
+    """A new venv at ``where`` made by ``python``, with ``requirements`` pip-installed (without
+    compiling every installed module to bytecode up front: Python compiles what it imports)."""
     run([python, "-m", "venv", str(where)], f"{python} -m venv", timeout=120)
     run(
-        [str(where / "bin" / "python"), *PIP, "install", *requirements],
+        [str(where / "bin" / "python"), *PIP, "install", "--no-compile", *requirements],
         f"pip install {' '.join(requirements)}",
         timeout=300,
     )
@@ -343,7 +356,8 @@ def test_smoke_on_oldest_and_newest_dependencies(
         requirement = Requirement(pin)
         assert requirement.specifier.contains(versions[requirement.name]), (pin, versions)
     warnings = [arg for w in SMOKE_WARNINGS for arg in ("-W", w)]
-    options = ["-n", "0", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner")]
+    # on 3 xdist workers, as the suite runs on 4: the smoke subset's wall time is this test's
+    options = ["-n", "3", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner")]
     output = run(
         [str(python), "-m", "pytest", *options, *warnings, *SMOKE],
         f"the smoke subset on {deps} dependencies {versions}",

@@ -3,14 +3,17 @@ running one long test at the end while the others are idle.
 
 A long test says how long it takes with ``@pytest.mark.slow(seconds=N)`` (its usual wall
 time on the 2-core CI machine, setup and teardown included). :func:`longest_first` puts those
-first, longest first, each followed by one unmarked test, then the unmarked tests in their
-collection order (which keeps a module's tests together, so its module-scoped fixtures are set
-up a few times only).
+first, longest first, the first :data:`INTERLEAVED` of them each followed by one unmarked test,
+then the unmarked tests in their collection order (which keeps a module's tests together, so
+its module-scoped fixtures are set up a few times only).
 
-Why one unmarked test after each long one: an xdist worker only starts a test once it holds the
-next one as well (``--dist load --maxschedchunk 1`` hands them out one at a time, but each
-worker is given two to start with). Without the short one in between, the first worker would
-be handed the two longest tests and run them back to back.
+Why one unmarked test after each of the first long ones: an xdist worker only starts a test
+once it holds the next one as well (``--dist load --maxschedchunk 1`` hands them out one at a
+time, but each worker is given two to start with). Without the short one in between, the first
+worker would be handed the two longest tests and run them back to back. After that first
+handout every worker is given one test each time it finishes one, so the later long tests go
+back to back: those of one module with equal lengths stay together, and a worker handed two of
+them in a row keeps the module's fixtures (a short test in between tore them down).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ __test__ = False
 
 #: the marker's name; it is declared in pyproject.toml
 SLOW = "slow"
+
+#: how many long tests get a short one after them: the first handout of two tests per xdist
+#: worker, for up to 8 workers
+INTERLEAVED = 8
 
 ItemT = TypeVar("ItemT", bound=pytest.Item)
 
@@ -44,8 +51,9 @@ def expected_seconds(item: pytest.Item) -> float:
     return float(seconds)
 
 
-def longest_first(items: Sequence[ItemT]) -> list[ItemT]:
-    """The long tests, longest first, each followed by one unmarked test; then the others.
+def longest_first(items: Sequence[ItemT], interleaved: int = INTERLEAVED) -> list[ItemT]:
+    """The long tests, longest first, the first ``interleaved`` of them each followed by one
+    unmarked test; then the others.
 
     Stable: tests of equal length keep their collection order.
     """
@@ -53,8 +61,8 @@ def longest_first(items: Sequence[ItemT]) -> list[ItemT]:
     slow = sorted((i for i in items if seconds[id(i)] > 0), key=lambda i: -seconds[id(i)])
     rest = [i for i in items if seconds[id(i)] == 0]
     ordered: list[ItemT] = []
-    for item in slow:
+    for index, item in enumerate(slow):
         ordered.append(item)
-        if rest:
+        if rest and index < interleaved:
             ordered.append(rest.pop())  # from the end: tests/unit, the shortest ones
     return ordered + rest

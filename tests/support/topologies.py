@@ -13,6 +13,7 @@ Redis.
   replica of another such server).
 - :class:`SentinelSet`: one master, one replica and three sentinels with short timeouts.
 - :class:`Cluster`: three masters, no replicas, all 16384 slots assigned.
+- :func:`sentinels_and_cluster`: one of each, started side by side.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +43,7 @@ __all__ = [
     "TlsServer",
     "TlsUnsupported",
     "make_tls_files",
+    "sentinels_and_cluster",
     "server_info",
     "wait_until",
 ]
@@ -288,9 +291,13 @@ class SentinelSet:
         self.data: list[PasswordServer] = []
         self.sentinels: list[SentinelServer] = []
         try:
-            master = PasswordServer(password, binary=self.binary)
+            # a replica's full sync starts at once, not after the default 5 s diskless-sync
+            # delay (which waits for more replicas to share one transfer); the same on the
+            # replica, which becomes the master of the old one after a failover
+            no_delay = ("--repl-diskless-sync-delay", "0")
+            master = PasswordServer(password, no_delay, binary=self.binary)
             self.data.append(master)
-            replica_args = ("--replicaof", "127.0.0.1", str(master.port))
+            replica_args = (*no_delay, "--replicaof", "127.0.0.1", str(master.port))
             self.data.append(PasswordServer(password, replica_args, binary=self.binary))
             for _ in range(3):
                 self.sentinels.append(
@@ -518,3 +525,16 @@ class Cluster:
 def short_tempdir(prefix: str = "cslt-") -> Path:
     """A new directory with a short path (unix socket paths are limited to ~100 bytes)."""
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@contextlib.contextmanager
+def sentinels_and_cluster() -> Iterator[tuple[SentinelSet, Cluster]]:
+    """A :class:`SentinelSet` and a :class:`Cluster` started side by side (each mostly waits
+    for its gossip, ~2 s), both closed on leaving (the one started too if the other failed)."""
+    with ThreadPoolExecutor(2) as pool:
+        sentinels, cluster = pool.submit(SentinelSet), pool.submit(Cluster)
+    with contextlib.ExitStack() as stack:
+        for future in (sentinels, cluster):
+            if future.exception() is None:
+                stack.enter_context(future.result())
+        yield sentinels.result(), cluster.result()

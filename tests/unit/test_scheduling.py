@@ -1,5 +1,5 @@
 """The suite's own test order (tests/support/scheduling.py): long tests first, a short one after
-each."""
+each of the first ones."""
 
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def test_long_tests_come_first_each_followed_by_a_short_one() -> None:
     ]
     # the short ones are taken from the end of the collection (tests/unit comes last)
     assert names(longest_first(items)) == ["load", "d", "beat", "c", "chaos", "b", "a"]
+
+
+def test_only_the_first_long_tests_are_followed_by_a_short_one() -> None:
+    items: list[Any] = [
+        FakeItem("a"),
+        FakeItem("m1", seconds=12),
+        FakeItem("load", seconds=190),
+        FakeItem("m2", seconds=12),
+        FakeItem("b"),
+        FakeItem("beat", seconds=80),
+        FakeItem("c"),
+    ]
+    # after the first two, the long ones back to back: m1 and m2 (one module) stay together
+    ordered = ["load", "c", "beat", "b", "m1", "m2", "a"]
+    assert names(longest_first(items, interleaved=2)) == ordered
 
 
 def test_equal_lengths_keep_their_order_and_nothing_is_lost() -> None:
