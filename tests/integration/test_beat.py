@@ -1,4 +1,4 @@
-"""SingletonScheduler with real ``celery beat`` and ``celery worker`` processes (issue 3).
+"""SingletonScheduler with real ``celery beat`` and ``celery worker`` processes.
 
 Every test runs beats of ``tests.support.beat_app`` (``-S singleton``, 1 s max interval) and
 prefork workers on a private key prefix. Each execution records its run label
@@ -372,7 +372,7 @@ def test_paused_leader_is_deposed_and_does_not_publish_after_resuming(
 #: The lease of the stalled-Redis test: long, so that it outlives the stall by far.
 LONG_LEASE_S = 30.0
 #: the leader's renewal failed (it goes on leading while its lease surely lives; stood by
-#: before issue 14's fix)
+#: in older versions)
 RENEWAL_FAILED = r"beat: redis error, (lease not renewed|standing by)"
 KEPT = "beat: leadership kept after a redis error"
 

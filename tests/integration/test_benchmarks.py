@@ -59,13 +59,13 @@ def test_the_fast_sections_run_and_count_what_they_claim(tmp_path: Path) -> None
     assert commands[floor] == commands["SingletonTask"] > commands["plain Task"], commands
     assert library["SingletonTask"] > 10 * library[floor], library
     assert commands["plain + 1 PING (floor, 1 round trip)"] == commands["plain Task"] + 1
-    # 2c: the completion record (issue 17) adds no call to the run's path: the same two script
+    # 2c: the completion record adds no call to the run's path: the same two script
     # calls (acquire, deferred release); release.lua's GET and SET run inside the release
     scripts = _column(tables["2c"], "of them script calls")
     late = "SingletonTask acked late (+ completion record)"
     assert scripts[late] == scripts["SingletonTask"] == 2, scripts
     assert commands[late] == commands["SingletonTask"] + 2, commands
-    # issue 19: a scope adds nothing on the wire; permits read their slots in the one acquire;
+    # a scope adds nothing on the wire; permits read their slots in the one acquire;
     # a coalescing run releases in its own call and looks for a follow-up in one more
     assert commands["SingletonTask with singleton_scope"] == commands["SingletonTask"]
     assert commands["SingletonTask with singleton_permits=3"] > commands["SingletonTask"]

@@ -10,7 +10,7 @@ each policy (docs/configuration.md, "Canvas").
   chord body with a ChordError naming it, link_error is called.
 - retry: the duplicate waits for the lock, then runs, and the canvas goes on as if nothing
   happened.
-- skip decided by the worker's main process (strategy.py), its key hot: the same.
+- skip decided by the worker's main process (worker/mainskip.py), its key hot: the same.
 
 The worker is a solo pool consuming one message at a time, in order: once a callback published
 after everything else has run, whatever the steps before it published has run too, so "never

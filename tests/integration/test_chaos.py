@@ -1,9 +1,9 @@
-"""Faults on real processes (issue 4), each judged by the recorded history.
+"""Faults on real processes, each judged by the recorded history.
 
 - a worker paused (SIGSTOP) past its lock's ttl: another worker takes over with a larger
   fencing token, and the resumed run's fenced write is rejected;
 - an ``acks_late`` message redelivered by the broker's visibility timeout while its first
-  delivery still runs: the copy waits for the lock, then is dropped (issue 17);
+  delivery still runs: the copy waits for the lock, then is dropped;
 - a beat and a whole worker node SIGKILLed while runs hold locks and beats publish.
 
 Each test appends its figures to ``$SINGLETON_RELIABILITY_OUT`` (tests/support/chaos.py).

@@ -106,7 +106,7 @@ def worker(worker_factory: WorkerFactory, client_app: Celery) -> WorkerProcess:
     return started
 
 
-#: duplicates in the burst test: "a burst of 1,000 webhooks for one account" (issue #19)
+#: duplicates in the burst test: "a burst of 1,000 webhooks for one account"
 BURST = 1000
 
 

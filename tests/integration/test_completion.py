@@ -1,5 +1,5 @@
 """A finished message is not run again; a finished run holds its key for an at-least window
-(issue 17), on real worker processes of every pool and over every lock store.
+on real worker processes of every pool and over every lock store.
 
 - a worker SIGKILLed as a whole right after the body (and the library's release) and before
   the ack: the broker restores the message after its visibility timeout, another worker drops

@@ -1,5 +1,5 @@
 """The completion record and the at-least window in every lock store: one server, a Sentinel's
-master, a Redis Cluster and Redlock (issue 17). Each store's scripts, as the renewer and the
+master, a Redis Cluster and Redlock. Each store's scripts, as the renewer and the
 worker's main process call them."""
 
 from __future__ import annotations

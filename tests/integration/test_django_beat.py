@@ -270,10 +270,16 @@ def check_every_run_once(run: Run) -> None:
     assert not [r for r, k in labels.items() if k > 1], f"runs published twice{run.detail}"
     assert set(labels) <= set(executed), f"published runs not executed{run.detail}"
     # a beat logs a run once it confirmed its claim: the killed one may have published one
-    # run it never logged (executed once all the same), none other is missing from the logs
+    # run it never logged (executed once all the same), and so may the beats stopped at the
+    # end, in their last slot (a beat slowed down by a busy machine publishes late in it);
+    # none other is missing from the logs
     unlogged = [n for n in run.found if n.run not in labels]
-    assert len(unlogged) <= 1, f"executed runs no beat published{run.detail}"
-    assert all(abs(n.at - run.killed) < 3 for n in unlogged), f"{unlogged}{run.detail}"
+    at_kill = [n for n in unlogged if abs(n.at - run.killed) < 3]
+    at_stop = [n for n in unlogged if n not in at_kill and n.run_ms >= run.last_full_ms]
+    assert len(at_kill) <= 1, f"{at_kill}{run.detail}"
+    assert len(unlogged) == len(at_kill) + len(at_stop), (
+        f"executed runs no beat published{run.detail}"
+    )
     assert not [r for r in executed if r.endswith("@?")], f"a run without its label{run.detail}"
     entries = Counter(n.entry for n in run.found)
     for never in ("expired", "future", "disabled"):

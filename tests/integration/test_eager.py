@@ -212,7 +212,7 @@ def test_a_run_ended_before_its_body_publishes_the_follow_up_left_meanwhile(
     eager_app: Celery, singleton_locks: str, redis_client: redis.Redis
 ) -> None:
     """A worker's run whose lock was taken, but which Celery's tracer ended before the body
-    (tracing.py: the lock is abandoned), publishes the follow-up a duplicate left beside it in
+    (task/tracer.py: the lock is abandoned), publishes the follow-up a duplicate left beside it in
     that moment, as any release of a coalescing run does (here eager: it runs in place)."""
     coalesce = eager_app.tasks["e.coalesce"]
     keys = coalesce.singleton_keys(("k",), {})

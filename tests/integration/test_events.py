@@ -9,7 +9,7 @@ a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
 - retry: task-retried whose ``exception`` names key and holder on every requeue (Flower: RETRY),
   then, once the lock is free, task-succeeded for the same task id (Flower: SUCCESS).
 - coalesce: as skip, the marker also naming the follow-up (``coalesced_into``).
-- skip turned away by the worker's main process (strategy.py): the same three events with the
+- skip turned away by the worker's main process (worker/mainskip.py): the same three events with the
   same fields as a skip in the pool; Flower shows the same task.
 """
 

@@ -1,6 +1,6 @@
-"""Load with random kills (issue 4): 3 worker nodes x 4 prefork processes, 3 active beats,
+"""Load with random kills: 3 worker nodes x 4 prefork processes, 3 active beats,
 20 lock keys, tasks longer than their ttl, a steady feed of duplicate calls, and SIGKILLs of
-pool children, whole nodes and beats, each replaced; and (issue 17) a node SIGKILLed right after
+pool children, whole nodes and beats, each replaced; and a node SIGKILLed right after
 a run's body, before its ack: no message that finished runs again.
 
 ``SINGLETON_LOAD_SECONDS`` sets the duration (default 90), ``SINGLETON_LOAD_SEED`` the random

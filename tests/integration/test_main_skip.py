@@ -1,4 +1,4 @@
-"""The main-process skip (strategy.py) on real workers, where it must step aside.
+"""The main-process skip (worker/mainskip.py) on real workers, where it must step aside.
 
 - A key that stops being held mid-flood: the next message runs, later duplicates meet that run
   (turned away by the main process again, once the key is hot again), runs never overlap.

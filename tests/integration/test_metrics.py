@@ -317,7 +317,7 @@ def test_skips_of_the_main_process_are_counted_with_the_pools(
     tmp_path: Path,
 ) -> None:
     """A threads worker serving the metrics (docs/operations.md): the duplicates its pool
-    threads skip and those its main process turns away itself (strategy.py) add up to one
+    threads skip and those its main process turns away itself (worker/mainskip.py) add up to one
     count per duplicate."""
     worker, port = _serving_worker(
         worker_factory, client_app, tmp_path, concurrency=2, pool="threads"

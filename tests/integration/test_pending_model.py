@@ -1,4 +1,4 @@
-"""Model-based tests (hypothesis stateful) of issue #19's scripts against real Redis: the
+"""Model-based tests (hypothesis stateful) of the coalesce scripts against real Redis: the
 pending follow-up of a coalescing lock (coalesce.lua, take_pending.lua, put_back_pending.lua)
 and the permit slots of a key (acquire_permit.lua with release.lua).
 

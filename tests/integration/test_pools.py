@@ -7,7 +7,7 @@ lock ttl is 1 s. Under each: a duplicate met while a run holds the key is skippe
 the run's lock outlived its ttl (renewed by the green renewer, or the spawned child's); the
 key is free after a run that succeeded or failed (the deferred release sent, its reply read);
 under the green pools 20 runs of 20 keys hold their locks at once, and every duplicate is
-skipped by the pool, not by the worker's main process (strategy.py). A spawned child killed
+skipped by the pool, not by the worker's main process (worker/mainskip.py). A spawned child killed
 mid-run has its lock released by the main process. A green pool the library cannot run under
 (not monkey-patched, or patched after the library was imported) stops the worker at start-up.
 """

@@ -4,10 +4,10 @@ For each state a lock can be in (absent, held, in an at-least window, every perm
 one slot free, held by the asking owner, its completion record), the probe's answer is the
 acquire's own: the same holder, generation, token and window flag (the remaining time within
 the moments between the two calls), or None where the acquire takes the lock; and the probe
-changes no key. The main process's decision on top of it (strategy.py) goes through the task's
-``_singleton_skips``, as the executing process's does: a skip only when another run holds it,
-not the asking message's earlier delivery nor its parent. A probe of a server that answers
-nothing fails within the prober's timeout.
+changes no key. The main process's decision on top of it (worker/mainskip.py) goes through the
+task's ``_singleton_skips``, as the executing process's does: a skip only when another run
+holds it, not the asking message's earlier delivery nor its parent. A probe of a server that
+answers nothing fails within the prober's timeout.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ main process, publishers and an operator would:
 - end a run: release now, release deferred (written ahead on one server, queued for the
   renewer thread on a store that cannot write ahead), the retry hand-over, the loss of its pool
   child (the main process's ``release_lost``); a release may record the message's completion
-  and keep the key for an at-least window (issue 17);
+  and keep the key for an at-least window;
 - redeliver a message whose run finished (it must be dropped: ``Completed``), a renewal that
   lands on a window (it must not extend it);
 - a lock that expires, an operator's force release (``celery singleton release``);

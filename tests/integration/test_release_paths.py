@@ -322,7 +322,8 @@ def test_soft_time_limit_releases(bed: Bed) -> None:
 
 
 def test_hard_time_limit_releases_long_before_the_ttl(bed: Bed) -> None:
-    """Hard time limit: the killed run's lock (ttl 30 s) is gone within 3 s of the failure."""
+    """Hard time limit: the killed run's lock (ttl 30 s) is gone within 10 s of the failure,
+    long before its ttl."""
     worker = bed.start(ttl=30)
     result = bed.send("t.limited", new_key(), 3, swallow_soft=True)
     lock = bed.wait_held(result.id)
@@ -330,7 +331,7 @@ def test_hard_time_limit_releases_long_before_the_ttl(bed: Bed) -> None:
     wait_result(result)
     assert result.state == "FAILURE"
     assert exc_name(result) == "TimeLimitExceeded"
-    assert bed.wait_gone(lock, 3.0) < 3.0
+    assert bed.wait_gone(lock, 10.0) < 10.0
     # billiard turns the child's SIGTERM into SystemExit, so the child's own task_postrun may
     # release before its SIGKILL (0.1 s later); otherwise the main process releases for it
     time.sleep(1.0)  # the main process's release may come after a grace: let it land
@@ -366,13 +367,14 @@ def test_hard_time_limit_main_process_waits_for_the_child(bed: Bed) -> None:
 
 
 def test_revoke_terminate_releases(bed: Bed) -> None:
-    """revoke(terminate=True) of a running task: the lock (ttl 30 s) is gone within 3 s."""
+    """revoke(terminate=True) of a running task: the lock (ttl 30 s) is released by the
+    worker, long before its ttl (10 s leaves room for a busy machine)."""
     worker = bed.start(ttl=30)
     result = bed.send("t.hold", new_key(), seconds=10)
     lock = bed.wait_held(result.id)
 
     bed.app.control.revoke(result.id, terminate=True, destination=[worker.nodename])
-    assert bed.wait_gone(lock, 3.0) < 3.0
+    assert bed.wait_gone(lock, 10.0) < 10.0
     wait_for(lambda: result.state == "REVOKED", 5, "REVOKED state")
     time.sleep(1.0)  # the main process's release may come after a grace: let it land
     assert bed.signals(f"lock_released {result.id}") == 1
@@ -499,7 +501,7 @@ def test_killed_children_released_without_the_pool_maintenance(bed: Bed) -> None
 
 # -- 6b. a child that handed its lock over to a retry, then died --------------------------------
 
-#: Log line of the main process when it leaves a lost child's lock alone (worker.py).
+#: Log line of the main process when it leaves a lost child's lock alone (worker/hooks.py).
 NOT_RELEASED = "singleton: not released by main process after"
 
 

@@ -1,11 +1,11 @@
 """The contract of a skipped duplicate, on real workers of every pool, and the seams of the
-worker-side tracing that ends it (tracing.py).
+worker-side tracing that ends it (task/tracer.py).
 
 A skip is a SUCCESS whose result is the skip marker; ``duplicate_skipped`` is sent; one
 ``singleton: duplicate skipped`` line is logged; ``task_prerun`` and ``task_postrun`` (state
 SUCCESS) fire; the body, ``on_success`` and ``task_success`` do not run; the holder's lock is
 untouched; the worker reports the message as a finished task. The same contract holds for a
-flood of duplicates that the worker's main process turns away itself (strategy.py).
+flood of duplicates that the worker's main process turns away itself (worker/mainskip.py).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_under_prefork_the_children_skip_every_duplicate(
     redis_url: str,
     redis_client: redis.Redis,
 ) -> None:
-    """Under prefork the main process never turns a duplicate away (strategy.py,
+    """Under prefork the main process never turns a duplicate away (worker/mainskip.py,
     MAIN_PROCESS_POOLS): every duplicate of a held key reaches Celery's handler and is skipped
     by a pool child, with the same contract."""
     keys = _keys(key_prefix, "prefork-flood")

@@ -1,4 +1,4 @@
-"""Driving the main-process skip (strategy.py) from a test: make a key hot, tell where a
+"""Driving the main-process skip (worker/mainskip.py) from a test: make a key hot, tell where a
 message was decided.
 
 A message that reaches Celery's own handler is logged ``Task <name>[<id>] received`` by the

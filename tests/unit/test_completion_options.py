@@ -1,4 +1,4 @@
-"""Issue 17's options: ``singleton_completion_ttl`` (its default from the broker and the task's
+"""The completion options: ``singleton_completion_ttl`` (its default from the broker and the task's
 acks_late) and ``singleton_lock_at_least`` on a task (never the app-wide, beat's, value); what a
 run's end leaves behind (``completion.ending_for``)."""
 
