@@ -171,7 +171,10 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
 
             lock = wait_for(first_lock, 30, "the first run's lock on master 1", worker)
             held = [LockStore(c).holder(lock).get("owner") for c in clients]
-            assert held == [first.id] * 3, "the lock is on every master"
+            # a majority holds it; a master slower than the fan-out's bounded wait (a busy
+            # machine) may not, and the run goes on on the others
+            assert held.count(first.id) >= 2, f"the lock is on a majority of the masters: {held}"
+            assert set(held) <= {first.id, None}, held
             duplicate = app.send_task("t.hold", kwargs={"key": "rl", "seconds": 0})
             info = skip_info(duplicate.get(timeout=30))
             assert info is not None, "the duplicate was skipped"
