@@ -15,7 +15,6 @@ every comparison is against a baseline measured in the same run, interleaved wit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import importlib.util
 import json
@@ -292,9 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run, under 2 minutes")
     parser.add_argument("--repeat", type=int, help="repeats (rounds) per figure")
     parser.add_argument(
-        "--publishers", type=int, help="section 4's publisher processes (default 50)"
-    )
-    parser.add_argument(
         "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections"
     )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where the PNG goes")
@@ -312,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.repeat:
         sizes = sizes.with_repeat(args.repeat)
-    if args.publishers:
-        sizes = dataclasses.replace(sizes, publishers=args.publishers)
 
     with PrivateRedis() as probe:
         env = environment(probe.version())

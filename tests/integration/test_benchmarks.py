@@ -31,7 +31,7 @@ def test_the_fast_sections_run_and_count_what_they_claim(tmp_path: Path) -> None
     done = subprocess.run(
         [
             sys.executable,
-            *("-m", "benchmarks.run", "--quick", "--no-plot", "--publishers", "10"),
+            *("-m", "benchmarks.run", "--quick", "--no-plot"),
             *("--only", "lock", "work", "contention", "rejections"),
             *("--json", str(out)),
         ],
