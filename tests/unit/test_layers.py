@@ -81,12 +81,18 @@ def wing_of(name: str) -> str | None:
 
 
 def imports(
-    path: Path, *, module_level_only: bool, typing: bool = False, root: Path = ROOT
+    path: Path,
+    *,
+    module_level_only: bool,
+    typing: bool = False,
+    root: Path = ROOT,
+    known: dict[str, Path] | None = None,
 ) -> set[str]:
     """Absolute names of the modules ``path`` imports (``from x import y`` gives ``x.y`` when
     that is a module of the package, else ``x``). Imports under ``if TYPE_CHECKING:`` count
-    only when ``typing``; imports inside functions only when not ``module_level_only``."""
-    known = modules(root)
+    only when ``typing``; imports inside functions only when not ``module_level_only``.
+    ``known``: the package's modules, when the caller has them already."""
+    known = modules(root) if known is None else known
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -130,7 +136,7 @@ def graph(root: Path = ROOT) -> dict[str, set[str]]:
     return {
         name: {
             t
-            for t in imports(path, module_level_only=False, typing=True, root=root)
+            for t in imports(path, module_level_only=False, typing=True, root=root, known=known)
             if t in known and t != name
         }
         for name, path in known.items()
