@@ -35,11 +35,7 @@ from celery.result import EagerResult
 from .. import signals
 from ..core._pid import current_pid
 from ..core.arguments import scope_key_names
-from ..core.backend import (
-    Acquired,
-    Completed,
-    Contended,
-)
+from ..core.backend import Acquired, Completed, Contended, release_lost_slot
 from ..core.connection import renewer_for, store_for
 from ..core.keys import KeyDeriver, LockKeys
 from ..core.renewer import HeldLock, Renewer
@@ -284,6 +280,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
             context=self,
         )
         request._singleton_handle = LockHandle(key, task_id, held, outcome.reentered, renewer)
+        if first is not None:  # from here the run's postrun releases it, not trace_run
+            first.taken = True
         renewer.add(held)
         if logger.isEnabledFor(logging.DEBUG):  # the run's path: no call for a line not logged
             logger.debug(
@@ -341,13 +339,18 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
         return outcome, generation, renewer
 
     def _singleton_abandon(
-        self, keys: LockKeys, task_id: str, generation: int, slot: int = 1
+        self, keys: LockKeys, task_id: str, generation: int, slot: int | None = 1
     ) -> None:
-        """Release a lock (permit ``slot``) taken for a run that Celery's tracer ended before
-        ``before_start``, and publish the follow-up a duplicate left beside it meanwhile."""
-        key = keys.slot(slot)
+        """Release a lock (permit ``slot``; None: whichever slot is the run's, if any) taken for
+        a run that Celery's tracer ended before ``before_start``, or whose acquire a SystemExit
+        interrupted, and publish the follow-up a duplicate left beside it meanwhile."""
+        key = keys.lock if slot is None else keys.slot(slot)
+        store = store_for(self.singleton_options().redis_url)
         try:
-            store_for(self.singleton_options().redis_url).release(key, task_id, generation)
+            if slot is None:  # owner-checked, slot by slot: another run's is left alone
+                key, _ = release_lost_slot(store, keys, task_id, generation, 0)
+            else:
+                store.release(key, task_id, generation)
         except LockUnavailableError as exc:
             logger.warning(
                 "singleton: could not release lock of a run that did not start, "

@@ -105,7 +105,7 @@ class TracedTask(Protocol):
     def _singleton_forget_queued(self, task_id: str, keys: LockKeys, reason: str) -> None: ...
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None: ...
     def _singleton_abandon(
-        self, keys: LockKeys, task_id: str, generation: int, slot: int = 1
+        self, keys: LockKeys, task_id: str, generation: int, slot: int | None = 1
     ) -> None: ...
 
 
@@ -118,7 +118,7 @@ class FirstTry:
     generation: int
     outcome: Acquired | Contended | LockUnavailableError
     renewer: Renewer  # that took it: the run goes on with it (no second lookup)
-    taken: bool = False  # before_start took it over
+    taken: bool = False  # the run's handle holds it (set by before_start)
 
 
 class _Pending(threading.local):
@@ -136,11 +136,12 @@ def follows_threading_local() -> bool:
 
 
 def take_first_try(task_id: str) -> FirstTry | None:
-    """The acquire :func:`trace_run` made for ``task_id`` in this thread, if any; once."""
+    """The acquire :func:`trace_run` made for ``task_id`` in this thread, if any, until the
+    run's handle took it over (its ``taken``, set by ``before_start`` once the handle holds the
+    lock: until then :func:`trace_run` releases it if the run ends)."""
     first = _pending.first
     if first is None or first.task_id != task_id or first.taken:
         return None
-    first.taken = True
     return first
 
 
@@ -154,40 +155,44 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
 ) -> Any:
     """Run one message of ``task``: ``celery_trace``'s signature and return value."""
     request = request if request is not None else {}
-    first = None if request.get("is_eager") else _first_try(task, uuid, args, kwargs, request)
-    if first is None:
+    if request.get("is_eager"):
         return celery_trace(uuid, args, kwargs, request)
-    if type(first.outcome) is Completed:  # a copy of a message that already ran: dropped
-        return _drop(task, first, args, kwargs, request)
-    if (
-        not isinstance(first.outcome, Acquired)  # the lock taken: the common case goes on
-        and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
-        and (
-            task.singleton_options().on_duplicate != "coalesce"
-            or is_follow_up(
-                request
-            )  # never coalesced again: ends as a skip (duplicates/coalesce.py)
-            or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
-            is None
-        )
-    ):  # a duplicate that could not be coalesced goes on to before_start, which requeues it
-        try:
-            return _skip(task, first, args, kwargs, request)
-        except Exception as exc:  # storing the result failed: Celery's tracer reports it
-            logger.warning(
-                "singleton: could not end skipped duplicate, handing it to celery: %s[%s]: %s",
-                task.name,
-                uuid,
-                exc,
-                extra=about(task.name, uuid),  # in front of Celery's tracer: no current run
+    first: FirstTry | None = None
+    try:  # from the acquire on: a run's SystemExit (a revoke's SIGTERM) never strands its lock
+        first = _first_try(task, uuid, args, kwargs, request)
+        if first is None:
+            return celery_trace(uuid, args, kwargs, request)
+        if type(first.outcome) is Completed:  # a copy of a message that already ran: dropped
+            return _drop(task, first, args, kwargs, request)
+        if (
+            not isinstance(first.outcome, Acquired)  # the lock taken: the common case goes on
+            and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
+            and (
+                task.singleton_options().on_duplicate != "coalesce"
+                or is_follow_up(request)  # never coalesced again: ends as a skip
+                or task._singleton_coalesce(first.keys, _holder(first), uuid, args, kwargs, request)
+                is None
             )
-    _pending.first = first
-    try:
+        ):  # a duplicate that could not be coalesced goes on to before_start, which requeues it
+            try:
+                return _skip(task, first, args, kwargs, request)
+            except Exception as exc:  # storing the result failed: Celery's tracer reports it
+                logger.warning(
+                    "singleton: could not end skipped duplicate, handing it to celery: %s[%s]: %s",
+                    task.name,
+                    uuid,
+                    exc,
+                    extra=about(task.name, uuid),  # in front of Celery's tracer: no current run
+                )
+        _pending.first = first
         return celery_trace(uuid, args, kwargs, request)
     finally:
-        _pending.first = None
-        if not first.taken and isinstance(first.outcome, Acquired):
-            task._singleton_abandon(first.keys, uuid, first.generation, first.outcome.slot)
+        if first is not None:
+            _pending.first = None
+            if not first.taken and isinstance(first.outcome, Acquired):
+                # the run's handle never held it (Celery's tracer ended before before_start,
+                # or a SystemExit came in between): released here
+                task._singleton_abandon(first.keys, uuid, first.generation, first.outcome.slot)
 
 
 def _first_try(
@@ -205,11 +210,14 @@ def _first_try(
     opts = task._singleton_opts or task.singleton_options()
     renewer = task._singleton_renewer(opts)
     outcome: Acquired | Contended | LockUnavailableError
+    meta = task._singleton_meta(args, kwargs, request)
     try:  # the run's one blocking round trip
-        meta = task._singleton_meta(args, kwargs, request)
         outcome = renewer.acquire(keys, uuid, generation, opts.ttl_ms, meta)
     except LockUnavailableError as exc:
         outcome = exc
+    except BaseException:  # a SystemExit (a revoke's SIGTERM) while the reply was on its way
+        task._singleton_abandon(keys, uuid, generation, None)  # the lock may be ours: freed
+        raise
     return FirstTry(uuid, keys, generation, outcome, renewer)
 
 

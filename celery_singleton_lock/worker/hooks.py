@@ -18,7 +18,8 @@ hard time limit                               ``task_failure`` in the main proce
                                               grace for the child to die
 either of these after a ``retry()``           no release: the lock is the retried message's
 ``revoke(terminate=True)``                    SIGTERM (default): the child's ``task_postrun``
-                                              once its ``finally`` blocks ran; SIGKILL or
+                                              once its ``finally`` blocks ran (before the
+                                              handle held it: task/tracer.py); SIGKILL or
                                               SIGQUIT: ``task_revoked`` in the main process,
                                               after the same grace
 cold shutdown                                 the child's SIGTERM becomes SystemExit, and its
