@@ -210,7 +210,8 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 #: duplicate policies and their signals, a lock taken away from its run, and a hand-over to
 #: self.retry() on real workers; eager mode; the command on a live worker; the metrics and the
 #: dashboard; the task logger; a pool child's lock released by the main process; beats claiming
-#: and publishing runs; the fast cells of the matrix of Celery's own features.
+#: and publishing runs (a real beat's banner; two schedulers in this process claiming one
+#: run); the fast cells of the matrix of Celery's own features.
 SMOKE = (
     "tests/integration/test_policies.py::test_signals_for_skip_raise_and_retry",
     "tests/integration/test_policies.py::test_lock_taken_by_another_owner_is_reported_lost",
@@ -221,7 +222,8 @@ SMOKE = (
     "tests/integration/test_release_paths.py::test_retry_hands_the_lock_over",
     "tests/integration/test_release_paths.py::test_child_sigkill_released_by_main_process",
     "tests/integration/test_beat.py::test_banner_shows_mode_redis_without_password_and_prefix",
-    "tests/integration/test_beat.py::test_run_claimed_by_a_dead_claimer_is_published_late_not_lost",
+    "tests/integration/test_beat_mixin.py::test_crontab_run_published_once_by_two_instances",
+    "tests/integration/test_beat_mixin.py::test_leader_mode_mixin_only_the_leader_publishes",
     # Celery's own features: a refused retry, a before_start without super(), two matrix cells
     "tests/integration/test_celery_features.py::"
     "test_a_retry_that_max_retries_refuses_releases_the_lock_at_once[prefork]",
