@@ -23,6 +23,7 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 __all__ = [
+    "duplicate_joined",
     "duplicate_not_published",
     "duplicate_raised",
     "duplicate_retried",
@@ -47,5 +48,6 @@ lock_max_hold = Signal(name="singleton_lock_max_hold")
 duplicate_skipped = Signal(name="singleton_duplicate_skipped")
 duplicate_retried = Signal(name="singleton_duplicate_retried")
 duplicate_raised = Signal(name="singleton_duplicate_raised")
+duplicate_joined = Signal(name="singleton_duplicate_joined")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
 redelivery_dropped = Signal(name="singleton_redelivery_dropped")

@@ -23,7 +23,7 @@ its result the skip marker, as a follow-up that meets a newer run on a worker do
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,14 @@ from ..run.callrepr import REPR_OPTIONS, reprs_of, request_field
 from .canvas import store_skip
 from .skips import skip_marker
 
-__all__ = ["FOLLOW_UP_HEADER", "Taken", "call_record", "is_follow_up", "publish_follow_up"]
+__all__ = [
+    "FOLLOW_UP_HEADER",
+    "Taken",
+    "call_record",
+    "is_follow_up",
+    "publish_follow_up",
+    "task_dumps",
+]
 
 #: Message header of a published follow-up. A follow-up that meets a run holding its lock (with
 #: permits: a full set of slots) is not coalesced again: that run (one of them) took its slot
@@ -84,6 +91,23 @@ def _dumps(task: Task, call: list[Any], lock_key: str) -> tuple[str, str, bytes]
     serializer than its task's (``pickle`` where the task's is ``json``) may carry what only
     that one writes, or keeps: JSON reads a tuple back as a list, which keys differently, so
     the follow-up would take another lock (and the release would drop it as not ours)."""
+
+    def same_lock(loaded: Any) -> None:
+        args, kwargs = loaded
+        _check_lock(task, list(args), dict(kwargs), lock_key)
+
+    try:
+        return task_dumps(task, call, same_lock)
+    except EncodeError as exc:
+        raise EncodeError(
+            f"no serializer the app accepts keeps the call of {lock_key}: {exc}"
+        ) from None
+
+
+def task_dumps(task: Task, data: Any, check: Callable[[Any], None]) -> tuple[str, str, bytes]:
+    """``data`` in the task's serializer; else in the first of the app's ``accept_content``
+    that writes it and reads back what ``check`` accepts (it raises otherwise). Raises
+    ``EncodeError`` when none does."""
     first = task.serializer or task.app.conf.task_serializer
     names = [first]
     for item in task.app.conf.accept_content or ():
@@ -94,15 +118,14 @@ def _dumps(task: Task, call: list[Any], lock_key: str) -> tuple[str, str, bytes]
     failed: Exception | None = None
     for name in names:
         try:
-            written: tuple[str, str, bytes] = dumps(call, serializer=name)  # type: ignore[no-untyped-call]
+            written: tuple[str, str, bytes] = dumps(data, serializer=name)  # type: ignore[no-untyped-call]
             content_type, encoding, body = written
-            args, kwargs = loads(body, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
-            _check_lock(task, list(args), dict(kwargs), lock_key)
-        except Exception as exc:  # this serializer cannot keep the call: the next one
+            check(loads(body, content_type, encoding, accept={content_type}))  # type: ignore[no-untyped-call]
+        except Exception as exc:  # this serializer cannot keep it: the next one
             failed = failed or exc
             continue
         return written
-    raise EncodeError(f"no serializer the app accepts keeps the call of {lock_key}: {failed!r}")
+    raise EncodeError(repr(failed))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
+from .join import join_holder
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
@@ -153,6 +154,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             )
             if wait is not None:
                 self._singleton_requeue(wait, error)
+        if policy == "join" and not request.is_eager:  # raises Joined once joined
+            self._singleton_requeue(join_holder(self, keys.lock, held.holder, held.pttl_ms), error)
         if policy in ("skip", "coalesce"):
             marker = self._singleton_store_skip(keys, held.holder, task_id, request)
             self._singleton_report_skip(keys, held.holder, task_id)

@@ -222,6 +222,12 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
             "singleton_lock_at_least (a burst met in the window would give two runs after it, "
             "not one follow-up); use 'skip' or 'retry' with a window, or coalesce without one"
         )
+    if values["on_duplicate"] == "join" and (values["permits"] > 1 or values["lock_at_least"] > 0):
+        raise SingletonConfigError(
+            f"{_where_policy(task_name)}: singleton_on_duplicate 'join' does not go with "
+            "singleton_permits > 1 or singleton_lock_at_least (a duplicate joins the one run "
+            "that holds its key; with several, or after a window, there is no such run)"
+        )
     if values["permits"] > 1:
         _check_permits(task_name, values)
     return Options(**values)

@@ -38,7 +38,7 @@ __all__ = [
     "Setting",
 ]
 
-POLICIES = ("skip", "retry", "raise", "coalesce")
+POLICIES = ("skip", "retry", "raise", "coalesce", "join")
 LOCK_ON = ("execute", "publish", "both")
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
@@ -254,7 +254,8 @@ SETTINGS: dict[str, Setting] = {
             '"retry" (requeue every `retry_countdown` seconds until it can run), '
             '"raise" (fail with DuplicateTaskError) or "coalesce" (finish at once like a skip; '
             "all duplicates met while one run holds the lock collapse into one follow-up run "
-            "with the latest duplicate's arguments, published when the lock is released).",
+            "with the latest duplicate's arguments, published when the lock is released) or "
+            '"join" (finish with the outcome of the run it met: its value, or its failure).',
         ),
         Setting(
             "on_redis_error",

@@ -22,6 +22,7 @@ from ..core.backend import ReleaseStatus, release_lost_slot
 from ..core.connection import store_for
 from ..core.keys import LockKeys, keys_of
 from ..duplicates.coalesce import publish_follow_up
+from ..duplicates.join import complete_joiners
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import ending_for
 from ..run.events import on_released
@@ -82,13 +83,23 @@ class RunEndings(Task):  # type: ignore[misc]
         ):
             self._singleton_hand_over(handle, retval.when)
             return
-        self._singleton_release(handle, state, eager=request.is_eager, delayed=bool(request.eta))
+        self._singleton_release(
+            handle, state, eager=request.is_eager, delayed=bool(request.eta), retval=retval
+        )
 
     def _singleton_release(
-        self, handle: LockHandle, state: str, *, eager: bool, delayed: bool = False
+        self,
+        handle: LockHandle,
+        state: str,
+        *,
+        eager: bool,
+        delayed: bool = False,
+        retval: Any = None,
     ) -> None:
         """Release the lock of a run that ended in ``state`` (see ``_singleton_after_run``);
-        ``delayed``: its message carried an eta or countdown."""
+        ``delayed``: its message carried an eta or countdown. Under the join policy, the
+        duplicates that joined it are completed with ``state`` and ``retval`` after the release
+        (duplicates/join.py)."""
         held, renewer = handle._held, handle._renewer
         assert held is not None
         assert renewer is not None
@@ -104,6 +115,11 @@ class RunEndings(Task):  # type: ignore[misc]
             on_released(held, renewer.release_now(held), state)
             self._singleton_follow_up(keys_of(held.key, opts.permits), state, held.owner)
             return
+        if opts.on_duplicate == "join":  # released now: the joiners complete at once
+            on_released(held, renewer.release_now(held), state)
+            if state in (states.SUCCESS, states.FAILURE) and not eager:
+                complete_joiners(self, held.key, held.owner, state, retval)
+            return
         # A completion record must reach Redis before the message's acknowledgement, which
         # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
         # wait_replicas, a failed write) the release is made here, not left to the thread.
@@ -112,6 +128,25 @@ class RunEndings(Task):  # type: ignore[misc]
         ):
             return
         on_released(held, renewer.release_now(held), state)
+
+    def singleton_end_joiners_for(
+        self,
+        task_id: str,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        state: str,
+        exc: BaseException,
+    ) -> None:
+        """Complete the duplicates that joined the run ``task_id`` with its end (``state`` and
+        ``exc``), from the worker's main process: a run terminated by a revoke, or stopped by
+        its hard time limit, whose own process does not end it (duplicates/join.py)."""
+        if self.singleton_options().on_duplicate != "join":
+            return
+        try:
+            keys = self.singleton_keys(args, kwargs)
+        except SingletonKeyError:
+            return
+        complete_joiners(self, keys.lock, task_id, state, exc)
 
     def _singleton_follow_up(
         self, keys: LockKeys, reason: str, releaser: str | None = None

@@ -51,7 +51,8 @@ from functools import partial
 from typing import Any
 
 from celery import signals as celery_signals
-from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery import states
+from celery.exceptions import TaskRevokedError, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
@@ -177,6 +178,8 @@ def _release_after_child_loss(
         # else: the executing process reports its own run (its task_postrun releases)
         return
     generation = int(request.request_dict.get("retries") or 0)
+    if isinstance(exception, TimeLimitExceeded):  # its joiners fail as its own caller sees it
+        sender.singleton_end_joiners_for(task_id, args, kwargs, states.FAILURE, exception)
     release = partial(sender.singleton_release_for, task_id, args, kwargs, generation, reason)
     if reason == "worker lost":
         release()
@@ -220,6 +223,13 @@ def _release_after_terminate(
 ) -> None:
     if not (terminated and isinstance(sender, SingletonTask) and request is not None):
         return
+    sender.singleton_end_joiners_for(  # as its own caller sees it: REVOKED, terminated
+        request.id,
+        request.args,
+        request.kwargs,
+        states.REVOKED,
+        TaskRevokedError("terminated"),
+    )
     try:
         fatal = int(signum) in _FATAL_SIGNALS
     except (TypeError, ValueError):

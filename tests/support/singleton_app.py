@@ -1035,3 +1035,61 @@ hold_renewed = _renewed_task("t.hold_renewed")
 #: with a 30 s ttl whatever SINGLETON_TEST_TTL says: a lock of it that is gone within seconds
 #: was released, not expired
 hold_long_ttl = _renewed_task("t.hold_long_ttl", singleton_ttl=30)
+
+
+# -- the join policy (test_join.py) ------------------------------------------------------------
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.join",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="join",
+)
+def join_hold(
+    self: Any, key: str, seconds: float = 0.0, value: Any = None, fail: bool = False
+) -> Any:
+    """Hold ``key`` for ``seconds`` (until a push to ``key``'s release list: ``seconds`` < 0),
+    then return ``value`` (or fail with ValueError(value)); a duplicate joins the run it
+    meets."""
+    _run(self, key, max(seconds, 0.0), until=f"{key}:go" if seconds < 0 else None)
+    if fail:
+        raise ValueError(value)
+    return value
+
+
+@app.task(bind=True, name="t.join_next")
+def join_next(self: Any, value: Any, tag: str = "") -> list[Any]:
+    """A chain step or link after a joined call: what it was given, and its tag."""
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(app.conf.singleton_test_prefix + "join:next", f"{tag}:{value!r}")
+    return [value, tag]
+
+
+@app.task(name="t.join_errback")
+def join_errback(request: Any, exc: Any, traceback: Any) -> None:
+    """An error link of a joined call: records the failed task's id and error."""
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(app.conf.singleton_test_prefix + "join:errors", f"{request.id}:{exc!r}")
+
+
+@app.task(name="t.join_gather")
+def join_gather(values: list[Any]) -> list[Any]:
+    """A chord's body: the header members' values."""
+    return values
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.join_retry",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="join",
+)
+def join_retry(self: Any, key: str, value: Any = None) -> Any:
+    """Wait for a push to ``key``'s release list, retry once, then return ``value``."""
+    _run(self, key, 0.0, until=f"{key}:go")
+    if not self.request.retries:
+        raise self.retry(countdown=0.2)
+    return value

@@ -1,0 +1,302 @@
+"""``singleton_on_duplicate="join"``: a duplicate ends with the outcome of the run it met.
+
+A duplicate that meets a run holding its lock does not run, and takes no worker slot while it
+waits. In its ``before_start`` it:
+
+1. keeps a record of its request beside the lock (core/joiners.py ``join.lua``, owner-checked:
+   only while the run it met still holds the lock): its id, name, arguments, links, error
+   links, chain, chord and group, in the task's serializer;
+2. publishes a *watch copy* of its own message (the same task id, retries and canvas, as
+   ``retry()`` would, due when the lock would expire; never after the message's own
+   ``expires``), so that it is not lost if the run it joined dies without ending;
+3. ends without a result: its message is acknowledged, its state stays as it was (PENDING,
+   or STARTED with ``track_started``). One ``singleton: duplicate joined`` line and
+   ``duplicate_joined``.
+
+When a run of the key ends for good (not a hand-over to its ``retry()``), after its release it
+takes the joiners (core/joiners.py ``take_joiners.lua``) and completes each as Celery's tracer
+completes a run (:func:`complete_joiners`): with its return value, the joiner's links and next
+chain step are sent and its result stored (a chord's header counts it); with its exception,
+its result is that failure and its error links are called. Then each is recorded as a
+completed run (core/completion.py), so its watch copy is dropped when it arrives.
+
+The watch copy, on arrival: dropped (the joiner was completed); joins again (the run still
+holds the lock: a long run); or runs, when the run it joined died and no redelivery took its
+lock back within the ttl. Its own end then completes the other joiners. A joiner whose
+message expired is not completed: its watch copy, due no later than that, ends as Celery ends
+an expired message (REVOKED).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from celery import Task, states
+from celery.app.task import Context
+from celery.canvas import signature
+from celery.exceptions import Ignore
+from kombu.serialization import loads, prepare_accept_content
+
+from .. import signals
+from ..core.connection import store_for
+from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
+from ..run.callrepr import repr_options
+from ..run.log import LOGGED_ERRORS, about, logger
+from .coalesce import task_dumps
+
+__all__ = ["JOINED_HEADER", "Joined", "complete_joiners", "join_holder"]
+
+#: Message header of a joiner's watch copy: the holder it joined.
+JOINED_HEADER = "singleton_joined"
+
+#: The request fields a joiner's completion needs (Celery's tracer reads the same).
+_FIELDS = (
+    "id",
+    "task",
+    "args",
+    "kwargs",
+    "callbacks",
+    "errbacks",
+    "chain",
+    "chord",
+    "group",
+    "group_index",
+    "root_id",
+    "parent_id",
+    "reply_to",
+    "correlation_id",
+    "ignore_result",
+    "retries",
+    "expires",
+    "hostname",
+    "priority",
+    "delivery_info",
+)
+
+#: The delivery fields kept (Celery's backends read them)
+_DELIVERY = ("exchange", "routing_key", "priority", "is_eager")
+
+#: How much longer than the lock the joiners are kept: a watch copy, due at the lock's expiry,
+#: joins again (and so keeps them) while the holder still runs.
+_KEEP_PAST_LOCK_MS = 60_000
+
+
+class Joined(Ignore):  # type: ignore[misc]
+    """How a joined duplicate ends in Celery's tracer: acknowledged, nothing stored."""
+
+
+def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
+    """Join the run of ``holder`` (the lock's holder, ``pttl_ms`` left) from the current
+    request's ``before_start``: raises :class:`Joined` once joined. Returns the countdown to
+    requeue this duplicate after when it could not join: the holder let go meanwhile (0: it
+    takes the lock or meets the next holder at once), or Redis failed."""
+    request = task.request
+    opts = task.singleton_options()
+    run = store_for(opts.redis_url).run_script
+    try:
+        joined = join(run, lock_key, holder, request.id, _record(task, request), _keep_ms(opts))
+    except LOGGED_ERRORS as exc:
+        logger.warning(
+            "singleton: could not join duplicate, requeued: %s[%s] key=%s: %s",
+            task.name,
+            request.id,
+            lock_key,
+            exc,
+        )
+        return float(opts.retry_countdown)
+    if not joined:
+        return 0.0
+    countdown = _watch_countdown(pttl_ms, request.expires)
+    try:
+        headers = {**(request.headers or {}), JOINED_HEADER: holder}
+        task.signature_from_request(
+            request, countdown=countdown, headers=headers, **repr_options(request)
+        ).apply_async()
+    except Exception as exc:  # its message must stay somewhere: requeued instead
+        try:
+            withdrawn = unjoin(run, lock_key, request.id)
+        except LOGGED_ERRORS:
+            withdrawn = False
+        logger.warning(
+            "singleton: could not keep joined duplicate's message, %s: %s[%s] key=%s: %s",
+            "requeued" if withdrawn else "the holder's end completes it",
+            task.name,
+            request.id,
+            lock_key,
+            exc,
+        )
+        if not withdrawn:
+            raise Joined() from exc
+        return float(opts.retry_countdown)
+    logger.info(
+        "singleton: duplicate joined: %s[%s] key=%s holder=%s",
+        task.name,
+        request.id,
+        lock_key,
+        holder,
+    )
+    signals.duplicate_joined.send(sender=task, key=lock_key, task_id=request.id, holder=holder)
+    raise Joined()
+
+
+def complete_joiners(task: Task, lock_key: str, ended: str, state: str, retval: Any) -> int:
+    """Complete the joiners of ``lock_key`` that the end of run ``ended`` takes; how many.
+    ``state``: SUCCESS with the value ``retval``; FAILURE or REVOKED with the exception
+    ``retval`` (each joiner ends in that state, its error links called)."""
+    opts = task.singleton_options()
+    run = store_for(opts.redis_url).run_script
+    try:
+        joiners = take_joiners(run, lock_key, ended)
+    except LOGGED_ERRORS as exc:
+        logger.warning(
+            "singleton: could not take joined duplicates, their watch copies run them: "
+            "%s[%s] key=%s: %s",
+            task.name,
+            ended,
+            lock_key,
+            exc,
+            extra=about(task.name, ended),
+        )
+        return 0
+    done: list[tuple[str, int]] = []
+    for joiner in joiners:
+        request = _completed(task, joiner, state, retval, lock_key, ended)
+        if request is not None:
+            done.append((joiner.task_id, int(request.retries or 0)))
+    if done:
+        try:
+            record_done(run, lock_key, done, _keep_ms(opts) * 2)
+        except LOGGED_ERRORS as exc:
+            logger.warning(
+                "singleton: could not record joined duplicates as completed, their watch "
+                "copies run again: %s[%s] key=%s: %s",
+                task.name,
+                ended,
+                lock_key,
+                exc,
+                extra=about(task.name, ended),
+            )
+    return len(done)
+
+
+def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
+    task: Task, joiner: Joiner, state: str, retval: Any, lock_key: str, ended: str
+) -> Context | None:
+    """Complete one joiner; its request, or None when it was not (expired, unreadable)."""
+    try:
+        request = _request_of(task, joiner.record)
+    except Exception as exc:  # not written by this app: never loaded
+        logger.error(
+            "singleton: joined duplicate dropped, not a record this app wrote or accepts: "
+            "[%s] key=%s: %r",
+            joiner.task_id,
+            lock_key,
+            exc,
+        )
+        return None
+    if _expired(request.expires):
+        return None  # its watch copy, due by then, ends it as expired
+    target = task.app.tasks.get(request.task) or task
+    try:
+        if state == states.SUCCESS:
+            _succeed(target, request, retval)
+        else:
+            error = retval if isinstance(retval, BaseException) else RuntimeError(repr(retval))
+            target.backend.mark_as_failure(
+                request.id, error, None, request=request, call_errbacks=True, state=state
+            )
+    except Exception as exc:
+        logger.error(
+            "singleton: could not complete joined duplicate, its watch copy runs it: "
+            "%s[%s] key=%s holder=%s: %r",
+            request.task,
+            request.id,
+            lock_key,
+            ended,
+            exc,
+        )
+        return None
+    logger.info(
+        "singleton: joined duplicate completed: %s[%s] key=%s holder=%s state=%s",
+        request.task,
+        request.id,
+        lock_key,
+        ended,
+        state,
+    )
+    return request
+
+
+def _succeed(task: Task, request: Context, retval: Any) -> None:
+    """What Celery's tracer does for a run that returned ``retval``: links and the next chain
+    step sent, then the result stored (a chord's header member counted)."""
+    app = task.app
+    for callback in request.callbacks or ():
+        signature(callback, app=app).apply_async(
+            (retval,), parent_id=request.id, root_id=request.root_id
+        )
+    chain = list(request.chain or ())
+    if chain:
+        signature(chain[-1], app=app).apply_async(
+            (retval,), chain=chain[:-1], parent_id=request.id, root_id=request.root_id
+        )
+    task.backend.mark_as_done(request.id, retval, request=request)
+
+
+def _record(task: Task, request: Context) -> bytes:
+    """The request fields a completion needs, in the task's serializer (or the first of the
+    app's ``accept_content`` that keeps them), behind a JSON line naming it."""
+    fields = {name: getattr(request, name, None) for name in _FIELDS}
+    fields["args"] = list(fields["args"] or ())
+    fields["kwargs"] = dict(fields["kwargs"] or {})
+    delivery = fields["delivery_info"] or {}
+    fields["delivery_info"] = {k: v for k, v in delivery.items() if k in _DELIVERY}
+    if isinstance(fields["expires"], datetime):
+        fields["expires"] = fields["expires"].isoformat()
+    content_type, encoding, body = task_dumps(task, fields, lambda loaded: None)
+    head = json.dumps({"ctype": content_type, "cenc": encoding}).encode()
+    return head + b"\n" + (body if isinstance(body, bytes) else body.encode())
+
+
+def _request_of(task: Task, record: bytes) -> Context:
+    head, _, body = record.partition(b"\n")
+    meta = json.loads(head)
+    accept = prepare_accept_content(task.app.conf.accept_content)  # type: ignore[no-untyped-call]
+    fields = loads(body, meta["ctype"], meta["cenc"], accept=accept)  # type: ignore[no-untyped-call]
+    if not isinstance(fields, Mapping) or not fields.get("id"):
+        raise TypeError(f"not a joiner's request: {type(fields).__name__}")
+    return Context(dict(fields))
+
+
+def _watch_countdown(pttl_ms: int, expires: Any) -> float:
+    """When the watch copy is due: just after the lock would expire, never after ``expires``."""
+    countdown = max(pttl_ms, 0) / 1000 + 0.5
+    left = _seconds_left(expires)
+    if left is not None:
+        countdown = min(countdown, max(left, 0.0))
+    return countdown
+
+
+def _expired(expires: Any) -> bool:
+    left = _seconds_left(expires)
+    return left is not None and left <= 0
+
+
+def _seconds_left(expires: Any) -> float | None:
+    if expires is None or expires == "":
+        return None
+    try:
+        when = expires if isinstance(expires, datetime) else datetime.fromisoformat(str(expires))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp() - time.time()
+
+
+def _keep_ms(opts: Any) -> int:
+    return int(opts.ttl_ms) + _KEEP_PAST_LOCK_MS

@@ -1,0 +1,234 @@
+"""``singleton_on_duplicate="join"`` on real workers: a duplicate ends with the outcome of the
+run it met (its value, or its failure), its canvas going on with it, and no joined call is
+lost when the run it joined dies."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+from celery import Celery, chain, chord
+
+from celery_singleton_lock.core.joiners import joiners_key
+from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.history import check_history, load_history
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+POOLS = ["prefork", "threads", "solo"]
+
+
+def _workers(factory: WorkerFactory, client_app: Celery, pool: str) -> list[WorkerProcess]:
+    """Workers with room for a holder and its duplicates at once: a solo worker runs one
+    task at a time, so that pool gets two of them."""
+    if pool == "solo":
+        started = [factory.start(SINGLETON_APP, pool="solo", concurrency=1) for _ in "ab"]
+    else:
+        started = [factory.start(SINGLETON_APP, pool=pool, concurrency=3)]
+    for worker in started:
+        worker.wait_ready(client_app)
+    return started
+
+
+def _joined(redis_client: redis.Redis, lock: str, count: int, *workers: WorkerProcess) -> None:
+    wait_for(
+        lambda: redis_client.hlen(joiners_key(lock)) >= count,
+        20,
+        f"{count} duplicates to join",
+        *workers,
+    )
+
+
+def _runs(redis_client: redis.Redis, key_prefix: str, key: str) -> int:
+    history = load_history(redis_client, history_key(key_prefix))
+    return len([e for e in history if e.key == key])
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("pool", POOLS)
+def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    pool: str,
+) -> None:
+    """Two duplicates join a running holder: a plain call with a link, and a chain's first
+    step. Each ends SUCCESS with the holder's value; the link and the chain's next step get
+    that value; the body ran once."""
+    workers = _workers(worker_factory, client_app, pool)
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    after = client_app.signature("t.join_next")
+    holder = join.clone((key, -1, {"v": 42})).apply_async()
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
+    linked = join.clone((key, 0, "not run")).apply_async(link=after.clone(kwargs={"tag": "link"}))
+    chained = chain(join.clone((key, 0, "not run")), after.clone(kwargs={"tag": "chain"}))()
+    _joined(redis_client, lock, 2, *workers)
+    redis_client.rpush(f"{key}:go", 1)
+
+    assert holder.get(timeout=20) == {"v": 42}
+    assert linked.get(timeout=20) == {"v": 42}
+    assert chained.get(timeout=20) == [{"v": 42}, "chain"]
+    assert linked.state == "SUCCESS"
+    assert chained.parent.get(timeout=5) == {"v": 42}
+    nexts = wait_for(
+        lambda: (
+            sorted(v.decode() for v in redis_client.lrange(f"{key_prefix}join:next", 0, -1))
+            if redis_client.llen(f"{key_prefix}join:next") >= 2
+            else None
+        ),
+        10,
+        "the link and the chain step",
+    )
+    assert nexts == ["chain:{'v': 42}", "link:{'v': 42}"]
+    assert _runs(redis_client, key_prefix, key) == 1
+    check_history(load_history(redis_client, history_key(key_prefix)))
+    logs = "".join(w.log_text() for w in workers)
+    assert logs.count("singleton: duplicate joined: t.join[") == 2, logs
+    assert logs.count("singleton: joined duplicate completed: t.join[") == 2, logs
+    assert not redis_client.exists(joiners_key(lock))
+
+
+def _held_lock(redis_client: redis.Redis, key_prefix: str, task: str = "t.join") -> str | None:
+    """The key of the lock a run of ``task`` holds (one key per test), once there is one."""
+    found = [k.decode() for k in redis_client.scan_iter(f"{key_prefix}lock:{{{task}:*}}:lock")]
+    return found[0] if found else None
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_joined_duplicate_ends_with_the_holders_failure_and_its_error_link_fires(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    holder = join.clone((key, -1, "boom"), {"fail": True}).apply_async()
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
+    joined = join.clone((key, 0, "not run")).apply_async(
+        link_error=client_app.signature("t.join_errback")
+    )
+    _joined(redis_client, lock, 1, worker)
+    redis_client.rpush(f"{key}:go", 1)
+
+    with pytest.raises(ValueError, match="boom"):
+        holder.get(timeout=20)
+    with pytest.raises(ValueError, match="boom"):
+        joined.get(timeout=20)
+    assert joined.state == "FAILURE"
+    errors = wait_for(
+        lambda: redis_client.lrange(f"{key_prefix}join:errors", 0, -1), 10, "the error link"
+    )
+    assert [e.decode() for e in errors] == [f"{joined.id}:ValueError('boom')"]
+    assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_chord_counts_a_joined_member_with_the_holders_value(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """A chord's header with two members of one key: one runs, the other joins it; the body
+    runs once, with both members' values (the same) and the third member's."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key, other = f"k-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    header = [join.clone((key, -1, "same")), join.clone((key, -1, "same")), join.clone((other,))]
+    result = chord(header, client_app.signature("t.join_gather"))()
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
+    _joined(redis_client, lock, 1, worker)
+    redis_client.rpush(f"{key}:go", 1)
+    assert result.get(timeout=20) == ["same", "same", None]
+    assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_joiners_wait_through_the_holders_retry_for_its_final_value(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    holder = client_app.signature("t.join_retry").clone((key, "final")).apply_async()
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", worker)
+    joined = client_app.signature("t.join_retry").clone((key, "not run")).apply_async()
+    _joined(redis_client, lock, 1, worker)
+    redis_client.rpush(f"{key}:go", 1, 1)  # the first try, then the retried one
+    assert holder.get(timeout=20) == "final"
+    assert joined.get(timeout=20) == "final"
+    assert _runs(redis_client, key_prefix, key) == 2  # the holder's two tries
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """The holder's whole node is killed (no redelivery: acks early): when its lock expires,
+    a joiner's watch copy runs in its place, and the other joiner ends with that run's value.
+    (The joiners and their watch copies are on another worker's queue: a watch copy is a
+    message with an eta, which a worker killed outright keeps unacknowledged until the broker
+    restores it, as any retry's.)"""
+    main = client_app.conf.task_default_queue
+    side = f"{main}-side"
+    survivor = worker_factory.start(
+        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", main)
+    )
+    doomed = worker_factory.start(
+        SINGLETON_APP, pool="solo", concurrency=1, extra_args=("-Q", side)
+    )
+    for worker in (survivor, doomed):
+        worker.wait_ready(client_app)
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    holder = join.clone((key, -1, "lost")).apply_async(queue=side)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", doomed)
+    first = join.clone((key, 0, "first")).apply_async()
+    second = join.clone((key, 0, "second")).apply_async()
+    _joined(redis_client, lock, 2, survivor)
+    doomed.kill()
+
+    values = {first.get(timeout=30), second.get(timeout=30)}
+    assert len(values) == 1, values  # one ran, the other joined it
+    assert values <= {"first", "second"}
+    assert holder.state != "SUCCESS"
+    assert _runs(redis_client, key_prefix, key) == 2  # the lost holder's, and its stand-in's
+    check_history(load_history(redis_client, history_key(key_prefix)))
+
+
+@pytest.mark.slow(seconds=8)
+@pytest.mark.parametrize("how", ["revoke", "time limit"])
+def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    how: str,
+) -> None:
+    """``revoke(terminate=True)`` of the holder: its joiner ends REVOKED (TaskRevokedError), as
+    the holder's own result; its hard time limit: the joiner fails with TimeLimitExceeded."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    options = {"time_limit": 2.0} if how == "time limit" else {}
+    holder = join.clone((key, -1, "never")).apply_async(**options)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
+    joined = join.clone((key, 0, "not run")).apply_async()
+    _joined(redis_client, lock, 1, worker)
+    if how == "revoke":
+        client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
+    expected = "REVOKED" if how == "revoke" else "FAILURE"
+    wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
+    wait_for(lambda: joined.state == expected, 20, f"the joiner {expected}", worker)
+    assert type(joined.result) is type(holder.result), (joined.result, holder.result)
+    assert _runs(redis_client, key_prefix, key) == 1
