@@ -158,7 +158,9 @@ def test_joiners_wait_through_the_holders_retry_for_its_final_value(
     (worker,) = _workers(worker_factory, client_app, "prefork")
     key = f"k-{uuid.uuid4().hex[:8]}"
     holder = client_app.signature("t.join_retry").clone((key, "final")).apply_async()
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", worker)
+    lock = wait_for(
+        lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", worker
+    )
     joined = client_app.signature("t.join_retry").clone((key, "not run")).apply_async()
     _joined(redis_client, lock, 1, worker)
     redis_client.rpush(f"{key}:go", 1, 1)  # the first try, then the retried one
