@@ -48,10 +48,13 @@ from ..run.callrepr import repr_options
 from ..run.log import LOGGED_ERRORS, about, logger
 from .coalesce import task_dumps
 
-__all__ = ["JOINED_HEADER", "Joined", "complete_joiners", "join_holder"]
+__all__ = ["JOINED_HEADER", "Joined", "complete_joiners", "join_holder", "runs_in_place"]
 
 #: Message header of a joiner's watch copy: the holder it joined.
 JOINED_HEADER = "singleton_joined"
+
+#: Message header of a watch copy's last check (see :func:`runs_in_place`).
+_RECHECK_HEADER = "singleton_joined_recheck"
 
 #: The request fields a joiner's completion needs (Celery's tracer reads the same).
 _FIELDS = (
@@ -141,6 +144,62 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
     )
     signals.duplicate_joined.send(sender=task, key=lock_key, task_id=request.id, holder=holder)
     raise Joined()
+
+
+def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
+    """Whether this run may go on, having taken the lock: True for any run but a joiner's watch
+    copy. A watch copy took it because the run it joined died: it withdraws its own record
+    first, so that no later end completes it a second time, and runs. If its record is gone
+    already, a run's end is completing it right now: it does not run (False: the caller ends
+    it) but checks once more, one ttl later, with a copy that runs unless that end recorded it
+    as completed (then acquire.lua drops the copy)."""
+    holder = request.get(JOINED_HEADER)
+    if not holder:
+        return True
+    opts = task.singleton_options()
+    try:
+        withdrawn = unjoin(store_for(opts.redis_url).run_script, lock_key, request.id)
+    except LOGGED_ERRORS as exc:  # its own end drops the record; a death before may repeat it
+        logger.warning(
+            "singleton: could not withdraw a joined duplicate that runs itself: %s[%s] key=%s: %s",
+            task.name,
+            request.id,
+            lock_key,
+            exc,
+        )
+        return True
+    if withdrawn or request.get(_RECHECK_HEADER):
+        logger.info(
+            "singleton: joined duplicate runs in its holder's place: %s[%s] key=%s holder=%s",
+            task.name,
+            request.id,
+            lock_key,
+            holder,
+        )
+        return True
+    countdown = opts.ttl_ms / 1000
+    try:
+        headers = {**(request.headers or {}), JOINED_HEADER: holder, _RECHECK_HEADER: True}
+        task.signature_from_request(
+            request, countdown=countdown, headers=headers, **repr_options(request)
+        ).apply_async()
+    except Exception as exc:  # run now rather than risk a call left without an end
+        logger.warning(
+            "singleton: could not keep joined duplicate's message, runs now: %s[%s] key=%s: %s",
+            task.name,
+            request.id,
+            lock_key,
+            exc,
+        )
+        return True
+    logger.info(
+        "singleton: joined duplicate is being completed, checks again in %ss: %s[%s] key=%s",
+        round(countdown, 3),
+        task.name,
+        request.id,
+        lock_key,
+    )
+    return False
 
 
 def complete_joiners(task: Task, lock_key: str, ended: str, state: str, retval: Any) -> int:

@@ -39,6 +39,7 @@ from ..core.backend import Acquired, Completed, Contended, release_lost_slot
 from ..core.connection import renewer_for, store_for
 from ..core.keys import KeyDeriver, LockKeys
 from ..core.renewer import HeldLock, Renewer
+from ..duplicates.join import Joined, runs_in_place
 from ..duplicates.policies import DuplicatePolicies, waited
 from ..duplicates.skips import Skipped
 from ..errors import LockUnavailableError, SingletonKeyError
@@ -283,6 +284,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
         if first is not None:  # from here the run's postrun releases it, not trace_run
             first.taken = True
         renewer.add(held)
+        if opts.on_duplicate == "join" and not runs_in_place(self, key, request):
+            raise Joined()  # a watch copy whose joiner a run's end is completing: released
         if logger.isEnabledFor(logging.DEBUG):  # the run's path: no call for a line not logged
             logger.debug(
                 "singleton: acquired %s[%s] key=%s token=%d reentered=%s",

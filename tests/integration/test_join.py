@@ -5,12 +5,16 @@ lost when the run it joined dies."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery, chain, chord
 
-from celery_singleton_lock.core.joiners import joiners_key
+from celery_singleton_lock.core.joiners import joiners_key, record_done
+from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.core.store import LockStore
+from celery_singleton_lock.duplicates.join import JOINED_HEADER
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import check_history, load_history
 from tests.support.waiting import wait_for
@@ -234,3 +238,42 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
     wait_for(lambda: joined.state == expected, 20, f"the joiner {expected}", worker)
     assert type(joined.result) is type(holder.result), (joined.result, holder.result)
     assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=6)
+@pytest.mark.parametrize("completed", [False, True])
+def test_a_watch_copy_whose_joiner_is_being_completed_checks_again_before_running(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    completed: bool,
+) -> None:
+    """A watch copy that finds the lock free but its own record taken (a run's end is
+    completing it right now) does not run: it checks again one ttl later, and then runs,
+    unless that end recorded it as completed meanwhile (then it is dropped)."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    copy = (
+        client_app.signature("t.join")
+        .clone((key, 0, "its own"))
+        .apply_async(headers={JOINED_HEADER: "a-holder-that-died"})
+    )
+    worker.wait_for_log(rf"joined duplicate is being completed, checks again in .*\[{copy.id}\]")
+    wait_for(lambda: _held_lock(redis_client, key_prefix) is None, 10, "the lock's release")
+    if completed:  # what the completing end writes once the joiner's result is stored
+        store = LockStore(redis_client)
+        record_done(store.run_script, _lock_of(key_prefix, key), [(copy.id, 0)], 60_000)
+        worker.wait_for_log(rf"already completed, redelivery dropped: t.join\[{copy.id}\]")
+        assert copy.state == "PENDING"
+    else:
+        assert copy.get(timeout=20) == "its own"
+        worker.wait_for_log(rf"runs in its holder's place: t.join\[{copy.id}\]")
+
+
+def _signature(key: str, seconds: float = 0.0, value: Any = None, fail: bool = False) -> None:
+    """Same parameters as t.join."""
+
+
+def _lock_of(key_prefix: str, key: str) -> str:
+    return derive_keys(f"{key_prefix}lock:", "t.join", _signature, (key,), {}, ("key",)).lock

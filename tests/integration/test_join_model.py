@@ -1,0 +1,179 @@
+"""Model-based test (hypothesis stateful) of the join scripts against real Redis: join.lua,
+take_joiners.lua and unjoin.lua beside a lock taken and let go by acquire.lua and release.lua.
+
+Runs take the lock, end (their release, then their end takes the joiners), die (their lock
+expires, nobody takes anything) or are ended by the worker's main process while they still
+hold the lock (a terminate, a hard time limit). Duplicates join the run they met (maybe gone
+by now); a joiner's watch copy arrives (it joins the holder again, or takes the free lock and
+runs in a dead holder's place); a joiner whose watch copy could not be published is withdrawn.
+
+After every step Redis holds the joiners the model says, each with the holder it joined last,
+and no joined call has ended twice. At the end every run ends and every watch copy comes: each
+joined call has then ended exactly once (completed by a run's end, or run itself).
+
+``SINGLETON_MODEL_EXAMPLES`` and ``SINGLETON_MODEL_STEPS`` size the run as for
+test_protocol_model.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import redis
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
+from celery_singleton_lock.core.joiners import join, joiners_key, take_joiners, unjoin
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.store import LockStore
+from tests.conftest import delete_prefix
+from tests.integration.test_pending_model import SETTINGS, TTL_MS
+
+KEEP_MS = 60_000
+
+
+class JoinModel(RuleBasedStateMachine):
+    def __init__(self, redis_url: str) -> None:
+        super().__init__()
+        self.client = redis.Redis.from_url(redis_url)
+        self.namespace = f"cslt:{uuid.uuid4().hex[:8]}:"
+        self.store = LockStore(self.client)
+        self.run = self.store.run_script
+        self.keys = lock_keys(self.namespace, "m.join", b"k")
+        self.holder: str | None = None
+        self.runs: list[str] = []  # every run that held the lock, gone or not
+        self.joined: dict[str, str] = {}  # joiner -> the holder its record names
+        self.waiting: set[str] = set()  # joiners whose watch copy is still to come
+        self.ended: Counter[str] = Counter()  # joiner -> how often it ended
+        self.joiners: set[str] = set()  # every duplicate that joined once
+        self.made = 0  # ids are made in order: a replay of the example draws the same ones
+
+    def _id(self, kind: str) -> str:
+        self.made += 1
+        return f"{kind}{self.made:04d}"
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def _take(self, owner: str) -> None:
+        outcome = self.store.acquire(self.keys, owner, 0, TTL_MS)
+        assert isinstance(outcome, Acquired)
+        self.holder = owner
+        self.runs.append(owner)
+
+    @precondition(lambda self: self.holder is None)
+    @rule()
+    def a_run_takes_the_lock(self) -> None:
+        self._take(self._id("run"))
+
+    def _end_takes(self, ended: str) -> None:
+        """What ``ended``'s end takes: every record but its own (dropped)."""
+        expected = {j for j, met in self.joined.items() if j != ended}
+        if self.holder is not None and self.holder != ended:
+            expected = {j for j in expected if self.joined[j] != self.holder}
+        taken = take_joiners(self.run, self.keys.lock, ended)
+        assert {j.task_id for j in taken} == expected
+        for joiner in taken:
+            assert joiner.holder == self.joined[joiner.task_id]
+            assert joiner.record == b"r-" + joiner.task_id.encode()
+            self.ended[joiner.task_id] += 1
+            self.waiting.discard(joiner.task_id)
+            del self.joined[joiner.task_id]
+        self.joined.pop(ended, None)
+
+    @precondition(lambda self: self.holder is not None)
+    @rule(expire=st.booleans())
+    def the_holder_lets_go(self, expire: bool) -> None:
+        """Its release and its end's take, or its lock's expiry (its node died)."""
+        holder, self.holder = self.holder, None
+        assert holder is not None
+        if expire:
+            self.client.delete(self.keys.lock)
+            return
+        assert self.store.release(self.keys.lock, holder, 0) is ReleaseStatus.RELEASED
+        self._end_takes(holder)
+
+    @precondition(lambda self: self.holder is not None)
+    @rule()
+    def the_main_process_ends_the_holder(self) -> None:
+        """A terminate or a hard time limit: its joiners end while it still holds the lock."""
+        assert self.holder is not None
+        self._end_takes(self.holder)
+
+    # -- joiners ---------------------------------------------------------------------------
+
+    def _join(self, joiner: str, met: str) -> None:
+        joined = join(self.run, self.keys.lock, met, joiner, b"r-" + joiner.encode(), KEEP_MS)
+        assert joined == (met == self.holder)
+        if joined:
+            self.joined[joiner] = met
+            self.waiting.add(joiner)
+            self.joiners.add(joiner)
+
+    @precondition(lambda self: self.runs)
+    @rule(data=st.data())
+    def a_duplicate_joins(self, data: st.DataObject) -> None:
+        met = data.draw(st.sampled_from(self.runs), label="the holder it met")
+        self._join(self._id("dup"), met)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def a_watch_copy_arrives(self, data: st.DataObject) -> None:
+        joiner = data.draw(st.sampled_from(sorted(self.waiting)), label="whose")
+        if self.holder is None:  # runs in a dead holder's place, its own record withdrawn
+            self._run_in_place(joiner)
+        elif self.holder != joiner:
+            self._join(joiner, self.holder)
+
+    def _run_in_place(self, joiner: str) -> None:
+        """A watch copy takes the free lock and withdraws its record: it ends by running."""
+        self._take(joiner)
+        assert unjoin(self.run, self.keys.lock, joiner) == (joiner in self.joined)
+        self.joined.pop(joiner, None)
+        self.waiting.discard(joiner)
+        self.ended[joiner] += 1
+
+    @precondition(lambda self: self.joined.keys() & self.waiting)
+    @rule(data=st.data())
+    def a_joiner_is_withdrawn(self, data: st.DataObject) -> None:
+        """Its watch copy could not be published: requeued instead (it comes back)."""
+        joiner = data.draw(st.sampled_from(sorted(self.joined.keys() & self.waiting)))
+        assert unjoin(self.run, self.keys.lock, joiner)
+        del self.joined[joiner]
+
+    # -- checks ----------------------------------------------------------------------------
+
+    @invariant()
+    def redis_holds_the_joiners_the_model_says(self) -> None:
+        stored = self.client.hgetall(joiners_key(self.keys.lock))
+        assert {k.decode(): v for k, v in stored.items()} == {
+            j: f"{met}|r-{j}".encode() for j, met in self.joined.items()
+        }
+        assert all(count == 1 for count in self.ended.values()), self.ended
+
+    def teardown(self) -> None:
+        try:
+            for _ in range(4 * len(self.joiners) + 2):  # every run ends, every copy comes
+                if self.holder is not None:
+                    self.the_holder_lets_go(expire=False)
+                elif self.waiting:
+                    self._run_in_place(sorted(self.waiting)[0])
+                else:
+                    break
+            assert not self.waiting
+            assert {j: self.ended[j] for j in self.joiners} == dict.fromkeys(self.joiners, 1)
+            assert not self.client.exists(joiners_key(self.keys.lock))
+        finally:
+            delete_prefix(self.client, self.namespace)
+            self.client.close()
+
+
+def test_the_joiners_against_the_model(redis_url: str) -> None:
+    run_state_machine_as_test(lambda: JoinModel(redis_url), settings=SETTINGS)
