@@ -26,6 +26,7 @@ from tests.support.beats import BeatFactory
 from tests.support.django_db import release_database, use_database
 from tests.support.scheduling import longest_first
 from tests.support.servers import RedisServer, shared_redis_url
+from tests.support.topologies import sentinels_and_cluster
 from tests.support.workers import WorkerFactory
 
 # CI runs property tests with a fixed seed, so a run is repeatable; locally they explore.
@@ -177,3 +178,20 @@ def django_database(tmp_path: Path) -> Iterator[Path]:
     path = use_database(tmp_path / "db.sqlite3")
     yield path
     release_database()
+
+
+@pytest.fixture(scope="module")
+def lock_urls() -> Iterator[dict[str, str]]:
+    """A Sentinel set, a Cluster and three Redlock masters, private; their lock URLs."""
+    with sentinels_and_cluster() as (sentinels, cluster):
+        masters = [RedisServer() for _ in range(3)]
+        try:
+            hosts = ",".join(f"127.0.0.1:{m.port}" for m in masters)
+            yield {
+                "sentinel": sentinels.url(),
+                "cluster": cluster.url,
+                "redlock": f"redis+redlock://{hosts}/0",
+            }
+        finally:
+            for master in masters:
+                master.close()

@@ -12,7 +12,6 @@ on real worker processes of every pool and over every lock store.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,8 +27,6 @@ from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key, lock_prefix
 from tests.support.history import load_history
-from tests.support.servers import RedisServer
-from tests.support.topologies import sentinels_and_cluster
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -76,26 +73,6 @@ def start(
     worker = factory.start(SINGLETON_APP, pool=pool, concurrency=2, env=env or {})
     worker.wait_ready(app)
     return worker
-
-
-# -- stores other than the shared single server ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lock_urls() -> Iterator[dict[str, str]]:
-    """A Sentinel set, a Cluster and three Redlock masters, private; their lock URLs."""
-    with sentinels_and_cluster() as (sentinels, cluster):
-        masters = [RedisServer() for _ in range(3)]
-        try:
-            hosts = ",".join(f"127.0.0.1:{m.port}" for m in masters)
-            yield {
-                "sentinel": sentinels.url(),
-                "cluster": cluster.url,
-                "redlock": f"redis+redlock://{hosts}/0",
-            }
-        finally:
-            for master in masters:
-                master.close()
 
 
 # -- 1. a finished message is not run again -------------------------------------------------------

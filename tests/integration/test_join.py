@@ -277,3 +277,31 @@ def _signature(key: str, seconds: float = 0.0, value: Any = None, fail: bool = F
 
 def _lock_of(key_prefix: str, key: str) -> str:
     return derive_keys(f"{key_prefix}lock:", "t.join", _signature, (key,), {}, ("key",)).lock
+
+
+@pytest.mark.slow(seconds=14)
+@pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("store", ["sentinel", "cluster", "redlock"])
+def test_a_duplicate_joins_over_every_store(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    lock_urls: dict[str, str],
+    store: str,
+) -> None:
+    """The locks on a Sentinel's master, a Cluster or Redlock masters: the joiners beside
+    them, and a duplicate ends with the holder's value."""
+    env = {"SINGLETON_TEST_LOCK_URL": lock_urls[store]}
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=3, env=env)
+    worker.wait_ready(client_app)
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    holder = join.clone((key, -1, store)).apply_async()
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    joined = join.clone((key, 0, "not run")).apply_async()
+    worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
+    redis_client.rpush(f"{key}:go", 1)
+    assert holder.get(timeout=20) == store
+    assert joined.get(timeout=20) == store
+    assert _runs(redis_client, key_prefix, key) == 1
