@@ -332,11 +332,12 @@ def _request_of(task: Task, record: bytes) -> Context:
 
 
 def _watch_countdown(pttl_ms: int, expires: Any) -> float:
-    """When the watch copy is due: just after the lock would expire, never after ``expires``."""
+    """When the watch copy is due: just after the lock would expire, or just after the
+    message's own ``expires`` if that comes first."""
     countdown = max(pttl_ms, 0) / 1000 + 0.5
     left = _seconds_left(expires)
-    if left is not None:
-        countdown = min(countdown, max(left, 0.0))
+    if left is not None and left < countdown:  # due just after it expired: Celery ends it
+        countdown = max(left, 0.0) + 0.05
     return countdown
 
 

@@ -128,6 +128,12 @@ def always_published(options: Mapping[str, Any]) -> bool:
     return bool(options.get("group_id") or options.get("chord") or options.get("parent_id"))
 
 
+def _carries_canvas(options: Mapping[str, Any]) -> bool:
+    """Whether a call starts a canvas of its own: ``link``/``link_error`` callbacks, or the
+    rest of a chain it is the first step of."""
+    return bool(options.get("link") or options.get("link_error") or options.get("chain"))
+
+
 def finished(backend: Any, task_id: str) -> bool:
     """True when the result ``backend`` says ``task_id`` is done (its marker is then stale)."""
     if isinstance(backend, DisabledBackend) or not getattr(backend, "persistent", False):
@@ -314,6 +320,10 @@ class PublishDedup(Task):  # type: ignore[misc]
             # again (retry(), a requeued duplicate) is never its own duplicate; canvas members
             return send(args, kwargs, task_id, **options)
         opts = self.singleton_options()
+        if opts.on_duplicate == "join" and _carries_canvas(options):
+            # a duplicate joins on the worker, where its links and chain go on with the
+            # holder's value; refused here, they would not run at all
+            return send(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
         try:

@@ -37,6 +37,12 @@ def eager_app(redis_url: str) -> Iterator[Celery]:
     def retry(self: Any, key: str) -> None:
         """A duplicate of this one cannot be requeued in eager mode."""
 
+    @app.task(
+        bind=True, base=SingletonTask, name="e.join", shared=False, singleton_on_duplicate="join"
+    )
+    def join(self: Any, key: str) -> None:
+        """A duplicate of this one cannot wait in eager mode."""
+
     app.eager_runs = _coalescing_task(app, "e.coalesce")  # type: ignore[attr-defined]
 
     @app.task(bind=True, base=SingletonTask, name="e.permits", shared=False, singleton_permits=2)
@@ -131,6 +137,18 @@ def test_eager_retry_policy_raises(eager_app: Celery, singleton_locks: str) -> N
     assert result.state == "FAILURE"
     with pytest.raises(DuplicateTaskError, match="other-run"):
         result.get()
+
+
+def test_eager_join_policy_raises(eager_app: Celery, singleton_locks: str) -> None:
+    """Under "join" an eager duplicate fails with DuplicateTaskError: nothing can wait in an
+    eager call (the holder may be the caller's own run); the holder's lock stays its own."""
+    join = eager_app.tasks["e.join"]
+    lock = _hold_elsewhere(join, "k")
+    result = join.delay("k")
+    assert result.state == "FAILURE"
+    with pytest.raises(DuplicateTaskError, match="other-run"):
+        result.get()
+    assert held_locks(eager_app, singleton_locks) == [lock]
 
 
 def test_isolated_locks_deletes_its_keys_and_restores_the_prefix(

@@ -11,6 +11,7 @@ import pytest
 import redis
 from celery import Celery, chain, chord
 
+from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.joiners import joiners_key, record_done
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.store import LockStore
@@ -304,4 +305,83 @@ def test_a_duplicate_joins_over_every_store(  # noqa: PLR0917 - fixtures
     redis_client.rpush(f"{key}:go", 1)
     assert holder.get(timeout=20) == store
     assert joined.get(timeout=20) == store
+    assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_joined_call_that_expires_while_it_waits_ends_revoked(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """``expires`` 2 s on a duplicate that joins a holder running longer: the duplicate ends
+    REVOKED as Celery ends an expired message, and the holder's later end leaves it so."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    holder = join.clone((key, -1, "late")).apply_async()
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    joined = join.clone((key, 0, "not run")).apply_async(expires=2.0)
+    worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
+    wait_for(lambda: joined.state == "REVOKED", 20, "the joined call to expire", worker)
+    redis_client.rpush(f"{key}:go", 1)
+    assert holder.get(timeout=20) == "late"
+    worker.wait_for_log(rf"Task t.join\[{holder.id}\] succeeded")
+    assert joined.state == "REVOKED"
+    assert "joined duplicate completed" not in worker.log_text()
+    assert _runs(redis_client, key_prefix, key) == 1
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_call_refused_at_publish_and_one_joined_on_the_worker_agree(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    """``singleton_lock_on="both"`` with ``"join"``: a plain duplicate ``delay()`` is refused
+    at publish and returns the holder's AsyncResult; one that starts a canvas of its own (a
+    link, a chain) is published and joins on the worker. Each caller gets the holder's value,
+    and each canvas goes on with it, as under ``"execute"``."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    client_app.conf.singleton_redis_url = redis_url
+    client_app.conf.singleton_key_prefix = f"{key_prefix}lock:"
+
+    @client_app.task(
+        bind=True,
+        base=SingletonTask,
+        name="t.join_both",
+        shared=False,
+        singleton_key_args=("key",),
+        singleton_on_duplicate="join",
+        singleton_lock_on="both",
+    )
+    def join_both(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> None:
+        """Runs on the worker only."""
+
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    after = client_app.signature("t.join_next")
+    holder = join_both.delay(key, -1, "v")
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    refused = join_both.delay(key, 0, "not run")
+    linked = join_both.apply_async((key, 0, "not run"), link=after.clone(kwargs={"tag": "link"}))
+    chained = chain(join_both.s(key, 0, "not run"), after.clone(kwargs={"tag": "chain"}))()
+    for call in (linked, chained.parent):
+        worker.wait_for_log(rf"singleton: duplicate joined: t.join_both\[{call.id}\]")
+    redis_client.rpush(f"{key}:go", 1)
+
+    assert refused.id == holder.id
+    assert refused.get(timeout=20) == linked.get(timeout=20) == "v"
+    assert chained.get(timeout=20) == ["v", "chain"]
+    nexts = wait_for(
+        lambda: (
+            redis_client.llen(f"{key_prefix}join:next") >= 2
+            and sorted(v.decode() for v in redis_client.lrange(f"{key_prefix}join:next", 0, -1))
+        ),
+        10,
+        "the link and the chain step",
+    )
+    assert nexts == ["chain:'v'", "link:'v'"]
     assert _runs(redis_client, key_prefix, key) == 1

@@ -1059,6 +1059,20 @@ def join_hold(
     return value
 
 
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.join_both",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="join",
+    singleton_lock_on="both",
+)
+def join_both(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> Any:
+    """t.join, deduplicated at publish too."""
+    _run(self, key, max(seconds, 0.0), until=f"{key}:go" if seconds < 0 else None)
+    return value
+
+
 @app.task(bind=True, name="t.join_next")
 def join_next(self: Any, value: Any, tag: str = "") -> list[Any]:
     """A chain step or link after a joined call: what it was given, and its tag."""
