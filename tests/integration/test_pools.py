@@ -276,6 +276,23 @@ def test_a_killed_spawned_child_lock_is_released_by_the_main_process(pools: Pool
 # -- refused at start-up -------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=4)
+@pytest.mark.parametrize("pool", GREEN)
+def test_a_duplicate_joins_a_run_of_a_green_pool(pools: PoolBed, pool: str) -> None:
+    """``singleton_on_duplicate="join"`` in a gevent or eventlet worker: the duplicate waits
+    in no green thread and ends with the holder's value."""
+    worker = pools.worker(pool)
+    key = f"join-{uuid.uuid4().hex[:8]}"
+    holder = pools.run(pool, "t.join", key, -1, {"v": pool})
+    worker.wait_for_log(rf"Task t.join\[{holder.id}\] received")
+    pattern = f"{pools.prefix}lock:{{t.join:*}}:lock"
+    wait_for(lambda: list(pools.client.scan_iter(pattern)), 10, "the lock")
+    joined = pools.run(pool, "t.join", key, 0, "not run")
+    worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
+    pools.client.rpush(f"{key}:go", 1)
+    assert holder.get(timeout=20) == joined.get(timeout=20) == {"v": pool}
+
+
 @pytest.mark.parametrize("pool", GREEN)
 def test_a_green_pool_set_by_worker_pool_alone_is_refused(
     worker_factory: WorkerFactory, pool: str
