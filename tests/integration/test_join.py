@@ -102,22 +102,24 @@ def _held_lock(redis_client: redis.Redis, key_prefix: str, task: str = "t.join")
     return found[0] if found else None
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.slow(seconds=6)
 def test_a_joined_duplicate_ends_with_the_holders_failure_and_its_error_link_fires(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
     key_prefix: str,
+    pool: str,
 ) -> None:
-    (worker,) = _workers(worker_factory, client_app, "prefork")
+    workers = _workers(worker_factory, client_app, pool)
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "boom"), {"fail": True}).apply_async()
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
     joined = join.clone((key, 0, "not run")).apply_async(
         link_error=client_app.signature("t.join_errback")
     )
-    _joined(redis_client, lock, 1, worker)
+    _joined(redis_client, lock, 1, *workers)
     redis_client.rpush(f"{key}:go", 1)
 
     with pytest.raises(ValueError, match="boom"):
@@ -132,54 +134,60 @@ def test_a_joined_duplicate_ends_with_the_holders_failure_and_its_error_link_fir
     assert _runs(redis_client, key_prefix, key) == 1
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.slow(seconds=6)
 def test_a_chord_counts_a_joined_member_with_the_holders_value(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
     key_prefix: str,
+    pool: str,
 ) -> None:
     """A chord's header with two members of one key: one runs, the other joins it; the body
     runs once, with both members' values (the same) and the third member's."""
-    (worker,) = _workers(worker_factory, client_app, "prefork")
+    workers = _workers(worker_factory, client_app, pool)
     key, other = f"k-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     header = [join.clone((key, -1, "same")), join.clone((key, -1, "same")), join.clone((other,))]
     result = chord(header, client_app.signature("t.join_gather"))()
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
-    _joined(redis_client, lock, 1, worker)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
+    _joined(redis_client, lock, 1, *workers)
     redis_client.rpush(f"{key}:go", 1)
     assert result.get(timeout=20) == ["same", "same", None]
     assert _runs(redis_client, key_prefix, key) == 1
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.slow(seconds=6)
 def test_joiners_wait_through_the_holders_retry_for_its_final_value(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
     key_prefix: str,
+    pool: str,
 ) -> None:
-    (worker,) = _workers(worker_factory, client_app, "prefork")
+    workers = _workers(worker_factory, client_app, pool)
     key = f"k-{uuid.uuid4().hex[:8]}"
     holder = client_app.signature("t.join_retry").clone((key, "final")).apply_async()
     lock = wait_for(
-        lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", worker
+        lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", *workers
     )
     joined = client_app.signature("t.join_retry").clone((key, "not run")).apply_async()
-    _joined(redis_client, lock, 1, worker)
+    _joined(redis_client, lock, 1, *workers)
     redis_client.rpush(f"{key}:go", 1, 1)  # the first try, then the retried one
     assert holder.get(timeout=20) == "final"
     assert joined.get(timeout=20) == "final"
     assert _runs(redis_client, key_prefix, key) == 2  # the holder's two tries
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.slow(seconds=10)
 def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
     key_prefix: str,
+    pool: str,
 ) -> None:
     """The holder's whole node is killed (no redelivery: acks early): when its lock expires,
     a joiner's watch copy runs in its place, and the other joiner ends with that run's value.
@@ -189,7 +197,7 @@ def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     main = client_app.conf.task_default_queue
     side = f"{main}-side"
     survivor = worker_factory.start(
-        SINGLETON_APP, pool="prefork", concurrency=3, extra_args=("-Q", main)
+        SINGLETON_APP, pool=pool, concurrency=1 if pool == "solo" else 3, extra_args=("-Q", main)
     )
     doomed = worker_factory.start(
         SINGLETON_APP, pool="solo", concurrency=1, extra_args=("-Q", side)
