@@ -11,11 +11,11 @@ import pytest
 import redis
 from celery import Celery, chain, chord
 
-from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.joiners import joiners_key, record_done
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.duplicates.join import JOINED_HEADER
+from tests.support import singleton_app
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.history import check_history, load_history
 from tests.support.waiting import wait_for
@@ -25,15 +25,25 @@ POOLS = ["prefork", "threads", "solo"]
 
 
 def _workers(factory: WorkerFactory, client_app: Celery, pool: str) -> list[WorkerProcess]:
-    """Workers with room for a holder and its duplicates at once: a solo worker runs one
-    task at a time, so that pool gets two of them."""
+    """Workers with room for a holder and its duplicates at once. A solo worker runs one task
+    at a time and reserves the next message meanwhile, so that pool gets two: one for the
+    holders' queue (:func:`_holding`), one for the default queue the duplicates go to."""
     if pool == "solo":
-        started = [factory.start(SINGLETON_APP, pool="solo", concurrency=1) for _ in "ab"]
+        main = client_app.conf.task_default_queue
+        started = [
+            factory.start(SINGLETON_APP, pool="solo", concurrency=1, extra_args=("-Q", queue))
+            for queue in (f"{main}-holders", main)
+        ]
     else:
         started = [factory.start(SINGLETON_APP, pool=pool, concurrency=3)]
     for worker in started:
         worker.wait_ready(client_app)
     return started
+
+
+def _holding(client_app: Celery, pool: str) -> dict[str, str]:
+    """The publish options of a holder: its own worker's queue in the solo pool."""
+    return {"queue": f"{client_app.conf.task_default_queue}-holders"} if pool == "solo" else {}
 
 
 def _joined(redis_client: redis.Redis, lock: str, count: int, *workers: WorkerProcess) -> None:
@@ -66,7 +76,7 @@ def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     after = client_app.signature("t.join_next")
-    holder = join.clone((key, -1, {"v": 42})).apply_async()
+    holder = join.clone((key, -1, {"v": 42})).apply_async(**_holding(client_app, pool))
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
     linked = join.clone((key, 0, "not run")).apply_async(link=after.clone(kwargs={"tag": "link"}))
     chained = chain(join.clone((key, 0, "not run")), after.clone(kwargs={"tag": "chain"}))()
@@ -114,7 +124,7 @@ def test_a_joined_duplicate_ends_with_the_holders_failure_and_its_error_link_fir
     workers = _workers(worker_factory, client_app, pool)
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
-    holder = join.clone((key, -1, "boom"), {"fail": True}).apply_async()
+    holder = join.clone((key, -1, "boom"), {"fail": True}).apply_async(**_holding(client_app, pool))
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
     joined = join.clone((key, 0, "not run")).apply_async(
         link_error=client_app.signature("t.join_errback")
@@ -148,7 +158,8 @@ def test_a_chord_counts_a_joined_member_with_the_holders_value(
     workers = _workers(worker_factory, client_app, pool)
     key, other = f"k-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
-    header = [join.clone((key, -1, "same")), join.clone((key, -1, "same")), join.clone((other,))]
+    first = join.clone((key, -1, "same")).set(**_holding(client_app, pool))
+    header = [first, join.clone((key, -1, "same")), join.clone((other,))]
     result = chord(header, client_app.signature("t.join_gather"))()
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
     _joined(redis_client, lock, 1, *workers)
@@ -168,7 +179,11 @@ def test_joiners_wait_through_the_holders_retry_for_its_final_value(
 ) -> None:
     workers = _workers(worker_factory, client_app, pool)
     key = f"k-{uuid.uuid4().hex[:8]}"
-    holder = client_app.signature("t.join_retry").clone((key, "final")).apply_async()
+    holder = (
+        client_app.signature("t.join_retry")
+        .clone((key, "final"))
+        .apply_async(**_holding(client_app, pool))
+    )
     lock = wait_for(
         lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", *workers
     )
@@ -353,22 +368,12 @@ def test_a_call_refused_at_publish_and_one_joined_on_the_worker_agree(
     at publish and returns the holder's AsyncResult; one that starts a canvas of its own (a
     link, a chain) is published and joins on the worker. Each caller gets the holder's value,
     and each canvas goes on with it, as under ``"execute"``."""
+    assert singleton_app.join_both.name == "t.join_both"
     (worker,) = _workers(worker_factory, client_app, "prefork")
     client_app.conf.singleton_redis_url = redis_url
     client_app.conf.singleton_key_prefix = f"{key_prefix}lock:"
 
-    @client_app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.join_both",
-        shared=False,
-        singleton_key_args=("key",),
-        singleton_on_duplicate="join",
-        singleton_lock_on="both",
-    )
-    def join_both(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> None:
-        """Runs on the worker only."""
-
+    join_both = client_app.tasks["t.join_both"]  # singleton_app's task, shared with every app
     key = f"k-{uuid.uuid4().hex[:8]}"
     after = client_app.signature("t.join_next")
     holder = join_both.delay(key, -1, "v")
