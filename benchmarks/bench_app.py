@@ -32,8 +32,8 @@ message in the worker's main process, before any ``Request`` or pool:
   result is stored, then acknowledges: the least a skipped duplicate can cost, since its
   contract is a stored result (and it must also hear from Redis whether the lock is held).
 
-``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up
-(section 4b).
+``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up, and
+``bench.join`` one whose duplicates join the run they meet (section 4b).
 
 ``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks),
 and ``bench.permits`` one with ``singleton_permits=3``: counted in section 2c beside
@@ -81,6 +81,7 @@ NO_RESULT = "bench.no_result"
 ACK_ONLY = "bench.ack_only"
 ACK_STORE = "bench.ack_store"
 COALESCE = "bench.coalesce"
+JOIN = "bench.join"
 SCOPED = "bench.scoped"
 ACKED_LATE = "bench.acked_late"
 PERMITS = "bench.permits"
@@ -289,6 +290,11 @@ def ack_store(i: int) -> None:
 
 @app.task(name=COALESCE, base=SingletonTask, singleton_on_duplicate="coalesce")  # type: ignore[untyped-decorator]
 def coalesce(i: int) -> None:
+    return None
+
+
+@app.task(name=JOIN, base=SingletonTask, singleton_on_duplicate="join")  # type: ignore[untyped-decorator]
+def join(i: int) -> None:
     return None
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.joiners import joiners_key
 
 from .report import Table, median, paired_ratio, spread
 from .server import STATS_COMMANDS, PrivateRedis, command_stats, reset_stats
@@ -44,8 +45,9 @@ POOLS: tuple[tuple[str, int], ...] = (("solo", 1), ("threads", 2), ("prefork", 2
 
 DUPLICATES = "SingletonTask, every delivery a duplicate (skipped)"
 COALESCED = "SingletonTask, coalesce: every delivery a duplicate (coalesced)"
+JOINED = "SingletonTask, join: every delivery a duplicate (joined)"
 #: the duplicate rows of 4b: their task, taking turns with section 2's rounds
-DUPLICATE_ROWS = {DUPLICATES: "singleton", COALESCED: "coalesce"}
+DUPLICATE_ROWS = {DUPLICATES: "singleton", COALESCED: "coalesce", JOINED: "join"}
 DUP_KEYS = 10
 #: 4b's floor row, in the same rounds: what a skip must at least do (store a result, ack)
 SKIP_FLOOR = "floor of a skip: result stored in the main process, acked (no lock, no run)"
@@ -145,10 +147,14 @@ def _wait_all(
             time.sleep(0.005)
 
 
-def _wait_drained(client: redis.Redis, timeout: float, worker: BenchWorker) -> None:
-    """Poll until the flood queue is empty and no message is left unacknowledged."""
+def _wait_drained(
+    client: redis.Redis, timeout: float, worker: BenchWorker, unacked_before: int = 0
+) -> None:
+    """Poll until the flood queue is empty and no message of it is left unacknowledged (of
+    kombu's unacked hash, ``unacked_before`` messages were someone else's: a closed worker's
+    watch copies, restored only after the visibility timeout)."""
     deadline = time.monotonic() + timeout
-    while client.llen(FLOOD_QUEUE) or client.hlen("unacked"):
+    while client.llen(FLOOD_QUEUE) or client.hlen("unacked") > unacked_before:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{FLOOD_QUEUE} not drained after {timeout}s:\n{worker.log_tail()}")
         time.sleep(0.005)
@@ -162,16 +168,24 @@ def _batch(
     n: int,
     client: redis.Redis,
     worker: BenchWorker,
+    joiners: Sequence[str] = (),
 ) -> Batch:
+    """``n`` messages of ``task``, done when every result is stored; with ``joiners`` (the
+    joiners' hashes of held keys: duplicates that join a run store no result until it ends),
+    when every one of them has joined."""
     ids = [uuid.uuid4().hex for _ in range(n)]
     keys = [app.backend.get_key_for_task(tid).decode() for tid in ids]
+    joined_before = sum(int(client.hlen(key)) for key in joiners)
     reset_stats(client)
     cpu0 = worker.cpu_seconds()
     start = time.perf_counter()
     for i, tid in enumerate(ids):
         task.apply_async(args=args_of(i), task_id=tid)
     published = time.perf_counter()
-    _wait_all(client, keys, timeout=60 + n / 20, worker=worker)
+    if joiners:
+        _wait_joined(client, joiners, joined_before + n, timeout=60 + n / 20, worker=worker)
+    else:
+        _wait_all(client, keys, timeout=60 + n / 20, worker=worker)
     end = time.perf_counter()
     cpu = worker.cpu_seconds() - cpu0
     commands = command_stats(client).total_calls(HARNESS_COMMANDS)
@@ -201,20 +215,33 @@ def run(
             with (
                 _held_keys(app, counter, DUP_KEYS, bench_app.singleton) as dup_base,
                 _held_keys(app, counter, DUP_KEYS, bench_app.coalesce) as coalesce_base,
+                _held_keys(app, counter, DUP_KEYS, bench_app.join) as join_base,
             ):
-                bases = {DUPLICATES: dup_base, COALESCED: coalesce_base}
+                bases = {DUPLICATES: dup_base, COALESCED: coalesce_base, JOINED: join_base}
+                join_hashes = [
+                    joiners_key(bench_app.join.singleton_keys((join_base + k,), {}).lock)
+                    for k in range(DUP_KEYS)
+                ]
 
                 def batch(
-                    name: str, size: int, worker: BenchWorker = worker, bases: Any = bases
+                    name: str,
+                    size: int,
+                    worker: BenchWorker = worker,
+                    bases: Any = bases,
+                    join_hashes: Sequence[str] = join_hashes,
                 ) -> Batch:
+                    hashes: Sequence[str] = ()
                     if name in DUPLICATE_ROWS:  # every delivery meets a held lock
                         task = getattr(bench_app, DUPLICATE_ROWS[name])
                         args_of = _cycling(bases[name], DUP_KEYS)
+                        hashes = join_hashes if name == JOINED else ()
                     elif name == SKIP_FLOOR:
                         task, args_of = bench_app.ack_store, _args_from(counter.take(size))
                     else:
                         task, args_of = bench_app.TASKS[name], _args_from(counter.take(size))
-                    return _batch(app, task, args_of, n=size, client=client, worker=worker)
+                    return _batch(
+                        app, task, args_of, n=size, client=client, worker=worker, joiners=hashes
+                    )
 
                 for name in contenders:  # warm up: imports, connections, scripts, threads
                     batch(name, 50)
@@ -223,6 +250,12 @@ def run(
                     for name in contenders[shift:] + contenders[:shift]:
                         size = dup_n if name in (*DUPLICATE_ROWS, SKIP_FLOOR) else n
                         by_name[name].batches.append(batch(name, size))
+                # the floods on a fresh worker: this one's timers hold the joined duplicates'
+                # watch copies (due as the held locks expire), whose memory and unacknowledged
+                # messages are no part of a flood
+                worker.close()
+                worker = BenchWorker(server.url, pool, concurrency)
+                worker.wait_ready(app)
                 plain_args = _args_from(counter.take(flood_n))
                 for task, args_of, what in (
                     (bench_app.plain, plain_args, "plain Task"),
@@ -237,6 +270,17 @@ def run(
         finally:
             worker.close()
     return _table(series, n, repeats), series, dup_series, floods
+
+
+def _wait_joined(
+    client: redis.Redis, hashes: Sequence[str], total: int, *, timeout: float, worker: BenchWorker
+) -> None:
+    """Until the joiners' hashes hold ``total`` fields (HLEN, a round trip per poll)."""
+    deadline = time.monotonic() + timeout
+    while sum(int(client.hlen(key)) for key in hashes) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every duplicate joined in {timeout} s:\n{worker.log_tail()}")
+        time.sleep(0.002)
 
 
 def _cycling(base: int, keys: int) -> Callable[[int], tuple[int]]:
@@ -308,11 +352,12 @@ def _flood(  # noqa: PLR0917 - where, what, and how many
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     cpu0 = worker.cpu_seconds()
+    unacked_before = int(client.hlen("unacked"))
     start = time.perf_counter()
     app.control.add_consumer(FLOOD_QUEUE, destination=[worker.nodename], reply=True, timeout=5)
     try:
         if what in NO_RESULTS:  # no results to poll: the queue and kombu's unacked hash drain
-            _wait_drained(client, timeout=60 + n / 20, worker=worker)
+            _wait_drained(client, timeout=60 + n / 20, worker=worker, unacked_before=unacked_before)
         else:
             _wait_all(client, keys, timeout=60 + n / 20, worker=worker)
         seconds = time.perf_counter() - start
@@ -398,7 +443,7 @@ def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: 
             a.worker_cpu_s / a.n / (b.worker_cpu_s / b.n)
             for a, b in zip(d.batches, floor.batches, strict=True)
         ]
-        policy = {DUPLICATES: "skip", COALESCED: "coalesce"}.get(d.name, d.name)
+        policy = {DUPLICATES: "skip", COALESCED: "coalesce", JOINED: "join"}.get(d.name, d.name)
         table.add(
             d.pool,
             policy,
@@ -422,7 +467,10 @@ def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: 
         f"{repeats} batches of {n} SingletonTask deliveries whose keys are held by the "
         "benchmark, interleaved with section 2's rounds; each is skipped (result stored, body "
         "not run), or under coalesce left as the held lock's follow-up (coalesce.lua, one more "
-        "round trip) and then ended as a skip. The floor row stores a SUCCESS result and acks "
+        "round trip) and then ended as a skip, or under join kept beside the held lock "
+        "(join.lua), a watch copy of its message published and the delivery acknowledged "
+        "without a result (a batch of joined duplicates ends once all have joined). "
+        "The floor row stores a SUCCESS result and acks "
         "each message in the worker's main process (no lock, no run): the least a skip can "
         "cost. Ratios are medians of per-round ratios against plain Task and the floor of the "
         "same pool and rounds; min-max is the spread of the per-round ratios to the floor. "
