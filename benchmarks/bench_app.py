@@ -62,7 +62,7 @@ from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core._wire import script
-from celery_singleton_lock.core.backend import acquire_args, release_args
+from celery_singleton_lock.core.backend import FENCE_MARGIN_MS, acquire_args, release_args
 from celery_singleton_lock.core.keys import LockKeys
 
 URL_ENV = "BENCH_REDIS_URL"
@@ -182,7 +182,7 @@ class SameWire(Task):  # type: ignore[misc]
             task_id,
             0,
             300_000,
-            604_800_000,
+            FENCE_MARGIN_MS,
             {"task": SAME_WIRE, "host": "bench@localhost", "pid": "12345", "args": repr(args)},
         )
         connection = bare.connection
