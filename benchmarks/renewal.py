@@ -46,6 +46,8 @@ TTL_MS = 30_000
 THREAD_TTL_MS = 1_500
 #: the most locks the renewer thread is measured with (its 1.5 s ttl)
 THREAD_MAX_LOCKS = 10_000
+#: the size the 50 ms target is for
+TARGET_LOCKS = 10_000
 
 
 @dataclass
@@ -198,12 +200,13 @@ def run(
             r.thread_cpu_ms_per_renewal,
             r.thread_period_s,
         )
-    largest = results[-1]
+    target = next((r for r in results if r.locks == TARGET_LOCKS), results[-1])
     table.notes.append(
         f"batch: {intervals} intervals per size via Renewer.run_due; thread: the renewer "
         f"thread for {thread_intervals} renewals at a {THREAD_TTL_MS / 1000:g} s ttl (interval "
         f"{THREAD_TTL_MS / 3000:g} s; the period is the interval plus the batch's own time). "
-        f"Target: round trips flat, {largest.locks:,} locks < 50 ms/interval "
-        f"(now {median(largest.wall_ms):.1f} ms)."
+        f"Target: round trips flat, {target.locks:,} locks < 50 ms/interval "
+        f"(now {median(target.wall_ms):.1f} ms). Past 1,000 locks an interval is several "
+        "renew.lua calls of 1,000 (EVALSHA/interval) written back to back: one round trip."
     )
     return table, results

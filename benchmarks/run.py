@@ -1,6 +1,6 @@
 """Run every benchmark, print one table per section, write docs/performance.png.
 
-    python -m benchmarks.run            # the full run (about 10 minutes on 2 cores)
+    python -m benchmarks.run            # the full run (about 25 minutes on 2 cores)
     python -m benchmarks.run --quick    # a smoke run (under 2 minutes)
     python -m benchmarks.run --repeat 7 # more repeats per figure (medians get steadier)
     python -m benchmarks.run --instructions   # section 2c also counts CPU instructions (valgrind)
