@@ -352,7 +352,13 @@ def acquire_args(  # noqa: PLR0917 - acquire.lua's KEYS and ARGV, in order
     fence = fence_ttl_ms(ttl_ms, fence_margin_ms)
     args: list[Any] = [3, keys.lock, keys.fence, done, owner, generation, ttl_ms, fence]
     if meta:
-        args += itertools.chain.from_iterable(bounded_meta(meta))
+        if (  # C-level checks: a usual call's metadata is short enough whatever its characters
+            len(meta) > MAX_META_FIELDS
+            or 4 * max(map(len, meta)) > MAX_META_NAME_BYTES
+            or 4 * max(map(len, meta.values())) > MAX_META_VALUE_BYTES
+        ):
+            meta = dict(bounded_meta(meta))
+        args += itertools.chain.from_iterable(meta.items())
     return args
 
 
