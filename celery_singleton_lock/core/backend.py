@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -31,7 +31,10 @@ from .completion import Ending, done_key
 from .keys import LockKeys
 
 __all__ = [
-    "FENCE_TTL_MS",
+    "FENCE_MARGIN_MS",
+    "MAX_META_FIELDS",
+    "MAX_META_NAME_BYTES",
+    "MAX_META_VALUE_BYTES",
     "REDIS_ERRORS",
     "Acquired",
     "Client",
@@ -56,9 +59,19 @@ ReleaseItem: TypeAlias = (
 #: Errors that mean "Redis could not be asked" (redis-py's cluster errors are not RedisErrors).
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
-#: How long a fencing counter outlives the last acquire of its lock. Tokens stay
-#: increasing after it expires because they never fall below the server's clock.
-FENCE_TTL_MS = 7 * 24 * 3600 * 1000
+#: How long a fencing counter outlives the ttl of the lock whose acquire wrote it, by default
+#: (``fence_margin=`` in the URL, ``singleton_fence_margin``). The counter expires
+#: :func:`fence_ttl_ms` after its token (on the server's clock), so once it is gone the clock
+#: has passed the last token by that much, and the next token, taken from the clock, is larger
+#: unless the clock stepped back by more: docs/design.md, "Fencing tokens".
+FENCE_MARGIN_MS = 60_000
+
+#: The metadata a lock hash keeps, whatever the call (a huge argument preview, hostname or task
+#: name): at most this many fields, each name and value cut to these many bytes (UTF-8, a cut
+#: value ending in "..."). docs/design.md, "The lock in Redis", states the hash's size.
+MAX_META_FIELDS = 8
+MAX_META_NAME_BYTES = 32
+MAX_META_VALUE_BYTES = 200
 
 
 @dataclass(frozen=True)
@@ -314,20 +327,57 @@ def check_ttl(ttl_ms: int) -> None:
         raise ValueError(f"ttl_ms must be positive, got {ttl_ms!r}")
 
 
+def check_fence_margin(margin_ms: int) -> None:
+    if margin_ms < 0:
+        raise ValueError(f"fence_margin_ms must be >= 0, got {margin_ms!r}")
+
+
+def fence_ttl_ms(ttl_ms: int, margin_ms: int) -> int:
+    """How long the fencing counter lives after an acquire with ``ttl_ms`` (the scripts add how
+    far the token is ahead of the server's clock, after a backward step): the lock's ttl and
+    the margin. The one bound a finished run's keys stay within (docs/design.md)."""
+    return ttl_ms + margin_ms
+
+
 def acquire_args(  # noqa: PLR0917 - acquire.lua's KEYS and ARGV, in order
     keys: LockKeys,
     owner: str,
     generation: int,
     ttl_ms: int,
-    fence_ttl_ms: int,
+    fence_margin_ms: int,
     meta: Mapping[str, str] | None,
 ) -> list[Any]:
-    """numkeys, KEYS and ARGV of acquire.lua."""
+    """numkeys, KEYS and ARGV of acquire.lua; the metadata cut to :func:`bounded_meta`."""
     done = done_key(keys.lock, owner)
-    args: list[Any] = [3, keys.lock, keys.fence, done, owner, generation, ttl_ms, fence_ttl_ms]
+    fence = fence_ttl_ms(ttl_ms, fence_margin_ms)
+    args: list[Any] = [3, keys.lock, keys.fence, done, owner, generation, ttl_ms, fence]
     if meta:
+        if (  # C-level checks: a usual call's metadata is short enough whatever its characters
+            len(meta) > MAX_META_FIELDS
+            or 4 * max(map(len, meta)) > MAX_META_NAME_BYTES
+            or 4 * max(map(len, meta.values())) > MAX_META_VALUE_BYTES
+        ):
+            meta = dict(bounded_meta(meta))
         args += itertools.chain.from_iterable(meta.items())
     return args
+
+
+def bounded_meta(meta: Mapping[str, str]) -> Iterator[tuple[str, str]]:
+    """The first :data:`MAX_META_FIELDS` fields of ``meta``, names and values cut to their
+    byte bounds."""
+    for name, value in itertools.islice(meta.items(), MAX_META_FIELDS):
+        yield cut_utf8(name, MAX_META_NAME_BYTES), cut_utf8(value, MAX_META_VALUE_BYTES)
+
+
+def cut_utf8(text: str, limit: int) -> str:
+    """``text`` if its UTF-8 form fits in ``limit`` bytes, else its longest start that fits
+    with "..." after it (never half a character)."""
+    if len(text) * 4 <= limit:  # the common case: short enough whatever its characters
+        return text
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode("utf-8", "ignore") + "..."
 
 
 def acquire_outcome(reply: Any, replicas: int | None, owner: str = "") -> Acquired | Contended:

@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 
 from . import _wire
 from .backend import (
-    FENCE_TTL_MS,
+    FENCE_MARGIN_MS,
     REDIS_ERRORS,
     RenewItem,
     RenewStatus,
@@ -46,12 +46,12 @@ class ClusterStore(SequentialReleases, ScriptStore):
     def __init__(
         self,
         connect: Callable[[], RedisCluster],
-        fence_ttl_ms: int = FENCE_TTL_MS,
+        fence_margin_ms: int = FENCE_MARGIN_MS,
         *,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
     ) -> None:
-        super().__init__(fence_ttl_ms, wait_replicas, wait_timeout_ms)
+        super().__init__(fence_margin_ms, wait_replicas, wait_timeout_ms)
         self._connect = connect
         self._client: RedisCluster | None = None
         self._client_mutex = threading.Lock()

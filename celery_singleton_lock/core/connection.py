@@ -34,7 +34,7 @@ from redis.sentinel import Sentinel
 
 from ._fanout import DEFAULT_MASTER_TIMEOUT_S
 from ._pid import current_pid
-from .backend import Client, LockBackend
+from .backend import FENCE_MARGIN_MS, Client, LockBackend
 from .cluster import ClusterStore
 from .redlock import RedlockStore
 from .renewer import Renewer
@@ -193,8 +193,20 @@ def master_timeout(parsed: LockUrl) -> float:
     return parsed.master_timeout_s or DEFAULT_MASTER_TIMEOUT_S
 
 
+def fence_margin_ms(parsed: LockUrl) -> int:
+    """The URL's ``fence_margin`` in ms, else the default (backend.FENCE_MARGIN_MS)."""
+    if parsed.fence_margin_s is None:
+        return FENCE_MARGIN_MS
+    return round(parsed.fence_margin_s * 1000)
+
+
 def _redlock_store(url: str) -> RedlockStore:
-    store = RedlockStore(redlock_clients(url), master_timeout_s=master_timeout(lock_url(url)))
+    parsed = lock_url(url)
+    store = RedlockStore(
+        redlock_clients(url),
+        fence_margin_ms=fence_margin_ms(parsed),
+        master_timeout_s=master_timeout(parsed),
+    )
     if len(store.clients) % 2 == 0:
         logger.warning(
             "singleton: redlock over an even number of masters (%d) tolerates no more "
@@ -212,12 +224,16 @@ def new_store(url: str) -> LockBackend:
     if parsed.kind == "redlock":
         return _redlock_store(url)
     replicas, timeout_ms = parsed.wait_replicas, _ms(parsed.wait_timeout_s)
+    margin_ms = fence_margin_ms(parsed)
     if parsed.kind == "cluster":  # it connects when built: an unreachable cluster must be an
         return ClusterStore(  # error of the call, not of building the store
-            lambda: _cluster_client(parsed, url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
+            lambda: _cluster_client(parsed, url),
+            margin_ms,
+            wait_replicas=replicas,
+            wait_timeout_ms=timeout_ms,
         )
     return LockStore(
-        _server_client(parsed, url), wait_replicas=replicas, wait_timeout_ms=timeout_ms
+        _server_client(parsed, url), margin_ms, wait_replicas=replicas, wait_timeout_ms=timeout_ms
     )
 
 

@@ -57,7 +57,8 @@ class RedlockStore(RedlockAcquire):
     - ``clock``: seconds, monotonic; measures how long a call took (tests inject one).
     - ``drift_factor``, ``drift_floor_ms``: the clock-drift allowance,
       ``ttl * drift_factor + drift_floor_ms`` milliseconds, subtracted from the validity.
-    - ``fence_ttl_ms``: lifetime of the fencing counters, as for :class:`LockStore`.
+    - ``fence_margin_ms``: how long each master's fencing counter outlives the lock's ttl, as
+      for :class:`LockStore`.
     - ``master_timeout_s``: longest wait for the masters in one step of a call.
     - ``max_in_flight``: unanswered calls one master may have before it counts as failed at once.
     - ``split_retries``, ``split_delay_s``: how often an acquire that lost a split vote (no

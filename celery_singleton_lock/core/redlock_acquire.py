@@ -35,7 +35,7 @@ import redis
 from ..errors import LockUnavailableError
 from . import _wire
 from ._fanout import Failed
-from .backend import Acquired, Completed, Contended, check_owner, check_ttl
+from .backend import Acquired, Completed, Contended, check_owner, check_ttl, fence_ttl_ms
 from .keys import LockKeys
 from .redlock_masters import RedlockMasters
 
@@ -143,7 +143,7 @@ class RedlockAcquire(RedlockMasters):
             # 3. carry it to every master that answered; ours where the lock still is
             confirms = self._run(
                 {
-                    i: functools.partial(self._confirm, i, keys, owner, generation, token)
+                    i: functools.partial(self._confirm, i, keys, owner, generation, token, ttl_ms)
                     for i in (*granted, *refused)
                 },
                 step_timeout(),
@@ -203,9 +203,12 @@ class RedlockAcquire(RedlockMasters):
             return outcome, 0  # the refusal is what counts; the counter is only a bonus
         return outcome, int(raw) if raw is not None else 0
 
-    def _confirm(self, index: int, keys: LockKeys, owner: str, generation: int, token: int) -> int:
+    def _confirm(  # noqa: PLR0917 - the acquire's keys, owner, token and ttl
+        self, index: int, keys: LockKeys, owner: str, generation: int, token: int, ttl_ms: int
+    ) -> int:
         """One master: raise_fence.lua; 1 if the lock there is still ours."""
-        args = [2, keys.lock, keys.fence, token, self.fence_ttl_ms, owner, generation]
+        fence = fence_ttl_ms(ttl_ms, self.fence_margin_ms)
+        args = [2, keys.lock, keys.fence, token, fence, owner, generation]
         return int(_wire.evalsha(self.clients[index], RAISE_FENCE, args))
 
     def _release_everywhere(self, key: str, owner: str, generation: int) -> None:

@@ -19,7 +19,7 @@ from typing import TypeVar
 import redis
 
 from ._fanout import DEFAULT_MASTER_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, Failed, Fanout, describe, why
-from .backend import FENCE_TTL_MS, SequentialReleases
+from .backend import FENCE_MARGIN_MS, SequentialReleases, check_fence_margin
 from .store import LockStore
 
 __all__ = ["DEFAULT_SPLIT_DELAY_S", "DEFAULT_SPLIT_RETRIES", "RedlockMasters"]
@@ -51,7 +51,7 @@ class RedlockMasters(SequentialReleases):
         clock: Callable[[], float] = time.monotonic,
         drift_factor: float = 0.01,
         drift_floor_ms: int = 2,
-        fence_ttl_ms: int = FENCE_TTL_MS,
+        fence_margin_ms: int = FENCE_MARGIN_MS,
         master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         split_retries: int = DEFAULT_SPLIT_RETRIES,
@@ -75,12 +75,11 @@ class RedlockMasters(SequentialReleases):
                 f"split_retries and split_delay_s must be >= 0, got {split_retries!r}, "
                 f"{split_delay_s!r}"
             )
-        if fence_ttl_ms <= 0:
-            raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
-        self.fence_ttl_ms = fence_ttl_ms
+        check_fence_margin(fence_margin_ms)
+        self.fence_margin_ms = fence_margin_ms
         self.clients: tuple[redis.Redis, ...] = tuple(clients)
         self.stores: tuple[LockStore, ...] = tuple(
-            LockStore(c, fence_ttl_ms=fence_ttl_ms) for c in clients
+            LockStore(c, fence_margin_ms=fence_margin_ms) for c in clients
         )
         self.quorum = len(clients) // 2 + 1
         self.clock = clock

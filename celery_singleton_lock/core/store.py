@@ -19,7 +19,7 @@ import redis
 from ..errors import LockUnavailableError
 from . import _wire
 from .backend import (
-    FENCE_TTL_MS,
+    FENCE_MARGIN_MS,
     REDIS_ERRORS,
     Acquired,
     Client,
@@ -30,6 +30,7 @@ from .backend import (
     RenewStatus,
     acquire_args,
     acquire_outcome,
+    check_fence_margin,
     check_owner,
     check_releases,
     check_ttl,
@@ -62,16 +63,18 @@ class ScriptStore:
     ``wait_replicas`` > 0 makes every acquire wait (``WAIT``, in the same round trip) until
     that many replicas have the lock, at most ``wait_timeout_ms``; fewer acknowledgements are
     logged and reported in :attr:`Acquired.replicas`, the lock is kept either way.
+
+    ``fence_margin_ms``: a lock's fencing counter expires its ttl plus this long after the
+    acquire (docs/design.md, "Fencing tokens": the bound a finished run's keys stay within).
     """
 
-    def __init__(self, fence_ttl_ms: int, wait_replicas: int, wait_timeout_ms: int) -> None:
-        if fence_ttl_ms <= 0:
-            raise ValueError(f"fence_ttl_ms must be positive, got {fence_ttl_ms!r}")
+    def __init__(self, fence_margin_ms: int, wait_replicas: int, wait_timeout_ms: int) -> None:
+        check_fence_margin(fence_margin_ms)
         if wait_replicas < 0:
             raise ValueError(f"wait_replicas must be >= 0, got {wait_replicas!r}")
         if wait_timeout_ms <= 0:
             raise ValueError(f"wait_timeout_ms must be positive, got {wait_timeout_ms!r}")
-        self.fence_ttl_ms = fence_ttl_ms
+        self.fence_margin_ms = fence_margin_ms
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
 
@@ -165,7 +168,7 @@ class ScriptStore:
         ttl_ms: int,
         meta: Mapping[str, str] | None,
     ) -> Acquired | Contended:
-        call = acquire_call(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta)
+        call = acquire_call(keys, owner, generation, ttl_ms, self.fence_margin_ms, meta)
         if not self.wait_replicas:
             return acquire_outcome(self._call(*call), None, owner)
         reply, replicas = self._acquire_waiting(keys.lock, call)
@@ -208,12 +211,12 @@ class LockStore(ScriptStore):
     def __init__(
         self,
         client: redis.Redis,
-        fence_ttl_ms: int = FENCE_TTL_MS,
+        fence_margin_ms: int = FENCE_MARGIN_MS,
         *,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
     ) -> None:
-        super().__init__(fence_ttl_ms, wait_replicas, wait_timeout_ms)
+        super().__init__(fence_margin_ms, wait_replicas, wait_timeout_ms)
         self._client = client
         #: releases written now whose replies are read later
         self._ahead: SendAhead | None = None if wait_replicas else SendAhead(client)
@@ -306,7 +309,7 @@ class LockStore(ScriptStore):
         check_ttl(ttl_ms)
         check_releases(releases)
         calls = [(RELEASE, release_args(*item)) for item in releases]
-        calls.append(acquire_call(keys, owner, generation, ttl_ms, self.fence_ttl_ms, meta))
+        calls.append(acquire_call(keys, owner, generation, ttl_ms, self.fence_margin_ms, meta))
         try:
             replies = self._ahead.call(calls)
         except REDIS_ERRORS as exc:
@@ -367,12 +370,12 @@ def acquire_call(  # noqa: PLR0917 - acquire's arguments
     owner: str,
     generation: int,
     ttl_ms: int,
-    fence_ttl_ms: int,
+    fence_margin_ms: int,
     meta: Mapping[str, str] | None,
 ) -> AcquireCall:
     """The script call taking ``keys``: acquire.lua for one permit; acquire_permit.lua, which
     takes a free slot of ``keys.permits`` in the same one call, for more."""
-    args = acquire_args(keys, owner, generation, ttl_ms, fence_ttl_ms, meta)
+    args = acquire_args(keys, owner, generation, ttl_ms, fence_margin_ms, meta)
     if keys.permits == 1:
         return ACQUIRE, args
     slots = keys.slots  # the same ARGV; KEYS: the record, the counter, the slots

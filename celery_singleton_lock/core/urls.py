@@ -116,6 +116,8 @@ def redact_url(url: str) -> str:
 _WAIT_OPTIONS = ("wait_replicas", "wait_timeout")
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 _REDLOCK_OPTIONS = ("master_timeout",)
+#: every kind's: how long a fencing counter outlives its lock's ttl, seconds
+_FENCE_OPTIONS = ("fence_margin",)
 #: Query options redis-py takes as strings (the typed ones are in URL_QUERY_ARGUMENT_PARSERS).
 _STRING_OPTIONS = (
     "username",
@@ -141,7 +143,8 @@ class LockUrl:
     ``"redlock"`` (``nodes`` are the sentinels, the cluster's seed nodes or the independent
     masters, ``options`` the connection keywords of the data nodes, ``sentinel_options`` those
     of the sentinels; ``master_timeout_s`` is a Redlock URL's ``master_timeout``, None when
-    not given). Passwords are kept out of ``repr``.
+    not given). ``fence_margin_s`` is the URL's ``fence_margin`` (any kind), None when not
+    given. Passwords are kept out of ``repr``.
     """
 
     kind: str
@@ -154,6 +157,7 @@ class LockUrl:
     wait_replicas: int = 0
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
     master_timeout_s: float | None = None
+    fence_margin_s: float | None = None
 
 
 def parse_lock_url(url: str) -> LockUrl:
@@ -171,7 +175,8 @@ def parse_lock_url(url: str) -> LockUrl:
     - ``rediss+sentinel://``, ``rediss+cluster://`` and ``rediss+redlock://``: the same over TLS.
 
     Every kind but Redlock takes ``wait_replicas=<n>`` and ``wait_timeout=<seconds>`` in its
-    query, and every kind redis-py's connection options (``socket_timeout``, ...).
+    query, every kind ``fence_margin=<seconds>`` (how long a fencing counter outlives its
+    lock's ttl) and redis-py's connection options (``socket_timeout``, ...).
     """
     try:
         return _parse_lock_url(url)
@@ -193,16 +198,23 @@ def _parse_lock_url(url: str) -> LockUrl:
     kind = URL_KINDS.get(scheme)
     if kind is None:
         raise ValueError("unknown scheme")
-    rest, own = _take_options(url, _WAIT_OPTIONS + _SENTINEL_OPTIONS + _REDLOCK_OPTIONS)
+    rest, own = _take_options(
+        url, _WAIT_OPTIONS + _SENTINEL_OPTIONS + _REDLOCK_OPTIONS + _FENCE_OPTIONS
+    )
     if kind != "redlock" and "master_timeout" in own:
         raise ValueError("master_timeout needs a redis+redlock:// URL")
     wait_replicas, wait_timeout = _wait_options(own)
+    margin = _fence_margin(own)
     if kind == "single":
         if any(name in own for name in _SENTINEL_OPTIONS):
             raise ValueError("sentinel_username/sentinel_password need a redis+sentinel:// URL")
         parse_url(rest)  # type: ignore[no-untyped-call]
         return LockUrl(
-            kind, redis_url=rest, wait_replicas=wait_replicas, wait_timeout_s=wait_timeout
+            kind,
+            redis_url=rest,
+            wait_replicas=wait_replicas,
+            wait_timeout_s=wait_timeout,
+            fence_margin_s=margin,
         )
     tls = scheme.startswith("rediss")
     body = rest.split("://", 1)[1]
@@ -212,7 +224,8 @@ def _parse_lock_url(url: str) -> LockUrl:
     default_port = DEFAULT_SENTINEL_PORT if kind == "sentinel" else DEFAULT_CLUSTER_PORT
     nodes = _nodes(hosts, default_port)
     if kind == "redlock":
-        return _redlock_url(nodes, userinfo, query, path, tls, own)
+        parsed = _redlock_url(nodes, userinfo, query, path, tls, own)
+        return dataclasses.replace(parsed, fence_margin_s=margin)
     options: dict[str, Any] = _userinfo(userinfo)
     options.update(_query_options(query, tls))
     if tls:
@@ -244,6 +257,7 @@ def _parse_lock_url(url: str) -> LockUrl:
         sentinel_options=sentinel_options,
         wait_replicas=wait_replicas,
         wait_timeout_s=wait_timeout,
+        fence_margin_s=margin,
     )
 
 
@@ -313,6 +327,19 @@ def _wait_options(own: Mapping[str, str]) -> tuple[int, float]:
     if "wait_timeout" in own:
         timeout = _seconds(own, "wait_timeout")
     return replicas, timeout
+
+
+def _fence_margin(own: Mapping[str, str]) -> float | None:
+    """The query option ``fence_margin``: a finite number of seconds >= 0, None if absent."""
+    if "fence_margin" not in own:
+        return None
+    try:
+        value = float(own["fence_margin"])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError("fence_margin must be a number of seconds >= 0")
+    return value
 
 
 def _seconds(own: Mapping[str, str], name: str) -> float:

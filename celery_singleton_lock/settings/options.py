@@ -148,9 +148,9 @@ def resolve_redis_url(conf: ConfLike) -> str:
     """``singleton_redis_url``, else a Redis broker's (first) URL as Celery resolves it (the
     ``CELERY_BROKER_URL`` environment variable included), else the local default.
 
-    ``singleton_wait_replicas`` and ``singleton_wait_timeout`` are folded into the URL's query
-    (``wait_replicas=``, ``wait_timeout=``) unless it names them already, so the URL alone
-    describes the lock store of a process.
+    ``singleton_wait_replicas``, ``singleton_wait_timeout`` and ``singleton_fence_margin`` are
+    folded into the URL's query (``wait_replicas=``, ``wait_timeout=``, ``fence_margin=``)
+    unless it names them already, so the URL alone describes the lock store of a process.
     """
     url = _check_url("singleton_redis_url", conf.get("singleton_redis_url"))
     if not url:
@@ -163,9 +163,14 @@ def resolve_redis_url(conf: ConfLike) -> str:
     timeout = _conf_checked(conf, "wait_timeout")
     if timeout != DEFAULT_WAIT_TIMEOUT_S and "wait_timeout" not in present:
         extra.append(f"wait_timeout={timeout:g}")
+    margin = _conf_checked(conf, "fence_margin")
+    if margin != SETTINGS["fence_margin"].default and "fence_margin" not in present:
+        extra.append(f"fence_margin={margin:g}")
     if extra:
         url = f"{url}{'&' if '?' in url else '?'}{'&'.join(extra)}"
-        _check_url("singleton_redis_url (with singleton_wait_replicas/wait_timeout)", url)
+        _check_url(
+            "singleton_redis_url (with singleton_wait_replicas/wait_timeout/fence_margin)", url
+        )
     return url
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.backend import FENCE_MARGIN_MS
 from ..core.keys import MAX_PERMITS, check_prefix
 from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
@@ -237,6 +238,16 @@ SETTINGS: dict[str, Setting] = {
             DEFAULT_WAIT_TIMEOUT_S,
             _positive,
             "The longest an acquire waits for `wait_replicas` replicas, in seconds.",
+            task_option=False,
+        ),
+        Setting(
+            "fence_margin",
+            FENCE_MARGIN_MS / 1000,
+            _non_negative,
+            "Seconds a lock's fencing counter outlives the lock's ttl: the counter, the last "
+            "key a finished run leaves, expires ttl + this after the acquire. Fencing tokens "
+            "stay increasing through a backward step of the Redis server's clock of up to ttl "
+            "+ this (docs/design.md, Fencing tokens).",
             task_option=False,
         ),
         Setting(

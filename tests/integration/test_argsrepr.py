@@ -3,7 +3,8 @@ is masked for the library too: real worker processes hold locks of a call whose 
 is masked, and the card appears nowhere the library shows or keeps a call: not in the lock
 hash, not in ``celery singleton list``/``show``, not in the worker's log, not in a skipped or
 coalesced duplicate's marker, not in a signal's payload; a coalesced duplicate's follow-up and
-a requeued duplicate carry the mask on."""
+a requeued duplicate carry the mask on. A huge call (a 100 kB argument, argsrepr or kwargsrepr)
+leaves a lock hash of bounded size, and nothing of its key past ttl + fence margin."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
+from celery_singleton_lock.core.backend import FENCE_MARGIN_MS, MAX_META_VALUE_BYTES
 from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.singleton_app import signal_payloads_key
@@ -28,6 +30,8 @@ from tests.support.workers import WorkerFactory, WorkerProcess
 CARD = "4111111111111111"
 #: what the caller shows of the card, as Celery documents it
 MASK = "('****',)"
+#: the most a held lock's hash takes in Redis (MEMORY USAGE), as docs/configuration.md states
+LOCK_HASH_MAX_BYTES = 3072
 
 
 @dataclass
@@ -208,3 +212,39 @@ def test_a_run_that_retries_itself_keeps_its_mask(bed: Bed) -> None:
     bed.open(gate)
     run.get(timeout=20)
     bed.check_nothing_leaked(run)
+
+
+def _bounded(bed: Bed, lock: dict[str, Any]) -> dict[bytes, bytes]:
+    """The lock's hash: every metadata value within its bound, and the whole hash within the
+    documented 3 kB (docs/configuration.md, "Memory per key")."""
+    stored = bed.redis.hgetall(lock["key"])
+    meta = {k: v for k, v in stored.items() if k in (b"task", b"host", b"pid", b"args")}
+    assert meta.keys() == {b"task", b"host", b"pid", b"args"}, stored.keys()
+    assert all(len(value) <= MAX_META_VALUE_BYTES for value in meta.values()), meta
+    assert bed.redis.memory_usage(lock["key"], samples=0) <= LOCK_HASH_MAX_BYTES
+    return stored
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_huge_call_leaves_a_bounded_lock_and_nothing_past_the_bound(bed: Bed) -> None:
+    """A 100 kB argument, then huge argsrepr/kwargsrepr, through a worker: the lock hash stays
+    within its bound; once each run ended, every key of its lock expires within the lock's ttl
+    + the fence margin (the worker's ttl is 4 s)."""
+    task = bed.task("t.charge")
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("4" * 100_000,), {}),
+        (("4" * 16,), {"argsrepr": "a" * 100_000, "kwargsrepr": "k" * 100_000}),
+    ]
+    for args, options in calls:
+        gate = bed.gate(f"huge-{len(bed.gates)}")
+        holder = task.apply_async(args=args, kwargs={"until": gate}, **options)
+        lock = bed.held(holder.id)
+        stored = _bounded(bed, lock)
+        assert stored[b"args"].endswith(b"..."), stored[b"args"]
+        bed.open(gate)
+        holder.get(timeout=20)
+        tag = lock["key"][lock["key"].index("{") : lock["key"].index("}") + 1]
+        left = {key: bed.redis.pttl(key) for key in bed.redis.scan_iter(match=f"*{tag}*")}
+        assert left, "the fencing counter is there until its bound"
+        bound = 4000 + FENCE_MARGIN_MS
+        assert all(0 < pttl <= bound for pttl in left.values()), left

@@ -23,13 +23,14 @@ from celery_singleton_lock import LockUnavailableError, SingletonConfigError
 from celery_singleton_lock.beat.claims import RunClaims
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import (
+    FENCE_MARGIN_MS,
     Acquired,
     Contended,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
 )
-from celery_singleton_lock.core.connection import client_for, store_for
+from celery_singleton_lock.core.connection import client_for, new_store, store_for
 from celery_singleton_lock.core.keys import lock_keys, run_claim_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import LockUrl, parse_lock_url, redact_url
@@ -212,6 +213,31 @@ def test_wait_settings_are_folded_into_the_url() -> None:
     broker = {"broker_url": "redis://b:6379/1", "singleton_wait_replicas": 1}
     assert read_options(broker).redis_url == "redis://b:6379/1?wait_replicas=1"
     assert resolve_redis_url({"singleton_redis_url": "redis://h/0"}) == "redis://h/0"
+
+
+def test_the_fence_margin_is_folded_into_the_url_and_reaches_every_store() -> None:
+    """singleton_fence_margin ends up in the URL's query (the URL's own value wins), and every
+    kind of store is built with it; a bad one stops the worker at start-up."""
+    conf: dict[str, object] = {"singleton_redis_url": "redis://h:6379/0"}
+    assert resolve_redis_url(conf) == "redis://h:6379/0"  # the default adds nothing
+    conf["singleton_fence_margin"] = 2.5
+    assert resolve_redis_url(conf) == "redis://h:6379/0?fence_margin=2.5"
+    conf["singleton_redis_url"] = "redis://h:6379/0?fence_margin=0"
+    assert resolve_redis_url(conf) == "redis://h:6379/0?fence_margin=0"
+    for url in (
+        "redis://h:6379/0?fence_margin=2.5",
+        "redis+sentinel://s1:26379/mymaster?fence_margin=2.5",
+        "redis+cluster://h1:7000?fence_margin=2.5",
+        "redis+redlock://h1:6379,h2:6379,h3:6379?fence_margin=2.5",
+    ):
+        store = new_store(url)
+        assert store.fence_margin_ms == 2500, url  # type: ignore[attr-defined]
+        store.close()
+    assert new_store("redis://h:6379/0").fence_margin_ms == FENCE_MARGIN_MS  # type: ignore[attr-defined]
+    with pytest.raises(SingletonConfigError, match="fence_margin"):
+        read_options({"singleton_redis_url": "redis://h/0?fence_margin=-1"})
+    with pytest.raises(SingletonConfigError, match="singleton_fence_margin"):
+        read_options({"singleton_fence_margin": -1})
 
 
 @pytest.mark.parametrize(

@@ -129,6 +129,27 @@ def test_tokens_still_increase_after_redis_forgets(private_redis: RedisServer) -
         client.close()
 
 
+@pytest.mark.parametrize("permits", [1, 3])
+def test_the_counter_expires_ttl_and_margin_after_its_token(
+    redis_client: redis.Redis, key_prefix: str, permits: int
+) -> None:
+    """The fencing counter lives the lock's ttl + the fence margin after its token: exactly that
+    after an acquire; longer by how far the token is ahead of the server's clock (a counter
+    written before the clock stepped back), so when it is gone the clock has passed the token
+    by ttl + margin and the next token, taken from the clock, is larger."""
+    store = LockStore(redis_client, fence_margin_ms=1000)
+    keys = lock_keys(f"{key_prefix}lock:", "t.fenced", b"a").with_permits(permits)
+    _acquire(store, keys, "run-a", ttl_ms=2000)
+    assert 2900 < redis_client.pttl(keys.fence) <= 3000
+    seconds, micros = redis_client.time()
+    ahead = (seconds * 10**6 + micros) + 50 * 10**6  # as if the clock stepped back 50 s
+    redis_client.set(keys.fence, ahead)
+    for slot in keys.slots:
+        redis_client.delete(slot)
+    assert _acquire(store, keys, "run-b", ttl_ms=2000) == ahead + 1
+    assert 52_900 < redis_client.pttl(keys.fence) <= 53_000
+
+
 # -- SQL (examples/fenced_sql.py) -----------------------------------------------------------
 
 

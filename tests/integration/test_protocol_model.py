@@ -15,13 +15,16 @@ main process, publishers and an operator would:
   and keep the key for an at-least window;
 - redeliver a message whose run finished (it must be dropped: ``Completed``), a renewal that
   lands on a window (it must not extend it);
-- a lock that expires, an operator's force release (``celery singleton release``);
+- a lock that expires, an operator's force release (``celery singleton release``), a fencing
+  counter that is gone (expired, or lost in a failover);
 
 and checks each outcome against a small reference model of what Redis must hold. After every
 step: each key's holder and queued marker are what the model says; fencing tokens strictly
-increase per key (checked at each acquire); a renewal never shortens a lock (checked at each
-renewal); keys outside the library's prefix are untouched. At the end of each example every run
-is ended and every message started: no lock and no marker may be left behind.
+increase per key, and the counter expires within the lock's ttl + the fence margin (checked at
+each acquire); a renewal never shortens a lock (checked at each renewal); keys outside the
+library's prefix are untouched. At the end of each example every run is ended and every message
+started: no lock and no marker may be left behind, and what is left (counters, the completion
+records asked for) expires within its bound.
 
 The CI run is small (``SINGLETON_MODEL_EXAMPLES``, default 15 examples per store kind, of
 ``SINGLETON_MODEL_STEPS`` = 30 steps). A nightly-sized run::
@@ -54,6 +57,7 @@ from hypothesis.stateful import (
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.admin import force_release, read_lock
 from celery_singleton_lock.core.backend import (
+    FENCE_MARGIN_MS,
     Acquired,
     Completed,
     Contended,
@@ -68,6 +72,8 @@ from celery_singleton_lock.core.store import LockStore
 from tests.conftest import delete_prefix
 
 TTL_MS = 30_000
+#: the longest a fencing counter lives after an acquire: the lock's ttl + the default margin
+FENCE_TTL_MS = TTL_MS + FENCE_MARGIN_MS
 COUNTDOWN_MS = 20_000
 KEYS = ("a", "b")
 EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))
@@ -293,6 +299,7 @@ class ProtocolModel(RuleBasedStateMachine):
         if holder is None or takes_over:
             assert isinstance(outcome, Acquired), (outcome, holder, message)
             assert outcome.token > self.last_token[key], "fencing token did not increase"
+            assert 0 < self.client.pttl(keys.fence) <= FENCE_TTL_MS, "counter outlives its bound"
             assert outcome.reentered == takes_over
             self.last_token[key] = outcome.token
             self.holder[key] = (message.task_id, message.generation, outcome.token)
@@ -481,6 +488,13 @@ class ProtocolModel(RuleBasedStateMachine):
         assert not self.client.exists(lock)
         self.holder[key], self.stretched[key], self.window[key] = None, False, False
 
+    @rule(key=st.sampled_from(KEYS))
+    def counter_expires(self, key: str) -> None:
+        """The fencing counter is gone (expired, a failover to a replica that never had it, a
+        restart without persistence): the next token comes from the server's clock, still
+        larger than every token before (the clock did not step back)."""
+        self.client.delete(str(self.task.singleton_keys((key,), {}).fence))
+
     @precondition(lambda self: any(self.holder[k] and k not in self.unsettled for k in KEYS))
     @rule(data=st.data())
     def operator_release(self, data: st.DataObject) -> None:
@@ -535,12 +549,26 @@ class ProtocolModel(RuleBasedStateMachine):
                 if k.decode() not in self.foreign
             )
             assert left == [], f"left behind once every run ended: {left}"
+            self.everything_left_expires_within_its_bound()
             assert len(self.renewer) == 0
             self.keys_outside_the_library_are_untouched()
         finally:
             delete_prefix(self.client, self.namespace)
             self.client.close()
             self.store.client.close()
+
+    def everything_left_expires_within_its_bound(self) -> None:
+        """What every run's end leaves: fencing counters, expiring within ttl + margin of their
+        acquire, and the completion records the endings asked for (KEEP_MS); nothing else, and
+        nothing without an expiry."""
+        for raw in self.client.scan_iter(match=f"{self.prefix}*"):
+            key = raw.decode()
+            if key in self.foreign:
+                continue
+            pttl = self.client.pttl(key)
+            bound = FENCE_TTL_MS if key.endswith(":fence") else KEEP_MS
+            assert ":fence" in key or ":done:" in key, f"left behind: {key}"
+            assert pttl == -2 or 0 < pttl <= bound, (key, pttl, bound)
 
     def expire_windows(self) -> None:
         """Every settled at-least window ends now (as if its time had passed)."""

@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_singleton_lock.core.backend import (
+    FENCE_MARGIN_MS,
     Acquired,
     Contended,
     ReleaseStatus,
@@ -419,9 +420,13 @@ def test_token_clears_the_counter_of_a_refusing_master(three_masters: Masters) -
     three_masters.clients[2].set(keys.fence, skewed)
     outcome = acquired(store.acquire(keys, "a", 0, 5000))
     assert outcome.token == skewed + 1
+    # a counter raised above a master's clock expires ttl + margin after the token, on that
+    # master's clock: its next token from the clock is larger, however far the masters differ
+    lives_ms = 5000 + FENCE_MARGIN_MS + SKEW_US // 1000
     for i in (0, 1):
         assert int(three_masters.clients[i].get(keys.fence) or 0) == skewed + 1
         assert three_masters.single(i).holder(keys.lock)["token"] == str(skewed + 1)
+        assert lives_ms - 1000 < three_masters.clients[i].pttl(keys.fence) <= lives_ms
     assert three_masters.single(2).holder(keys.lock)["owner"] == "z"
 
 

@@ -21,7 +21,7 @@ import redis
 from celery_singleton_lock import LockUnavailableError
 from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.backend import (
-    FENCE_TTL_MS,
+    FENCE_MARGIN_MS,
     Acquired,
     Contended,
     ReleaseStatus,
@@ -194,7 +194,7 @@ def acquire_unreplicated(client: redis.Redis, keys: LockKeys, owner: str, ttl_ms
     its fencing counter but sends neither to the replica. Returns the token.
     """
     text = "redis.set_repl(redis.REPL_NONE)\n" + script("acquire.lua").text
-    reply = client.eval(text, *acquire_args(keys, owner, 0, ttl_ms, FENCE_TTL_MS, None))
+    reply = client.eval(text, *acquire_args(keys, owner, 0, ttl_ms, FENCE_MARGIN_MS, None))
     assert reply[0] == 1, reply
     return int(reply[1])
 

@@ -6,7 +6,8 @@
 -- KEYS[1]       the completion record of this owner (same hash slot as every lock key)
 -- KEYS[2]       the fencing counter shared by the N slots: tokens increase across all of them
 -- KEYS[3..N+2]  the N slots, in order (slot i is KEYS[i + 2])
--- ARGV[1..4]    owner, generation, lock ttl ms, fencing counter ttl ms (as acquire.lua)
+-- ARGV[1..4]    owner, generation, lock ttl ms, fencing counter lifetime ms (as acquire.lua:
+--               the counter expires ARGV[4] ms after its token, server clock)
 -- ARGV[5..]     metadata written into the slot's hash: field, value, ...
 -- return    {1, token, reentered, slot}                    slot taken (reentered 1: hand-over)
 --           {0, holder, holder_gen, holder_token, pttl_ms, finished}
@@ -65,7 +66,8 @@ local token = (tonumber(redis.call('GET', KEYS[2])) or 0) + 1
 if token < now_us then
   token = now_us
 end
-redis.call('SET', KEYS[2], string.format('%d', token), 'PX', ARGV[4])
+redis.call('SET', KEYS[2], string.format('%d', token), 'PX',
+  tonumber(ARGV[4]) + math.floor((token - now_us) / 1000))
 
 redis.call('HSET', KEYS[slot],
   'owner', ARGV[1], 'gen', ARGV[2], 'token', string.format('%d', token),

@@ -3,7 +3,9 @@
 -- KEYS[1]   the lock (a hash written by acquire.lua)
 -- KEYS[2]   its fencing counter (same hash slot)
 -- ARGV[1]   the final token: the largest token the masters issued for this acquire
--- ARGV[2]   fencing counter ttl, milliseconds (set only when the counter is raised)
+-- ARGV[2]   fencing counter lifetime, ms (the lock's ttl + the fence margin, as acquire.lua):
+--           set only when the counter is raised, to expire that long after the later of this
+--           master's clock and the token (masters' clocks differ)
 -- ARGV[3]   owner
 -- ARGV[4]   generation
 -- return    1  the lock is still this owner's and generation's: its token field is now ARGV[1]
@@ -15,7 +17,12 @@
 local token = tonumber(ARGV[1])
 local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
 if counter < token then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  local now = redis.call('TIME')
+  local ahead = token - (tonumber(now[1]) * 1000000 + tonumber(now[2]))
+  if ahead < 0 then
+    ahead = 0
+  end
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]) + math.floor(ahead / 1000))
 end
 
 local held = redis.call('HMGET', KEYS[1], 'owner', 'gen')
