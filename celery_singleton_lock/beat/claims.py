@@ -15,34 +15,20 @@ the worker as the run's second message and dropped.
 
 Knows nothing of Celery. Each method is one round trip running a script from ``lua/``; each
 script touches one key, so it runs unchanged on a Redis Cluster (the claims of one entry even
-share a slot).
+share a slot). The ``*_many`` methods run the same scripts for many runs in one round trip: one
+pipeline, or one per node on a cluster (a beat tick claims every run due at once).
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import random
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-import redis
-
-from ..core._fanout import (
-    DEFAULT_MASTER_TIMEOUT_S,
-    DEFAULT_MAX_IN_FLIGHT,
-    Failed,
-    Fanout,
-    describe,
-    why,
-)
-from ..core._wire import as_text, evalsha, script
-from ..core.backend import REDIS_ERRORS, Client, LockBackend
+from ..core._wire import Script, as_text, evalsha, script
+from ..core.backend import REDIS_ERRORS, Client
+from ..core.cluster import script_calls
 from ..core.compare_delete import delete_if_equal
-from ..core.connection import lock_url, master_timeout, new_store, redlock_clients
-from ..core.redlock import RedlockStore
 from ..errors import LockUnavailableError
 
 __all__ = [
@@ -51,9 +37,7 @@ __all__ = [
     "RUN_HEADER",
     "Claim",
     "Claims",
-    "RedlockClaims",
     "RunClaims",
-    "claims_and_store",
     "witness_key",
 ]
 
@@ -63,8 +47,6 @@ RUN_HEADER = "singleton_beat_run"
 CLAIM_HEADER = "singleton_beat_claim"
 #: Header carrying how long (ms) the run's claim, and so its witness, is kept.
 KEEP_HEADER = "singleton_beat_keep_ms"
-
-T = TypeVar("T")
 
 CLAIM = script("claim.lua")
 CONFIRM = script("confirm.lua")
@@ -89,7 +71,7 @@ class Claim:
 
 class Claims(Protocol):
     """What beat and the workers' witness ask of run claims: :class:`RunClaims` on one
-    server, Sentinel or cluster, :class:`RedlockClaims` on a majority of masters."""
+    server, Sentinel or cluster, :class:`.redlock_claims.RedlockClaims` on a majority of masters."""
 
     claimer: str
 
@@ -102,6 +84,16 @@ class Claims(Protocol):
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None: ...
 
     def unclaim(self, key: str) -> bool: ...
+
+    def claim_many(
+        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+    ) -> list[Claim | LockUnavailableError]: ...
+
+    def confirm_many(
+        self, items: Sequence[tuple[str, str, int]]
+    ) -> list[bool | LockUnavailableError]: ...
+
+    def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]: ...
 
 
 class RunClaims:
@@ -181,6 +173,62 @@ class RunClaims:
             claims.append(None if value is None else _seen(value, pttl))
         return claims
 
+    def claim_many(
+        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+    ) -> list[Claim | LockUnavailableError]:
+        """:meth:`claim` the runs at ``keys`` (each kept its ``keep_ms``) in one round trip.
+
+        Each run gets its claim, or the error that kept it from being claimed (try it again).
+        """
+        if lease_ms <= 0 or any(keep <= 0 for keep in keep_ms):
+            raise ValueError(f"lease_ms and keep_ms must be positive, got {lease_ms!r}")
+        calls = [
+            (CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep])
+            for key, keep in zip(keys, keep_ms, strict=True)
+        ]
+        replies = self._many("claim", keys, calls)
+        return [
+            r
+            if isinstance(r, LockUnavailableError)
+            else Claim(True, self.claimer)
+            if r[0] == 1
+            else _seen(r[1], r[2])
+            for r in replies
+        ]
+
+    def confirm_many(
+        self, items: Sequence[tuple[str, str, int]]
+    ) -> list[bool | LockUnavailableError]:
+        """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``, in one round trip."""
+        if any(keep <= 0 for _key, _task, keep in items):
+            raise ValueError("keep_ms must be positive")
+        calls = [(CONFIRM, [1, key, self.claimer, task or "-", keep]) for key, task, keep in items]
+        replies = self._many("confirm", [item[0] for item in items], calls)
+        return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
+
+    def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]:
+        """Give up our pending claims at ``keys`` (``unclaim.lua``), in one round trip."""
+        replies = self._many("unclaim", keys, [(UNCLAIM, [1, key, self.claimer]) for key in keys])
+        return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
+
+    def _many(
+        self, what: str, keys: Sequence[str], calls: list[tuple[Script, list[Any]]]
+    ) -> list[Any]:
+        """The replies of ``calls`` (one per key) in one round trip; errors as
+        :class:`LockUnavailableError`."""
+        if not calls:
+            return []
+        try:
+            replies = script_calls(self.client, calls)
+        except REDIS_ERRORS as exc:
+            replies = [exc] * len(calls)
+        return [
+            LockUnavailableError(f"could not {what} {key}: {r}", key=key)
+            if isinstance(r, Exception)
+            else r
+            for key, r in zip(keys, replies, strict=True)
+        ]
+
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
         """A worker received message ``task_id`` of the run claimed at ``key``.
 
@@ -202,171 +250,3 @@ def _seen(value: bytes | str, pttl_ms: int) -> Claim:
     """Another instance's claim, from its value ("pending <id>", "done <id> <task>")."""
     state, holder, *_ = [*as_text(value).split(" "), ""]
     return Claim(False, holder, published=state == "done", pttl_ms=int(pttl_ms))
-
-
-class RedlockClaims:
-    """Run claims (:class:`RunClaims`) held on a majority of independent masters.
-
-    The beat scheduler's claims, with the store's rules: a run is won when a majority granted
-    the claim within the publish lease less the drift allowance; anything less is given up
-    where it was granted. A run counts as published as soon as any master that answered has
-    it confirmed: a lagging instance never publishes it again because a minority kept it.
-    Every call raises :class:`LockUnavailableError` when fewer than a majority answered.
-    """
-
-    def __init__(
-        self,
-        clients: Sequence[redis.Redis],
-        claimer: str,
-        *,
-        master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
-        drift_factor: float = 0.01,
-        drift_floor_ms: int = 2,
-    ) -> None:
-        if len(clients) < 1 or len({id(c) for c in clients}) != len(clients):
-            raise ValueError("RedlockClaims needs distinct clients, one per master")
-        self.claimer = claimer
-        self.members = tuple(RunClaims(client, claimer) for client in clients)
-        self.quorum = len(clients) // 2 + 1
-        self.master_timeout_s = master_timeout_s
-        self.clock = clock
-        self.drift_factor = drift_factor
-        self.drift_floor_ms = drift_floor_ms
-        self._fanout = Fanout(len(clients), DEFAULT_MAX_IN_FLIGHT)
-        self._names = [describe(client) for client in clients]
-
-    def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
-        """Claim the run at ``key`` on every master; won with a majority, within the lease.
-
-        Lost: the holder most masters named, or ``published`` as soon as any master that
-        answered has the run confirmed (then even a majority for us is given up). A split
-        vote (nobody holds, or can hold, a majority) reports a short random ``pttl_ms``, so the
-        scheduler looks again soon instead of after the publish lease.
-        """
-        start = self.clock()
-        replies = self._run(lambda c: c.claim(key, lease_ms, keep_ms))
-        answers = {i: r for i, r in replies.items() if not isinstance(r, Failed)}
-        won = [i for i, r in answers.items() if r.won]
-        published = [r for r in answers.values() if r.published]
-        elapsed_ms = (self.clock() - start) * 1000
-        validity_ms = lease_ms - elapsed_ms - (lease_ms * self.drift_factor + self.drift_floor_ms)
-        if len(won) >= self.quorum and validity_ms > 0 and not published:
-            return Claim(won=True, holder=self.claimer)
-        if won or len(answers) < len(self.members):  # a silent master may have granted it
-            self.unclaim(key, quietly=True)
-        if published:  # even a majority for us: the run went out once already
-            return published[0]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not claim {key}: {len(answers)} of {len(self.members)} masters answered,"
-                f" {self.quorum} needed{self._why(replies)}",
-                key=key,
-            )
-        refusals = [r for r in answers.values() if not r.won and r.holder]
-        named = collections.Counter(r.holder for r in refusals)
-        failed = len(self.members) - len(answers)
-        if not named or max(named.values()) + failed < self.quorum:
-            pause_ms = random.randint(20, 200)  # spreads the contenders
-            holder = named.most_common(1)[0][0] if named else None
-            return Claim(False, holder, published=False, pttl_ms=pause_ms)
-        holder = named.most_common(1)[0][0]
-        pttl = max(r.pttl_ms for r in refusals if r.holder == holder)
-        return Claim(False, holder, published=False, pttl_ms=pttl)
-
-    def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
-        """Confirm on every master; True when a majority confirmed our claim."""
-        replies = self._run(lambda c: c.confirm(key, task_id, keep_ms))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not confirm {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-            )
-        return sum(1 for r in answers if r) >= self.quorum
-
-    def peek(self, keys: list[str]) -> list[Claim | None]:
-        """The claims at ``keys`` (see :meth:`RunClaims.peek`), read on every master.
-
-        A run is published if any answering master says so; else pending if any says so
-        (with the longest time left); else unclaimed. Raises when fewer than a majority
-        answered.
-        """
-        replies = self._run(lambda c: c.peek(keys))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not read claims: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=keys[0] if keys else None,
-            )
-        merged: list[Claim | None] = []
-        for seen in zip(*answers, strict=True):
-            found = [c for c in seen if c is not None]
-            done = [c for c in found if c.published]
-            pending = sorted(found, key=lambda c: c.pttl_ms, reverse=True)
-            merged.append(done[0] if done else pending[0] if pending else None)
-        return merged
-
-    def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
-        """Witness a scheduled run's message on every master (see :meth:`RunClaims.witness`).
-
-        The majority decides: None (run it) when a majority recorded this message as the
-        run's first; else the other task id most masters named. Raises when fewer than a
-        majority answered, and the message is neither recorded nor named as a duplicate.
-        """
-        replies = self._run(lambda c: c.witness(key, task_id, keep_ms))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if sum(1 for r in answers if r is None) >= self.quorum:
-            return None
-        named = collections.Counter(r for r in answers if r is not None)
-        if len(answers) < self.quorum or not named:
-            raise LockUnavailableError(
-                f"could not witness {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-                task_id=task_id,
-            )
-        return named.most_common(1)[0][0]
-
-    def unclaim(self, key: str, *, quietly: bool = False) -> bool:
-        """Give up our pending claim on every master; True if any master gave it up."""
-        replies = self._run(lambda c: c.unclaim(key))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if any(answers):
-            return True
-        if len(answers) < self.quorum and not quietly:
-            raise LockUnavailableError(
-                f"could not unclaim {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-            )
-        return False
-
-    def _run(self, call: Callable[[RunClaims], T]) -> dict[int, T | Failed]:
-        return self._fanout.run(
-            {i: functools.partial(call, member) for i, member in enumerate(self.members)},
-            self.master_timeout_s,
-        )
-
-    def _why(self, replies: Mapping[int, object]) -> str:
-        return why(self._names, replies)
-
-
-def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockBackend]:
-    """New run claims for ``url`` as ``claimer``, and a lock store for the same deployment.
-
-    Beat's claims and leader lease, the workers' witness of scheduled runs. Over a
-    ``redis+redlock://`` URL both go to a majority of the masters (on the same clients), as
-    the workers' locks do.
-    """
-    parsed = lock_url(url)
-    if parsed.kind == "redlock":
-        clients, timeout = redlock_clients(url), master_timeout(parsed)
-        return (
-            RedlockClaims(clients, claimer, master_timeout_s=timeout),
-            RedlockStore(clients, master_timeout_s=timeout),
-        )
-    store = new_store(url)
-    return RunClaims(store.client, claimer), store  # one client for both
