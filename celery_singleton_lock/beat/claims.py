@@ -21,9 +21,11 @@ pipeline, or one per node on a cluster (a beat tick claims every run due at once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from redis.cluster import RedisCluster
 
 from ..core._wire import Script, as_text, evalsha, script
 from ..core.backend import REDIS_ERRORS, Client
@@ -52,6 +54,10 @@ CLAIM = script("claim.lua")
 CONFIRM = script("confirm.lua")
 UNCLAIM = script("unclaim.lua")
 WITNESS = script("witness.lua")
+
+#: How many runs one call of claim.lua or confirm.lua takes on one server (a batch of runs goes
+#: as several such calls in one pipeline, so the server stays free for others in between).
+BATCH = 500
 
 
 def witness_key(claim_key: str) -> str:
@@ -117,7 +123,7 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            reply: list[Any] = evalsha(
+            (reply,) = evalsha(
                 self.client, CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep_ms]
             )
         except REDIS_ERRORS as exc:
@@ -131,9 +137,10 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            return bool(
-                evalsha(self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms])
+            (confirmed,) = evalsha(
+                self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms]
             )
+            return bool(confirmed)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
 
@@ -182,11 +189,12 @@ class RunClaims:
         """
         if lease_ms <= 0 or any(keep <= 0 for keep in keep_ms):
             raise ValueError(f"lease_ms and keep_ms must be positive, got {lease_ms!r}")
-        calls = [
-            (CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep])
-            for key, keep in zip(keys, keep_ms, strict=True)
-        ]
-        replies = self._many("claim", keys, calls)
+
+        def call(chunk: Sequence[tuple[str, int]]) -> list[Any]:
+            keys_ = [k for key, _keep in chunk for k in (key, witness_key(key))]
+            return [len(keys_), *keys_, self.claimer, lease_ms, *(keep for _k, keep in chunk)]
+
+        replies = self._many("claim", CLAIM, list(zip(keys, keep_ms, strict=True)), call)
         return [
             r
             if isinstance(r, LockUnavailableError)
@@ -202,32 +210,53 @@ class RunClaims:
         """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``, in one round trip."""
         if any(keep <= 0 for _key, _task, keep in items):
             raise ValueError("keep_ms must be positive")
-        calls = [(CONFIRM, [1, key, self.claimer, task or "-", keep]) for key, task, keep in items]
-        replies = self._many("confirm", [item[0] for item in items], calls)
+
+        def call(chunk: Sequence[tuple[str, str, int]]) -> list[Any]:
+            args: list[Any] = [len(chunk), *(key for key, _t, _k in chunk), self.claimer]
+            for _key, task_id, keep in chunk:
+                args += (task_id or "-", keep)
+            return args
+
+        replies = self._many("confirm", CONFIRM, list(items), call)
         return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
 
     def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]:
         """Give up our pending claims at ``keys`` (``unclaim.lua``), in one round trip."""
-        replies = self._many("unclaim", keys, [(UNCLAIM, [1, key, self.claimer]) for key in keys])
+        replies = self._many(
+            "unclaim", UNCLAIM, list(keys), lambda chunk: [1, chunk[0], self.claimer], batch=1
+        )
         return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
 
     def _many(
-        self, what: str, keys: Sequence[str], calls: list[tuple[Script, list[Any]]]
+        self,
+        what: str,
+        lua: Script,
+        items: list[Any],
+        call: Callable[[Sequence[Any]], list[Any]],
+        batch: int = BATCH,
     ) -> list[Any]:
-        """The replies of ``calls`` (one per key) in one round trip; errors as
+        """The replies for ``items`` (``items[i][0]`` is a key), in one round trip: ``lua``
+        called with ``call(chunk)`` for chunks of ``batch`` items (of one item on a cluster,
+        whose calls go in one pipeline per node); each item's reply, errors as
         :class:`LockUnavailableError`."""
-        if not calls:
+        if not items:
             return []
+        size = 1 if isinstance(self.client, RedisCluster) else batch
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
         try:
-            replies = script_calls(self.client, calls)
+            replies = script_calls(self.client, [(lua, call(chunk)) for chunk in chunks])
         except REDIS_ERRORS as exc:
-            replies = [exc] * len(calls)
-        return [
-            LockUnavailableError(f"could not {what} {key}: {r}", key=key)
-            if isinstance(r, Exception)
-            else r
-            for key, r in zip(keys, replies, strict=True)
-        ]
+            replies = [exc] * len(chunks)
+        out: list[Any] = []
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, Exception):
+                out += [
+                    LockUnavailableError(f"could not {what} {i[0]}: {reply}", key=i[0])
+                    for i in chunk
+                ]
+            else:
+                out += [reply] if lua is UNCLAIM else reply  # unclaim.lua: one run, one integer
+        return out
 
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
         """A worker received message ``task_id`` of the run claimed at ``key``.

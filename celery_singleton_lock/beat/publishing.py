@@ -40,36 +40,34 @@ def claim_and_publish(
     entry labelled with the run's headers), confirm those published in one round trip.
 
     Returns what ``publish`` returned, None for a run not published. A run is published only
-    while its claim is younger than half the publish lease; the others are given up and
-    claimed again at once. ``publish`` raising gives up that run's claim and every claim not
-    published yet, confirms those published, and raises (``NotPublished``: only that run).
+    while its claim is younger than half the publish lease: once half of it has gone, the runs
+    published are confirmed and the claims not published yet are claimed again, in a round trip
+    each. ``publish`` raising gives up that run's claim and every claim not published yet,
+    confirms those published, and raises (``NotPublished``: only that run).
     """
     results: list[Any] = [None] * len(runs)
     if not runs:
         return results
     claimed_at = sched.singleton_monotonic()
-    lease_ms = round(PUBLISH_LEASE_S * 1000)
-    keeps = [run.keep_ms for _e, run in runs]
-    claims: list[Claim | LockUnavailableError] = _many(
-        lambda keys: state.claims.claim_many(keys, lease_ms, keeps), [run.key for _e, run in runs]
-    )
+    claims = _claim_many(state, [run for _e, run in runs])
     give_up: list[Run] = []
     published: list[tuple[Run, str]] = []
     try:
-        for index, ((entry, run), claim) in enumerate(zip(runs, claims, strict=True)):
-            if not _won(sched, entry, run, claim):
-                continue
-            if sched.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2:
-                # paused (or busy) since claiming: the claim may be about to expire and be
-                # taken by another instance, which would then publish the run too. Let it go
-                # and look again.
-                logger.warning(
-                    "beat: claim too old to publish, retrying: entry=%s run=%s",
-                    entry.name,
-                    run.run,
-                )
-                give_up.append(run)
-                sched._recheck_later(run, 0.0)
+        for index, (entry, run) in enumerate(runs):
+            if sched.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2 and _is_won(
+                claims[index]
+            ):
+                # half the lease gone (a long batch, or a pause): another instance may take
+                # these claims soon. Confirm what is published; claim the rest again (our own
+                # pending claims get a fresh lease; one taken meanwhile is lost).
+                _end_claims(state, [], published)
+                published = []
+                rest = [j for j in range(index, len(runs)) if _is_won(claims[j])]
+                claimed_at = sched.singleton_monotonic()
+                again = _claim_many(state, [runs[j][1] for j in rest])
+                for j, claim in zip(rest, again, strict=True):
+                    claims[j] = claim
+            if not _won(sched, entry, run, claims[index]):
                 continue
             try:
                 results[index] = publish(_labelled(entry, run))
@@ -77,17 +75,26 @@ def claim_and_publish(
                 give_up.append(run)
                 continue
             except BaseException:
-                give_up.append(run)
-                give_up.extend(
-                    r
-                    for (_e, r), c in zip(runs[index + 1 :], claims[index + 1 :], strict=True)
-                    if isinstance(c, Claim) and c.won
-                )
+                give_up += [
+                    r for j, (_e, r) in enumerate(runs) if j >= index and _is_won(claims[j])
+                ]
                 raise
             published.append((run, str(getattr(results[index], "id", "") or "-")))
     finally:
         _end_claims(state, give_up, published)
     return results
+
+
+def _claim_many(state: BeatState, runs: list[Run]) -> list[Claim | LockUnavailableError]:
+    """Claim ``runs`` for the publish lease, in one round trip; each its claim or error."""
+    lease_ms = round(PUBLISH_LEASE_S * 1000)
+    keeps = [run.keep_ms for run in runs]
+    keys = [run.key for run in runs]
+    return _many(lambda items: state.claims.claim_many(items, lease_ms, keeps), keys)
+
+
+def _is_won(claim: Claim | LockUnavailableError) -> bool:
+    return isinstance(claim, Claim) and claim.won
 
 
 def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavailableError) -> bool:

@@ -9,7 +9,10 @@ Unix epoch, so every instance computes the same slots whatever its start time.
 Leader mode: one instance holds a renewed lease and publishes; the others poll for the
 lease (leader.py). Runs are still claimed, so a failover never publishes a run twice.
 
-A run's name, claim key and how long its claim is kept come from runs.py.
+A run's name, claim key and how long its claim is kept come from runs.py. A tick takes every
+entry due at that moment off the heap and notices a change of schedule without comparing it
+whole (ticks.py); their runs are claimed in one round trip and confirmed in one more
+(publishing.py).
 
 :class:`SingletonSchedulerMixin` goes in front of any scheduler class;
 :class:`SingletonScheduler` is the mixin on Celery's PersistentScheduler.
