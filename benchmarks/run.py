@@ -40,6 +40,7 @@ SECTIONS = (
     "renewal",
     "contention",
     "beat",
+    "beat_scale",
     "child_loss",
     "rejections",
 )
@@ -67,6 +68,9 @@ class Sizes:
     kills: int
     flood: int
     rejections: int
+    beat_scale_sizes: tuple[int, ...] = (1000, 10_000)
+    beat_scale_repeats: int = 3
+    beat_scale_cap: float = 60.0
 
     def with_repeat(self, n: int) -> Sizes:
         return Sizes(
@@ -87,6 +91,9 @@ class Sizes:
             self.kills,
             self.flood,
             self.rejections,
+            self.beat_scale_sizes,
+            n,
+            self.beat_scale_cap,
         )
 
 
@@ -128,6 +135,9 @@ QUICK = Sizes(
     kills=20,
     flood=2000,
     rejections=500,
+    beat_scale_sizes=(100, 1000),
+    beat_scale_repeats=1,
+    beat_scale_cap=20.0,
 )
 
 
@@ -259,6 +269,16 @@ class Runner:
         with PrivateRedis() as server:
             table, self.results["beat"] = beat.run(
                 server, self.sizes.beat_batch, self.sizes.beat_rounds
+            )
+        self.show(table)
+
+    def beat_scale(self) -> None:
+        from . import beat_scale
+
+        sizes = self.sizes
+        with PrivateRedis() as server:
+            table, self.results["beat_scale"] = beat_scale.run(
+                server, sizes.beat_scale_sizes, sizes.beat_scale_repeats, sizes.beat_scale_cap
             )
         self.show(table)
 
