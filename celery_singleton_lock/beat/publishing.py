@@ -8,6 +8,7 @@ claim, is looked at again later (the scheduler's rechecks).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -28,6 +29,8 @@ logger = logging.getLogger(f"{__package__}.scheduler")
 #: How long a claim may stay unconfirmed while its instance publishes the run. An
 #: instance that dies in that window delays the run by at most this much.
 PUBLISH_LEASE_S = 10.0
+#: How many runs' messages go to the broker in one publish batch.
+PUBLISH_CHUNK = 500
 
 
 def claim_and_publish(
@@ -35,15 +38,21 @@ def claim_and_publish(
     state: BeatState,
     runs: list[tuple[ScheduleEntry, Run]],
     publish: Callable[[ScheduleEntry], Any],
+    batch: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> list[Any]:
     """Claim ``runs`` in one round trip, publish each run won with ``publish`` (given the
     entry labelled with the run's headers), confirm those published in one round trip.
 
-    Returns what ``publish`` returned, None for a run not published. A run is published only
-    while its claim is younger than half the publish lease: once half of it has gone, the runs
-    published are confirmed and the claims not published yet are claimed again, in a round trip
-    each. ``publish`` raising gives up that run's claim and every claim not published yet,
-    confirms those published, and raises (``NotPublished``: only that run).
+    The publishes go in chunks of :data:`PUBLISH_CHUNK`, each inside ``batch()`` (the
+    producer's publish batch: one pipeline to a Redis broker, sent as the block ends); a run
+    counts as published once its chunk went out. Returns what ``publish`` returned, None for a
+    run not published. A run is published only while its claim is younger than half the publish
+    lease: once half of it has gone, the runs published are confirmed and the claims not
+    published yet are claimed again, in a round trip each. ``publish`` raising gives up the
+    claims not published yet (its chunk's too: the batch drops them), confirms those published,
+    and raises (``NotPublished``: only that run). A chunk whose batch fails as it is sent may
+    have gone out in part: its claims are left pending, and the runs looked at again when they
+    expire.
     """
     results: list[Any] = [None] * len(runs)
     if not runs:
@@ -53,33 +62,50 @@ def claim_and_publish(
     give_up: list[Run] = []
     published: list[tuple[Run, str]] = []
     try:
-        for index, (entry, run) in enumerate(runs):
-            if sched.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2 and _is_won(
-                claims[index]
-            ):
-                # half the lease gone (a long batch, or a pause): another instance may take
-                # these claims soon. Confirm what is published; claim the rest again (our own
-                # pending claims get a fresh lease; one taken meanwhile is lost).
-                _end_claims(state, [], published)
-                published = []
-                rest = [j for j in range(index, len(runs)) if _is_won(claims[j])]
-                claimed_at = sched.singleton_monotonic()
-                again = _claim_many(state, [runs[j][1] for j in rest])
-                for j, claim in zip(rest, again, strict=True):
-                    claims[j] = claim
-            if not _won(sched, entry, run, claims[index]):
-                continue
+        for start in range(0, len(runs), PUBLISH_CHUNK):
+            sent: list[tuple[Run, str]] = []
+            stop = min(start + PUBLISH_CHUNK, len(runs))
+            index, sending = start, False
             try:
-                results[index] = publish(_labelled(entry, run))
-            except NotPublished:
-                give_up.append(run)
-                continue
-            except BaseException:
+                with batch():
+                    for index in range(start, stop):
+                        entry, run = runs[index]
+                        if sched.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2 and (
+                            _is_won(claims[index])
+                        ):
+                            # half the lease gone (a long batch, or a pause): another instance
+                            # may take these claims soon. Confirm what is published; claim the
+                            # rest again (our own pending claims get a fresh lease; one taken
+                            # meanwhile is lost).
+                            _end_claims(state, [], published)
+                            published = []
+                            rest = [j for j in range(index, len(runs)) if _is_won(claims[j])]
+                            claimed_at = sched.singleton_monotonic()
+                            again = _claim_many(state, [runs[j][1] for j in rest])
+                            for j, claim in zip(rest, again, strict=True):
+                                claims[j] = claim
+                        if not _won(sched, entry, run, claims[index]):
+                            continue
+                        try:
+                            results[index] = publish(_labelled(entry, run))
+                        except NotPublished:
+                            give_up.append(run)
+                            continue
+                        sent.append((run, str(getattr(results[index], "id", "") or "-")))
+                    sending = True
+            except BaseException as exc:
+                if sending:  # the batch failed as it was sent: it may have gone out in part
+                    logger.error("beat: publishing a batch of runs failed, retrying: %s", exc)
+                    for run, _task in sent:
+                        sched._recheck_later(run, PUBLISH_LEASE_S + 0.05)
+                    index = stop
+                else:  # a publish raised: the batch dropped the messages it held
+                    give_up += [run for run, _task in sent]
                 give_up += [
                     r for j, (_e, r) in enumerate(runs) if j >= index and _is_won(claims[j])
                 ]
                 raise
-            published.append((run, str(getattr(results[index], "id", "") or "-")))
+            published += sent
     finally:
         _end_claims(state, give_up, published)
     return results

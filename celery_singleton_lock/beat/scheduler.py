@@ -20,6 +20,7 @@ whole (ticks.py); their runs are claimed in one round trip and confirmed in one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -298,7 +299,8 @@ class SingletonSchedulerMixin:
                 raise NotPublished
             return outcome
 
-        claim_and_publish(self, state, runs, publish)
+        batch = getattr(producer, "batch", None)  # kombu 5.7: one pipeline to a Redis broker
+        claim_and_publish(self, state, runs, publish, batch or contextlib.nullcontext)
 
     def _recheck_later(self, run: Run, delay: float) -> None:
         self._rechecks[run] = self.singleton_monotonic() + delay
