@@ -41,6 +41,7 @@ SECTIONS = (
     "renewal",
     "contention",
     "beat",
+    "beat_scale",
     "child_loss",
     "rejections",
     "memory",
@@ -71,6 +72,9 @@ class Sizes:
     rejections: int
     mem_runs: int
     mem_margin_s: float
+    beat_scale_sizes: tuple[int, ...] = (1000, 10_000)
+    beat_scale_repeats: int = 3
+    beat_scale_cap: float = 60.0
 
     def with_repeat(self, n: int) -> Sizes:
         return Sizes(
@@ -93,6 +97,9 @@ class Sizes:
             self.rejections,
             self.mem_runs,
             self.mem_margin_s,
+            self.beat_scale_sizes,
+            n,
+            self.beat_scale_cap,
         )
 
 
@@ -138,6 +145,9 @@ QUICK = Sizes(
     rejections=500,
     mem_runs=3000,
     mem_margin_s=1.0,
+    beat_scale_sizes=(100, 1000),
+    beat_scale_repeats=1,
+    beat_scale_cap=20.0,
 )
 
 
@@ -269,6 +279,16 @@ class Runner:
         with PrivateRedis() as server:
             table, self.results["beat"] = beat.run(
                 server, self.sizes.beat_batch, self.sizes.beat_rounds
+            )
+        self.show(table)
+
+    def beat_scale(self) -> None:
+        from . import beat_scale
+
+        sizes = self.sizes
+        with PrivateRedis() as server:
+            table, self.results["beat_scale"] = beat_scale.run(
+                server, sizes.beat_scale_sizes, sizes.beat_scale_repeats, sizes.beat_scale_cap
             )
         self.show(table)
 

@@ -15,34 +15,22 @@ the worker as the run's second message and dropped.
 
 Knows nothing of Celery. Each method is one round trip running a script from ``lua/``; each
 script touches one key, so it runs unchanged on a Redis Cluster (the claims of one entry even
-share a slot).
+share a slot). The ``*_many`` methods run the same scripts for many runs in one round trip: one
+pipeline, or one per node on a cluster (a beat tick claims every run due at once).
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import random
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-import redis
+from redis.cluster import RedisCluster
 
-from ..core._fanout import (
-    DEFAULT_MASTER_TIMEOUT_S,
-    DEFAULT_MAX_IN_FLIGHT,
-    Failed,
-    Fanout,
-    describe,
-    why,
-)
-from ..core._wire import as_text, evalsha, script
-from ..core.backend import REDIS_ERRORS, Client, LockBackend
+from ..core._wire import Script, as_text, evalsha, script
+from ..core.backend import REDIS_ERRORS, Client
+from ..core.cluster import script_calls
 from ..core.compare_delete import delete_if_equal
-from ..core.connection import lock_url, master_timeout, new_store, redlock_clients
-from ..core.redlock import RedlockStore
 from ..errors import LockUnavailableError
 
 __all__ = [
@@ -51,9 +39,7 @@ __all__ = [
     "RUN_HEADER",
     "Claim",
     "Claims",
-    "RedlockClaims",
     "RunClaims",
-    "claims_and_store",
     "witness_key",
 ]
 
@@ -64,12 +50,14 @@ CLAIM_HEADER = "singleton_beat_claim"
 #: Header carrying how long (ms) the run's claim, and so its witness, is kept.
 KEEP_HEADER = "singleton_beat_keep_ms"
 
-T = TypeVar("T")
-
 CLAIM = script("claim.lua")
 CONFIRM = script("confirm.lua")
 UNCLAIM = script("unclaim.lua")
 WITNESS = script("witness.lua")
+
+#: How many runs one call of claim.lua or confirm.lua takes on one server (a batch of runs goes
+#: as several such calls in one pipeline, so the server stays free for others in between).
+BATCH = 500
 
 
 def witness_key(claim_key: str) -> str:
@@ -89,7 +77,7 @@ class Claim:
 
 class Claims(Protocol):
     """What beat and the workers' witness ask of run claims: :class:`RunClaims` on one
-    server, Sentinel or cluster, :class:`RedlockClaims` on a majority of masters."""
+    server, Sentinel or cluster, :class:`.redlock_claims.RedlockClaims` on a majority of masters."""
 
     claimer: str
 
@@ -102,6 +90,16 @@ class Claims(Protocol):
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None: ...
 
     def unclaim(self, key: str) -> bool: ...
+
+    def claim_many(
+        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+    ) -> list[Claim | LockUnavailableError]: ...
+
+    def confirm_many(
+        self, items: Sequence[tuple[str, str, int]]
+    ) -> list[bool | LockUnavailableError]: ...
+
+    def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]: ...
 
 
 class RunClaims:
@@ -125,7 +123,7 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            reply: list[Any] = evalsha(
+            (reply,) = evalsha(
                 self.client, CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep_ms]
             )
         except REDIS_ERRORS as exc:
@@ -139,9 +137,10 @@ class RunClaims:
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
         try:
-            return bool(
-                evalsha(self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms])
+            (confirmed,) = evalsha(
+                self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms]
             )
+            return bool(confirmed)
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
 
@@ -181,6 +180,84 @@ class RunClaims:
             claims.append(None if value is None else _seen(value, pttl))
         return claims
 
+    def claim_many(
+        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+    ) -> list[Claim | LockUnavailableError]:
+        """:meth:`claim` the runs at ``keys`` (each kept its ``keep_ms``) in one round trip.
+
+        Each run gets its claim, or the error that kept it from being claimed (try it again).
+        """
+        if lease_ms <= 0 or any(keep <= 0 for keep in keep_ms):
+            raise ValueError(f"lease_ms and keep_ms must be positive, got {lease_ms!r}")
+
+        def call(chunk: Sequence[tuple[str, int]]) -> list[Any]:
+            keys_ = [k for key, _keep in chunk for k in (key, witness_key(key))]
+            return [len(keys_), *keys_, self.claimer, lease_ms, *(keep for _k, keep in chunk)]
+
+        replies = self._many("claim", CLAIM, list(zip(keys, keep_ms, strict=True)), call)
+        return [
+            r
+            if isinstance(r, LockUnavailableError)
+            else Claim(True, self.claimer)
+            if r[0] == 1
+            else _seen(r[1], r[2])
+            for r in replies
+        ]
+
+    def confirm_many(
+        self, items: Sequence[tuple[str, str, int]]
+    ) -> list[bool | LockUnavailableError]:
+        """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``, in one round trip."""
+        if any(keep <= 0 for _key, _task, keep in items):
+            raise ValueError("keep_ms must be positive")
+
+        def call(chunk: Sequence[tuple[str, str, int]]) -> list[Any]:
+            args: list[Any] = [len(chunk), *(key for key, _t, _k in chunk), self.claimer]
+            for _key, task_id, keep in chunk:
+                args += (task_id or "-", keep)
+            return args
+
+        replies = self._many("confirm", CONFIRM, list(items), call)
+        return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
+
+    def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]:
+        """Give up our pending claims at ``keys`` (``unclaim.lua``), in one round trip."""
+        replies = self._many(
+            "unclaim", UNCLAIM, list(keys), lambda chunk: [1, chunk[0], self.claimer], batch=1
+        )
+        return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
+
+    def _many(
+        self,
+        what: str,
+        lua: Script,
+        items: list[Any],
+        call: Callable[[Sequence[Any]], list[Any]],
+        batch: int = BATCH,
+    ) -> list[Any]:
+        """The replies for ``items`` (``items[i][0]`` is a key), in one round trip: ``lua``
+        called with ``call(chunk)`` for chunks of ``batch`` items (of one item on a cluster,
+        whose calls go in one pipeline per node); each item's reply, errors as
+        :class:`LockUnavailableError`."""
+        if not items:
+            return []
+        size = 1 if isinstance(self.client, RedisCluster) else batch
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        try:
+            replies = script_calls(self.client, [(lua, call(chunk)) for chunk in chunks])
+        except REDIS_ERRORS as exc:
+            replies = [exc] * len(chunks)
+        out: list[Any] = []
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, Exception):
+                out += [
+                    LockUnavailableError(f"could not {what} {i[0]}: {reply}", key=i[0])
+                    for i in chunk
+                ]
+            else:
+                out += [reply] if lua is UNCLAIM else reply  # unclaim.lua: one run, one integer
+        return out
+
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
         """A worker received message ``task_id`` of the run claimed at ``key``.
 
@@ -202,171 +279,3 @@ def _seen(value: bytes | str, pttl_ms: int) -> Claim:
     """Another instance's claim, from its value ("pending <id>", "done <id> <task>")."""
     state, holder, *_ = [*as_text(value).split(" "), ""]
     return Claim(False, holder, published=state == "done", pttl_ms=int(pttl_ms))
-
-
-class RedlockClaims:
-    """Run claims (:class:`RunClaims`) held on a majority of independent masters.
-
-    The beat scheduler's claims, with the store's rules: a run is won when a majority granted
-    the claim within the publish lease less the drift allowance; anything less is given up
-    where it was granted. A run counts as published as soon as any master that answered has
-    it confirmed: a lagging instance never publishes it again because a minority kept it.
-    Every call raises :class:`LockUnavailableError` when fewer than a majority answered.
-    """
-
-    def __init__(
-        self,
-        clients: Sequence[redis.Redis],
-        claimer: str,
-        *,
-        master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
-        drift_factor: float = 0.01,
-        drift_floor_ms: int = 2,
-    ) -> None:
-        if len(clients) < 1 or len({id(c) for c in clients}) != len(clients):
-            raise ValueError("RedlockClaims needs distinct clients, one per master")
-        self.claimer = claimer
-        self.members = tuple(RunClaims(client, claimer) for client in clients)
-        self.quorum = len(clients) // 2 + 1
-        self.master_timeout_s = master_timeout_s
-        self.clock = clock
-        self.drift_factor = drift_factor
-        self.drift_floor_ms = drift_floor_ms
-        self._fanout = Fanout(len(clients), DEFAULT_MAX_IN_FLIGHT)
-        self._names = [describe(client) for client in clients]
-
-    def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
-        """Claim the run at ``key`` on every master; won with a majority, within the lease.
-
-        Lost: the holder most masters named, or ``published`` as soon as any master that
-        answered has the run confirmed (then even a majority for us is given up). A split
-        vote (nobody holds, or can hold, a majority) reports a short random ``pttl_ms``, so the
-        scheduler looks again soon instead of after the publish lease.
-        """
-        start = self.clock()
-        replies = self._run(lambda c: c.claim(key, lease_ms, keep_ms))
-        answers = {i: r for i, r in replies.items() if not isinstance(r, Failed)}
-        won = [i for i, r in answers.items() if r.won]
-        published = [r for r in answers.values() if r.published]
-        elapsed_ms = (self.clock() - start) * 1000
-        validity_ms = lease_ms - elapsed_ms - (lease_ms * self.drift_factor + self.drift_floor_ms)
-        if len(won) >= self.quorum and validity_ms > 0 and not published:
-            return Claim(won=True, holder=self.claimer)
-        if won or len(answers) < len(self.members):  # a silent master may have granted it
-            self.unclaim(key, quietly=True)
-        if published:  # even a majority for us: the run went out once already
-            return published[0]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not claim {key}: {len(answers)} of {len(self.members)} masters answered,"
-                f" {self.quorum} needed{self._why(replies)}",
-                key=key,
-            )
-        refusals = [r for r in answers.values() if not r.won and r.holder]
-        named = collections.Counter(r.holder for r in refusals)
-        failed = len(self.members) - len(answers)
-        if not named or max(named.values()) + failed < self.quorum:
-            pause_ms = random.randint(20, 200)  # spreads the contenders
-            holder = named.most_common(1)[0][0] if named else None
-            return Claim(False, holder, published=False, pttl_ms=pause_ms)
-        holder = named.most_common(1)[0][0]
-        pttl = max(r.pttl_ms for r in refusals if r.holder == holder)
-        return Claim(False, holder, published=False, pttl_ms=pttl)
-
-    def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
-        """Confirm on every master; True when a majority confirmed our claim."""
-        replies = self._run(lambda c: c.confirm(key, task_id, keep_ms))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not confirm {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-            )
-        return sum(1 for r in answers if r) >= self.quorum
-
-    def peek(self, keys: list[str]) -> list[Claim | None]:
-        """The claims at ``keys`` (see :meth:`RunClaims.peek`), read on every master.
-
-        A run is published if any answering master says so; else pending if any says so
-        (with the longest time left); else unclaimed. Raises when fewer than a majority
-        answered.
-        """
-        replies = self._run(lambda c: c.peek(keys))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not read claims: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=keys[0] if keys else None,
-            )
-        merged: list[Claim | None] = []
-        for seen in zip(*answers, strict=True):
-            found = [c for c in seen if c is not None]
-            done = [c for c in found if c.published]
-            pending = sorted(found, key=lambda c: c.pttl_ms, reverse=True)
-            merged.append(done[0] if done else pending[0] if pending else None)
-        return merged
-
-    def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
-        """Witness a scheduled run's message on every master (see :meth:`RunClaims.witness`).
-
-        The majority decides: None (run it) when a majority recorded this message as the
-        run's first; else the other task id most masters named. Raises when fewer than a
-        majority answered, and the message is neither recorded nor named as a duplicate.
-        """
-        replies = self._run(lambda c: c.witness(key, task_id, keep_ms))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if sum(1 for r in answers if r is None) >= self.quorum:
-            return None
-        named = collections.Counter(r for r in answers if r is not None)
-        if len(answers) < self.quorum or not named:
-            raise LockUnavailableError(
-                f"could not witness {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-                task_id=task_id,
-            )
-        return named.most_common(1)[0][0]
-
-    def unclaim(self, key: str, *, quietly: bool = False) -> bool:
-        """Give up our pending claim on every master; True if any master gave it up."""
-        replies = self._run(lambda c: c.unclaim(key))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if any(answers):
-            return True
-        if len(answers) < self.quorum and not quietly:
-            raise LockUnavailableError(
-                f"could not unclaim {key}: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=key,
-            )
-        return False
-
-    def _run(self, call: Callable[[RunClaims], T]) -> dict[int, T | Failed]:
-        return self._fanout.run(
-            {i: functools.partial(call, member) for i, member in enumerate(self.members)},
-            self.master_timeout_s,
-        )
-
-    def _why(self, replies: Mapping[int, object]) -> str:
-        return why(self._names, replies)
-
-
-def claims_and_store(url: str, claimer: str) -> tuple[Claims, LockBackend]:
-    """New run claims for ``url`` as ``claimer``, and a lock store for the same deployment.
-
-    Beat's claims and leader lease, the workers' witness of scheduled runs. Over a
-    ``redis+redlock://`` URL both go to a majority of the masters (on the same clients), as
-    the workers' locks do.
-    """
-    parsed = lock_url(url)
-    if parsed.kind == "redlock":
-        clients, timeout = redlock_clients(url), master_timeout(parsed)
-        return (
-            RedlockClaims(clients, claimer, master_timeout_s=timeout),
-            RedlockStore(clients, master_timeout_s=timeout),
-        )
-    store = new_store(url)
-    return RunClaims(store.client, claimer), store  # one client for both

@@ -71,6 +71,8 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):  #
     """django-celery-beat's database scheduler, publishing each scheduled run once."""
 
     Entry = SingletonModelEntry
+    #: its schedule is a new dict whenever it reloaded it from the database (ticks.py)
+    singleton_schedule_tracked = True
 
     def setup_schedule(self) -> None:
         """django-celery-beat's, with the time of the last schedule change read first.

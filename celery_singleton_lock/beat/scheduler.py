@@ -9,7 +9,10 @@ Unix epoch, so every instance computes the same slots whatever its start time.
 Leader mode: one instance holds a renewed lease and publishes; the others poll for the
 lease (leader.py). Runs are still claimed, so a failover never publishes a run twice.
 
-A run's name, claim key and how long its claim is kept come from runs.py.
+A run's name, claim key and how long its claim is kept come from runs.py. A tick takes every
+entry due at that moment off the heap and notices a change of schedule without comparing it
+whole (ticks.py); their runs are claimed in one round trip and confirmed in one more
+(publishing.py).
 
 :class:`SingletonSchedulerMixin` goes in front of any scheduler class;
 :class:`SingletonScheduler` is the mixin on Celery's PersistentScheduler.
@@ -17,7 +20,7 @@ A run's name, claim key and how long its claim is kept come from runs.py.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import socket
 import time
@@ -34,18 +37,24 @@ from ..core.backend import REDIS_ERRORS
 from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
 from ..settings.options import BeatOptions, read_beat_options
-from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, claims_and_store
 from .leader import ERROR_RETRY_S, BeatState
+from .publishing import NOT_PUBLISHED, PUBLISH_LEASE_S, NotPublished, claim_and_publish
+from .redlock_claims import claims_and_store
 from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
 from .schedules import interval_slot, nominal_run, recent_runs, slot_start
+from .ticks import (
+    ScheduleWatch,
+    base_tick_is_celerys,
+    next_delay,
+    pop_due,
+    push_next,
+    tracked_schedule,
+)
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a claim may stay unconfirmed while its instance publishes the run. An
-#: instance that dies in that window delays the run by at most this much.
-PUBLISH_LEASE_S = 10.0
 #: At start-up, how many recent runs of each entry are checked for a claim left pending.
 RECENT_RUNS_MAX = 32
 
@@ -70,6 +79,11 @@ class SingletonSchedulerMixin:
         self._rechecks: dict[Run, float] = {}
         #: entries whose recent runs this instance checked for claims left pending
         self._watched: set[str] = set()
+        #: calls of the schedule's own editing methods (ticks.py notices a change by them)
+        self._singleton_edits = 0
+        self._singleton_watch = ScheduleWatch()
+        #: labelled entries of claimed runs being published through apply_entry: their outcome
+        self._singleton_claimed: dict[int, Any] = {}
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
@@ -165,7 +179,9 @@ class SingletonSchedulerMixin:
         return schedstate(due, max(next_in, 0.0))  # type: ignore[no-any-return]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Stand by unless leading (leader mode); retry pending claims; then Celery's tick."""
+        """Stand by unless leading (leader mode); then one tick: every due run claimed in one
+        round trip and published (ticks.py), or, before a scheduler with a tick of its own,
+        pending claims retried and that tick."""
         try:
             state = self._singleton_state()
         except REDIS_ERRORS as exc:  # a cluster client reads the slot map when it is built
@@ -173,18 +189,44 @@ class SingletonSchedulerMixin:
             return ERROR_RETRY_S
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             return min(self.max_interval, state.opts.lease / 10)
-        self._watch_recent_runs(state)
-        self._run_rechecks(state)
-        delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
+        if base_tick_is_celerys(type(self), SingletonSchedulerMixin):
+            delay = self._batched_tick(state)
+        else:
+            schedule = self.schedule
+            self._watch_recent_runs(state, schedule)
+            self._publish_many(state, self._due_rechecks(schedule))
+            delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
         if self._rechecks:
             first = min(self._rechecks.values())
             delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
         return delay
 
+    def _batched_tick(self, state: BeatState) -> float:
+        """Every event due now off the heap, reserved, and their runs (with the pending claims
+        to retry) claimed in one round trip and published."""
+        schedule = self.schedule  # read once: the database scheduler looks for changes here
+        tracked = self.singleton_schedule_tracked or tracked_schedule(type(self))
+        self._singleton_watch.refresh(self, schedule, self._singleton_edits, tracked)
+        self._watch_recent_runs(state, schedule)
+        runs = self._due_rechecks(schedule)
+        for due in pop_due(self):
+            entry = due[1]
+            runs.append((entry, self._run(entry, state.opts)))  # as it was due, before reserve
+            push_next(self, due, self.reserve(entry))  # type: ignore[attr-defined]
+        if runs:
+            self._publish_many(state, runs)
+        return next_delay(self)
+
     def apply_async(
         self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
     ) -> Any:
         """Publish ``entry``'s due run if this instance claims it first."""
+        if id(entry) in self._singleton_claimed:  # a run claimed by a tick, via apply_entry
+            result = super().apply_async(  # type: ignore[misc]
+                entry, producer=producer, advance=False, **kwargs
+            )
+            self._singleton_claimed[id(entry)] = result
+            return result
         state = self._singleton_state()
         run = self._run(entry, state.opts)  # of the entry as it was due, before reserve()
         if advance:
@@ -192,7 +234,31 @@ class SingletonSchedulerMixin:
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
             return None
-        return self._claim_and_publish(state, entry, run, producer, **kwargs)
+
+        def publish(labelled: ScheduleEntry) -> Any:
+            return super(SingletonSchedulerMixin, self).apply_async(  # type: ignore[misc]
+                labelled, producer=producer, advance=False, **kwargs
+            )
+
+        return claim_and_publish(self, state, [(entry, run)], publish)[0]
+
+    # -- the schedule's own editing methods: counted, so a tick notices the change (ticks.py)
+
+    #: True when the base scheduler's schedule changes only through its own methods or by
+    #: becoming another dict (Celery's own schedulers are found out; the database one says so).
+    singleton_schedule_tracked = False
+
+    def add(self, **kwargs: Any) -> Any:
+        self._singleton_edits += 1
+        return super().add(**kwargs)  # type: ignore[misc]
+
+    def update_from_dict(self, dict_: Any) -> None:
+        self._singleton_edits += 1
+        super().update_from_dict(dict_)  # type: ignore[misc]
+
+    def merge_inplace(self, b: Any) -> None:
+        self._singleton_edits += 1
+        super().merge_inplace(b)  # type: ignore[misc]
 
     def close(self) -> None:
         """Give up the leader lease (if held) so a standby takes over at once."""
@@ -212,87 +278,47 @@ class SingletonSchedulerMixin:
 
     # -- claims ------------------------------------------------------------------------------
 
-    def _claim_and_publish(
-        self, state: BeatState, entry: ScheduleEntry, run: Run, producer: Any, **kwargs: Any
-    ) -> Any:
-        key = run.key
-        claimed_at = self.singleton_monotonic()
-        try:
-            claim = state.claims.claim(key, round(PUBLISH_LEASE_S * 1000), run.keep_ms)
-        except LockUnavailableError as exc:
-            logger.error(
-                "beat: redis error, run not published yet, retrying: entry=%s run=%s: %s",
-                entry.name,
-                run.run,
-                exc,
-            )
-            self._recheck_later(run, ERROR_RETRY_S)
-            return None
-        if not claim.won:
-            logger.info(
-                "beat: run already claimed: entry=%s run=%s by=%s published=%s",
-                entry.name,
-                run.run,
-                claim.holder,
-                claim.published,
-            )
-            if not claim.published:  # its claimer may die before publishing: look again
-                self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
-            return None
-        if self.singleton_monotonic() - claimed_at > PUBLISH_LEASE_S / 2:
-            # paused right after claiming: the claim may be about to expire and be taken by
-            # another instance, which would then publish the run too. Let it go and look again.
-            _quietly(state.claims.unclaim, key)
-            logger.warning(
-                "beat: claim too old to publish, retrying: entry=%s run=%s", entry.name, run.run
-            )
-            self._recheck_later(run, 0.0)
-            return None
-        labelled = _shallow_copy(entry)
-        labelled.options = copy.deepcopy(entry.options)
-        labelled.options.setdefault("headers", {}).update(
-            {RUN_HEADER: f"{entry.name}@{run.run}", CLAIM_HEADER: key, KEEP_HEADER: run.keep_ms}
-        )
-        try:
-            result = super().apply_async(  # type: ignore[misc]
-                labelled, producer=producer, advance=False, **kwargs
-            )
-        except BaseException:
-            _quietly(state.claims.unclaim, key)
-            raise
-        task_id = str(getattr(result, "id", "") or "-")
-        try:
-            confirmed = state.claims.confirm(key, task_id, run.keep_ms)
-        except LockUnavailableError as exc:  # the pending claim still blocks others
-            logger.warning(
-                "beat: could not confirm run: entry=%s run=%s: %s", entry.name, run.run, exc
-            )
-        else:
-            if not confirmed:  # our claim expired while publishing: another may publish too
-                logger.error(
-                    "beat: claim expired while publishing, run may be duplicated: "
-                    "entry=%s run=%s task_id=%s",
-                    entry.name,
-                    run.run,
-                    task_id,
-                )
-        logger.info("beat: published run: entry=%s run=%s task_id=%s", entry.name, run.run, task_id)
-        return result
+    def _publish_many(self, state: BeatState, runs: list[tuple[ScheduleEntry, Run]]) -> None:
+        """Claim ``runs`` in one round trip; publish those won through ``apply_entry`` (Celery's
+        log line and error handling, and what hooks it sees them), confirm them in one more."""
+        if not runs:
+            return
+        if state.opts.mode == "leader" and not self._singleton_lead(state):
+            for entry, _run in runs:
+                logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
+            return
+        producer = self.producer  # type: ignore[attr-defined]
+
+        def publish(labelled: ScheduleEntry) -> Any:
+            self._singleton_claimed[id(labelled)] = NOT_PUBLISHED
+            try:
+                self.apply_entry(labelled, producer=producer)  # type: ignore[attr-defined]
+            finally:
+                outcome = self._singleton_claimed.pop(id(labelled))
+            if outcome is NOT_PUBLISHED:  # apply_entry logged why
+                raise NotPublished
+            return outcome
+
+        batch = getattr(producer, "batch", None)  # kombu 5.7: one pipeline to a Redis broker
+        claim_and_publish(self, state, runs, publish, batch or contextlib.nullcontext)
 
     def _recheck_later(self, run: Run, delay: float) -> None:
         self._rechecks[run] = self.singleton_monotonic() + delay
 
-    def _run_rechecks(self, state: BeatState) -> None:
+    def _due_rechecks(self, schedule: Any) -> list[tuple[ScheduleEntry, Run]]:
+        """The runs whose recheck is due, with their entries (taken off the rechecks)."""
         now = self.singleton_monotonic()
-        for run, due in list(self._rechecks.items()):
-            if due > now:
+        due: list[tuple[ScheduleEntry, Run]] = []
+        for run, when in list(self._rechecks.items()):
+            if when > now:
                 continue
             del self._rechecks[run]
-            entry = self.schedule.get(run.entry_name)
+            entry = schedule.get(run.entry_name)
             if entry is not None:
-                self._claim_and_publish(state, entry, run, self.producer)  # type: ignore[attr-defined]
+                due.append((entry, run))
+        return due
 
-    def _watch_recent_runs(self, state: BeatState) -> None:
+    def _watch_recent_runs(self, state: BeatState, schedule: Any) -> None:
         """Look once at the recent runs of entries new to this instance for pending claims.
 
         An instance fires only the runs that come due while it runs: one started after a
@@ -301,12 +327,12 @@ class SingletonSchedulerMixin:
         publish lease and the skew bound) are looked at once, and those found pending are
         claimed again when their lease ends, like the runs this instance fired.
         """
-        if self._watched.issuperset(self.schedule):
+        if len(self._watched) >= len(schedule) and self._watched.issuperset(schedule):
             return
         now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
         since = now - timedelta(seconds=PUBLISH_LEASE_S + 2 * state.opts.skew + 1)
         runs: list[Run] = []
-        for name, entry in list(self.schedule.items()):
+        for name, entry in list(schedule.items()):
             if name in self._watched:
                 continue
             self._watched.add(name)
@@ -357,18 +383,6 @@ class SingletonSchedulerMixin:
         return run_at(entry.name, sched, opts, nominal)
 
 
-def _shallow_copy(entry: ScheduleEntry) -> ScheduleEntry:
-    """A shallow copy of ``entry``, its attributes shared.
-
-    Not ``copy.copy``: that goes through ``ScheduleEntry.__reduce__``, which calls the class with
-    ScheduleEntry's own arguments, and an entry class with another signature (django-celery-beat's
-    ``ModelEntry(model, app)``) fails there with a TypeError, so no run would be published.
-    """
-    clone: ScheduleEntry = object.__new__(type(entry))
-    clone.__dict__.update(entry.__dict__)
-    return clone
-
-
 def _slot_of(interval: float, when: datetime) -> int:
     return interval_slot(interval, aware(when).timestamp())
 
@@ -394,13 +408,6 @@ class _AlignedInterval:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sched, name)
-
-
-def _quietly(fn: Callable[[str], object], key: str) -> None:
-    try:
-        fn(key)
-    except LockUnavailableError as exc:
-        logger.warning("beat: could not give up claim %s: %s", key, exc)
 
 
 class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

@@ -19,7 +19,8 @@ from celery.worker import state as worker_state
 from ..core._pid import current_pid
 from ..errors import LockUnavailableError, SingletonConfigError
 from ..settings.options import read_options
-from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims, claims_and_store
+from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims
+from .redlock_claims import claims_and_store
 
 __all__ = ["WITNESS_KEEP_MS", "witness_scheduled_run"]
 

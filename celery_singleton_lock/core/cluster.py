@@ -31,7 +31,7 @@ from .backend import (
 )
 from .store import RENEW, AcquireCall, ScriptStore, acquire_and_wait
 
-__all__ = ["ClusterStore"]
+__all__ = ["ClusterStore", "pipeline_by_node", "script_calls"]
 
 
 class ClusterStore(SequentialReleases, ScriptStore):
@@ -103,60 +103,83 @@ class ClusterStore(SequentialReleases, ScriptStore):
                 client.nodes_manager.initialize()
 
     def _do_renew(self, items: Sequence[RenewItem]) -> list[RenewStatus]:
-        """One renew.lua call per slot; the calls of one node in one pipeline.
-
-        A node without the script (new, restarted, or a promoted replica) gets it loaded and
-        its calls sent again (:func:`._wire.pipeline`). Calls the pipelines could not place (a
-        slot that moved, an unknown or failed node) go again, one by one, through the cluster
-        client, which follows redirects and refreshes its slot map; a node that fails there
-        too is given up for this batch. If a node cannot be asked, the locks on the other
-        nodes are still renewed, and then the error is raised.
+        """One renew.lua call per slot; the calls of one node in one pipeline
+        (:func:`pipeline_by_node`). If a node cannot be asked, the locks on the other nodes are
+        still renewed, and then the error is raised.
         """
         client = self.client
         by_slot: dict[int, list[int]] = {}
         for index, item in enumerate(items):
             slot: int = client.keyslot(item.key)  # type: ignore[no-untyped-call]
             by_slot.setdefault(slot, []).append(index)
-        by_node: dict[str, tuple[redis.Redis, list[list[int]]]] = {}
-        again: list[tuple[str, list[int]]] = []
-        slot_groups = [
-            (s, g) for s, grouped in by_slot.items() for g in renew_groups(items, grouped)
-        ]
-        for slot, group in slot_groups:
-            try:
-                node = client.nodes_manager.get_node_from_slot(slot)
-            except REDIS_ERRORS:
-                node = None
-            connection = None if node is None else node.redis_connection
-            if node is None or connection is None:
-                again.append(("", group))
-                continue
-            by_node.setdefault(node.name, (connection, []))[1].append(group)
+        groups = [g for grouped in by_slot.values() for g in renew_groups(items, grouped)]
+        replies = pipeline_by_node(client, [(RENEW, renew_args(items, g)) for g in groups])
         statuses: list[RenewStatus | None] = [None] * len(items)
-        for name, (connection, groups) in by_node.items():
-            calls = [(RENEW, renew_args(items, group)) for group in groups]
-            try:
-                replies = _wire.pipeline(connection, calls)
-            except REDIS_ERRORS:
-                again.extend((name, group) for group in groups)
-                continue
-            for group, reply in zip(groups, replies, strict=True):
-                if isinstance(reply, Exception):
-                    again.append((name, group))
-                else:
-                    fill_renewed(statuses, group, reply)
         error: Exception | None = None
-        failed: set[str] = set()
-        for name, group in again:
-            if name and name in failed:
-                continue
-            try:
-                reply = _wire.evalsha(client, RENEW, renew_args(items, group))
-            except REDIS_ERRORS as exc:
-                error = error or exc
-                failed.add(name)
-                continue
-            fill_renewed(statuses, group, reply)
+        for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                error = error or reply
+            else:
+                fill_renewed(statuses, group, reply)
         if error is not None:
             raise error
         return [status if status is not None else RenewStatus.GONE for status in statuses]
+
+
+def pipeline_by_node(
+    client: RedisCluster, calls: Sequence[tuple[_wire.Script, Sequence[Any]]]
+) -> list[Any]:
+    """Script calls on a cluster, each on keys of one slot (its first key is ``args[1]``); each
+    reply or its error, in order.
+
+    The calls of one node go in one pipeline. A node without the script (new, restarted, or a
+    promoted replica) gets it loaded and its calls sent again (:func:`._wire.pipeline`). Calls
+    the pipelines could not place (a slot that moved, an unknown or failed node) or that got an
+    error go again, one by one, through the cluster client, which follows redirects and
+    refreshes its slot map; a node that fails there too is given up for this batch (its other
+    calls get that error).
+    """
+    by_node: dict[str, tuple[redis.Redis, list[int]]] = {}
+    again: list[tuple[str, int]] = []
+    for index, (_lua, args) in enumerate(calls):
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(args[1]))  # type: ignore[no-untyped-call]
+        except REDIS_ERRORS:
+            node = None
+        connection = None if node is None else node.redis_connection
+        if node is None or connection is None:
+            again.append(("", index))
+            continue
+        by_node.setdefault(node.name, (connection, []))[1].append(index)
+    replies: list[Any] = [None] * len(calls)
+    for name, (connection, indexes) in by_node.items():
+        try:
+            got = _wire.pipeline(connection, [calls[i] for i in indexes])
+        except REDIS_ERRORS:
+            again.extend((name, i) for i in indexes)
+            continue
+        for index, reply in zip(indexes, got, strict=True):
+            if isinstance(reply, Exception):
+                again.append((name, index))
+            else:
+                replies[index] = reply
+    failed: dict[str, Exception] = {}
+    for name, index in again:
+        if name and name in failed:
+            replies[index] = failed[name]
+            continue
+        try:
+            replies[index] = _wire.evalsha(client, *calls[index])
+        except REDIS_ERRORS as exc:
+            replies[index] = exc
+            if name:
+                failed[name] = exc
+    return replies
+
+
+def script_calls(client: Any, calls: Sequence[tuple[_wire.Script, Sequence[Any]]]) -> list[Any]:
+    """Script calls in one round trip: one pipeline on a single server (:func:`._wire.pipeline`),
+    one per node on a cluster (:func:`pipeline_by_node`); each reply or its error, in order."""
+    if isinstance(client, RedisCluster):
+        return pipeline_by_node(client, calls)
+    return _wire.pipeline(client, calls)

@@ -20,8 +20,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock.beat.claims import claims_and_store
 from celery_singleton_lock.beat.leader import BeatState
+from celery_singleton_lock.beat.redlock_claims import claims_and_store
 from celery_singleton_lock.core.urls import redact_url
 from celery_singleton_lock.settings.options import read_beat_options, read_options
 from celery_singleton_lock.tools.cli import _Target

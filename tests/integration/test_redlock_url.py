@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from celery_singleton_lock import SingletonConfigError, skip_info
-from celery_singleton_lock.beat.claims import RedlockClaims, RunClaims
+from celery_singleton_lock.beat.claims import RunClaims
+from celery_singleton_lock.beat.redlock_claims import RedlockClaims
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import Acquired, Contended
 from celery_singleton_lock.core.connection import client_for, redlock_clients, store_for

@@ -1,12 +1,20 @@
--- Mark a claimed run as published, keeping the claim so no other instance publishes it.
+-- Mark claimed runs as published, keeping their claims so no other instance publishes them: one
+-- run, or many at once (on a Redis Cluster, one run per call).
 --
--- KEYS[1]   the run's claim key
--- ARGV[1]   claimer: the beat instance id that holds the pending claim
--- ARGV[2]   the published task id
--- ARGV[3]   how long to keep the claim, milliseconds
--- return    1 confirmed, 0 the claim is no longer this claimer's pending claim (left alone)
-if redis.call('GET', KEYS[1]) ~= 'pending ' .. ARGV[1] then
-  return 0
+-- KEYS[i]       run i's claim key
+-- ARGV[1]       claimer: the beat instance id that holds the pending claims
+-- ARGV[2i]      run i's published task id
+-- ARGV[2i+1]    how long to keep run i's claim, milliseconds
+-- return        one reply per run, in order: 1 confirmed, 0 the claim is no longer this
+--               claimer's pending claim (left alone)
+local mine = 'pending ' .. ARGV[1]
+local replies = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == mine then
+    redis.call('SET', KEYS[i], 'done ' .. ARGV[1] .. ' ' .. ARGV[2 * i], 'PX', ARGV[2 * i + 1])
+    replies[i] = 1
+  else
+    replies[i] = 0
+  end
 end
-redis.call('SET', KEYS[1], 'done ' .. ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
-return 1
+return replies
