@@ -77,7 +77,7 @@ def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
     join = client_app.signature("t.join")
     after = client_app.signature("t.join_next")
     holder = join.clone((key, -1, {"v": 42})).apply_async(**_holding(client_app, pool))
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", *workers)
     linked = join.clone((key, 0, "not run")).apply_async(link=after.clone(kwargs={"tag": "link"}))
     chained = chain(join.clone((key, 0, "not run")), after.clone(kwargs={"tag": "chain"}))()
     _joined(redis_client, lock, 2, *workers)
@@ -106,10 +106,12 @@ def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
     assert not redis_client.exists(joiners_key(lock))
 
 
-def _held_lock(redis_client: redis.Redis, key_prefix: str, task: str = "t.join") -> str | None:
-    """The key of the lock a run of ``task`` holds (one key per test), once there is one."""
-    found = [k.decode() for k in redis_client.scan_iter(f"{key_prefix}lock:{{{task}:*}}:lock")]
-    return found[0] if found else None
+def _held_lock(
+    redis_client: redis.Redis, key_prefix: str, key: str, task: str = "t.join"
+) -> str | None:
+    """The lock key of ``task(key)`` once a run holds it."""
+    lock = _lock_of(key_prefix, key, task)
+    return lock if redis_client.exists(lock) else None
 
 
 @pytest.mark.parametrize("pool", POOLS)
@@ -125,7 +127,7 @@ def test_a_joined_duplicate_ends_with_the_holders_failure_and_its_error_link_fir
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "boom"), {"fail": True}).apply_async(**_holding(client_app, pool))
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", *workers)
     joined = join.clone((key, 0, "not run")).apply_async(
         link_error=client_app.signature("t.join_errback")
     )
@@ -161,7 +163,7 @@ def test_a_chord_counts_a_joined_member_with_the_holders_value(
     first = join.clone((key, -1, "same")).set(**_holding(client_app, pool))
     header = [first, join.clone((key, -1, "same")), join.clone((other,))]
     result = chord(header, client_app.signature("t.join_gather"))()
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", *workers)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", *workers)
     _joined(redis_client, lock, 1, *workers)
     redis_client.rpush(f"{key}:go", 1)
     assert result.get(timeout=20) == ["same", "same", None]
@@ -185,7 +187,7 @@ def test_joiners_wait_through_the_holders_retry_for_its_final_value(
         .apply_async(**_holding(client_app, pool))
     )
     lock = wait_for(
-        lambda: _held_lock(redis_client, key_prefix, "t.join_retry"), 20, "the lock", *workers
+        lambda: _held_lock(redis_client, key_prefix, key, "t.join_retry"), 20, "the lock", *workers
     )
     joined = client_app.signature("t.join_retry").clone((key, "not run")).apply_async()
     _joined(redis_client, lock, 1, *workers)
@@ -222,7 +224,7 @@ def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "lost")).apply_async(queue=side)
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", doomed)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", doomed)
     first = join.clone((key, 0, "first")).apply_async()
     second = join.clone((key, 0, "second")).apply_async()
     _joined(redis_client, lock, 2, survivor)
@@ -252,7 +254,7 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
     join = client_app.signature("t.join")
     options = {"time_limit": 2.0} if how == "time limit" else {}
     holder = join.clone((key, -1, "never")).apply_async(**options)
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix), 20, "the lock", worker)
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
     joined = join.clone((key, 0, "not run")).apply_async()
     _joined(redis_client, lock, 1, worker)
     if how == "revoke":
@@ -284,7 +286,7 @@ def test_a_watch_copy_whose_joiner_is_being_completed_checks_again_before_runnin
         .apply_async(headers={JOINED_HEADER: "a-holder-that-died"})
     )
     worker.wait_for_log(rf"joined duplicate is being completed, checks again in .*\[{copy.id}\]")
-    wait_for(lambda: _held_lock(redis_client, key_prefix) is None, 10, "the lock's release")
+    wait_for(lambda: _held_lock(redis_client, key_prefix, key) is None, 10, "the lock's release")
     if completed:  # what the completing end writes once the joiner's result is stored
         store = LockStore(redis_client)
         record_done(store.run_script, _lock_of(key_prefix, key), [(copy.id, 0)], 60_000)
@@ -299,8 +301,8 @@ def _signature(key: str, seconds: float = 0.0, value: Any = None, fail: bool = F
     """Same parameters as t.join."""
 
 
-def _lock_of(key_prefix: str, key: str) -> str:
-    return derive_keys(f"{key_prefix}lock:", "t.join", _signature, (key,), {}, ("key",)).lock
+def _lock_of(key_prefix: str, key: str, task: str = "t.join") -> str:
+    return derive_keys(f"{key_prefix}lock:", task, _signature, (key,), {}, ("key",)).lock
 
 
 @pytest.mark.slow(seconds=14)
