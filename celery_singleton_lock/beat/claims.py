@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from redis.cluster import RedisCluster
 
@@ -40,8 +40,11 @@ __all__ = [
     "Claim",
     "Claims",
     "RunClaims",
+    "only",
     "witness_key",
 ]
+
+T = TypeVar("T")
 
 #: Header carrying "<entry name>@<run id>" on every message a SingletonScheduler publishes.
 RUN_HEADER = "singleton_beat_run"
@@ -122,27 +125,13 @@ class RunClaims:
         keep_ms = lease_ms if keep_ms is None else keep_ms
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
-        try:
-            (reply,) = evalsha(
-                self.client, CLAIM, [2, key, witness_key(key), self.claimer, lease_ms, keep_ms]
-            )
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(f"could not claim {key}: {exc}", key=key) from exc
-        if reply[0] == 1:
-            return Claim(won=True, holder=self.claimer)
-        return _seen(reply[1], reply[2])
+        return only(self.claim_many([key], lease_ms, [keep_ms]))
 
     def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
         """Mark the run published as ``task_id`` and keep the claim ``keep_ms``."""
         if keep_ms <= 0:
             raise ValueError(f"keep_ms must be positive, got {keep_ms!r}")
-        try:
-            (confirmed,) = evalsha(
-                self.client, CONFIRM, [1, key, self.claimer, task_id or "-", keep_ms]
-            )
-            return bool(confirmed)
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(f"could not confirm {key}: {exc}", key=key) from exc
+        return only(self.confirm_many([(key, task_id, keep_ms)]))
 
     def unclaim(self, key: str) -> bool:
         """Give up our pending claim at ``key`` (publishing failed).
@@ -273,6 +262,14 @@ class RunClaims:
                 f"could not witness {key}: {exc}", key=key, task_id=task_id
             ) from exc
         return first or None
+
+
+def only(outcomes: Sequence[T | LockUnavailableError]) -> T:
+    """The one outcome of a batch of one (``claim_many`` and friends): raised if an error."""
+    (outcome,) = outcomes
+    if isinstance(outcome, LockUnavailableError):
+        raise outcome
+    return outcome
 
 
 def _seen(value: bytes | str, pttl_ms: int) -> Claim:

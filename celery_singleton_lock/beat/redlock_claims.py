@@ -27,7 +27,7 @@ from ..core.backend import LockBackend
 from ..core.connection import lock_url, master_timeout, new_store, redlock_clients
 from ..core.redlock import RedlockStore
 from ..errors import LockUnavailableError
-from .claims import Claim, Claims, RunClaims
+from .claims import Claim, Claims, RunClaims, only
 
 __all__ = ["RedlockClaims", "claims_and_store"]
 
@@ -74,10 +74,7 @@ class RedlockClaims:
         vote (nobody holds, or can hold, a majority) reports a short random ``pttl_ms``, so the
         scheduler looks again soon instead of after the publish lease.
         """
-        (outcome,) = self.claim_many([key], lease_ms, [lease_ms if keep_ms is None else keep_ms])
-        if isinstance(outcome, LockUnavailableError):
-            raise outcome
-        return outcome
+        return only(self.claim_many([key], lease_ms, [lease_ms if keep_ms is None else keep_ms]))
 
     def claim_many(
         self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
@@ -133,10 +130,7 @@ class RedlockClaims:
 
     def confirm(self, key: str, task_id: str, keep_ms: int) -> bool:
         """Confirm on every master; True when a majority confirmed our claim."""
-        (outcome,) = self.confirm_many([(key, task_id, keep_ms)])
-        if isinstance(outcome, LockUnavailableError):
-            raise outcome
-        return outcome
+        return only(self.confirm_many([(key, task_id, keep_ms)]))
 
     def confirm_many(
         self, items: Sequence[tuple[str, str, int]]

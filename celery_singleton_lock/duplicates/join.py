@@ -30,9 +30,8 @@ an expired message (REVOKED).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from celery import Task, states
@@ -44,6 +43,7 @@ from kombu.serialization import loads, prepare_accept_content
 from .. import signals
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
+from ..publish.dedup import seconds_until
 from ..run.callrepr import repr_options
 from ..run.log import LOGGED_ERRORS, about, logger
 from .coalesce import task_dumps
@@ -113,12 +113,8 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
         return float(opts.retry_countdown)
     if not joined:
         return 0.0
-    countdown = _watch_countdown(pttl_ms, request.expires)
     try:
-        headers = {**(request.headers or {}), JOINED_HEADER: holder}
-        task.signature_from_request(
-            request, countdown=countdown, headers=headers, **repr_options(request)
-        ).apply_async()
+        _publish_copy(task, request, _watch_countdown(pttl_ms, request.expires), holder)
     except Exception as exc:  # its message must stay somewhere: requeued instead
         try:
             withdrawn = unjoin(run, lock_key, request.id)
@@ -179,10 +175,7 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
         return True
     countdown = opts.ttl_ms / 1000
     try:
-        headers = {**(request.headers or {}), JOINED_HEADER: holder, _RECHECK_HEADER: True}
-        task.signature_from_request(
-            request, countdown=countdown, headers=headers, **repr_options(request)
-        ).apply_async()
+        _publish_copy(task, request, countdown, holder, recheck=True)
     except Exception as exc:  # run now rather than risk a call left without an end
         logger.warning(
             "singleton: could not keep joined duplicate's message, runs now: %s[%s] key=%s: %s",
@@ -331,6 +324,20 @@ def _request_of(task: Task, record: bytes) -> Context:
     return Context(dict(fields))
 
 
+def _publish_copy(
+    task: Task, request: Context, countdown: float, holder: str, *, recheck: bool = False
+) -> None:
+    """Publish a copy of the message of ``request`` (the same task id, retries and canvas, as
+    ``retry()`` would), due in ``countdown`` seconds: a watch copy of a joiner of ``holder``,
+    or with ``recheck`` its last check (see :func:`runs_in_place`)."""
+    headers = {**(request.headers or {}), JOINED_HEADER: holder}
+    if recheck:
+        headers[_RECHECK_HEADER] = True
+    task.signature_from_request(
+        request, countdown=countdown, headers=headers, **repr_options(request)
+    ).apply_async()
+
+
 def _watch_countdown(pttl_ms: int, expires: Any) -> float:
     """When the watch copy is due: just after the lock would expire, or just after the
     message's own ``expires`` if that comes first."""
@@ -347,15 +354,11 @@ def _expired(expires: Any) -> bool:
 
 
 def _seconds_left(expires: Any) -> float | None:
-    if expires is None or expires == "":
-        return None
+    """Seconds until a message's ``expires`` (None: none, or not a time this can read)."""
     try:
-        when = expires if isinstance(expires, datetime) else datetime.fromisoformat(str(expires))
+        return seconds_until(expires or None)
     except ValueError:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return when.timestamp() - time.time()
 
 
 def _keep_ms(opts: Any) -> int:

@@ -78,6 +78,7 @@ __all__ = [
     "mark_queued",
     "marker_ttl_ms",
     "not_published",
+    "seconds_until",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ PUBLISH = _wire.script("publish.lua")
 UNQUEUE = _wire.script("unqueue.lua")
 
 
-def _seconds_until(when: Any) -> float | None:
+def seconds_until(when: Any) -> float | None:
     """Seconds from now until ``when`` (a number of seconds, a datetime or an ISO string)."""
     if when is None:
         return None
@@ -102,11 +103,11 @@ def _seconds_until(when: Any) -> float | None:
 
 def marker_ttl_ms(publish_ttl: float, options: Mapping[str, Any]) -> int:
     """How long a message's marker lives: its delay plus ``publish_ttl``, cut at its expiry."""
-    delay = _seconds_until(options.get("countdown"))
+    delay = seconds_until(options.get("countdown"))
     if delay is None:
-        delay = _seconds_until(options.get("eta"))
+        delay = seconds_until(options.get("eta"))
     ttl = max(delay or 0.0, 0.0) + publish_ttl
-    expires = _seconds_until(options.get("expires"))
+    expires = seconds_until(options.get("expires"))
     if expires is not None:
         ttl = min(ttl, expires)
     return max(1, round(ttl * 1000))
