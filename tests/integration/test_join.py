@@ -100,9 +100,15 @@ def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
     assert nexts == ["chain:{'v': 42}", "link:{'v': 42}"]
     assert _runs(redis_client, key_prefix, key) == 1
     check_history(load_history(redis_client, history_key(key_prefix)))
-    logs = "".join(w.log_text() for w in workers)
-    assert logs.count("singleton: duplicate joined: t.join[") == 2, logs
-    assert logs.count("singleton: joined duplicate completed: t.join[") == 2, logs
+    completed = "singleton: joined duplicate completed: t.join["
+
+    def logs() -> str:
+        return "".join(w.log_text() for w in workers)
+
+    # each line is logged after its call's result is stored: the results may be read first
+    wait_for(lambda: logs().count(completed) >= 2, 10, "both completions logged", *workers)
+    assert logs().count("singleton: duplicate joined: t.join[") == 2, logs()
+    assert logs().count(completed) == 2, logs()
     assert not redis_client.exists(joiners_key(lock))
 
 
