@@ -38,7 +38,9 @@ from celery import Task, states
 from celery.app.task import Context
 from celery.canvas import signature
 from celery.exceptions import Ignore
+from celery.utils.saferepr import saferepr
 from kombu.serialization import loads, prepare_accept_content
+from kombu.utils.encoding import safe_repr
 
 from .. import signals
 from ..core.connection import store_for
@@ -46,6 +48,7 @@ from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
 from ..publish.dedup import seconds_until
 from ..run.callrepr import repr_options
 from ..run.log import LOGGED_ERRORS, about, logger
+from ..run.task_events import EventSink, run_sink
 from .coalesce import task_dumps
 
 __all__ = ["JOINED_HEADER", "Joined", "complete_joiners", "join_holder", "runs_in_place"]
@@ -139,6 +142,9 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
         holder,
     )
     signals.duplicate_joined.send(sender=task, key=lock_key, task_id=request.id, holder=holder)
+    send_events = run_sink(task)
+    if send_events is not None:  # Flower: JOINED, until its holder's end completes it
+        send_events([("task-joined", request.id, {"holder": holder, "key": lock_key})])
     raise Joined()
 
 
@@ -195,10 +201,14 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
     return False
 
 
-def complete_joiners(task: Task, lock_key: str, ended: str, state: str, retval: Any) -> int:
+def complete_joiners(
+    task: Task, lock_key: str, ended: str, state: str, retval: Any, *, send_events: EventSink | None
+) -> int:
     """Complete the joiners of ``lock_key`` that the end of run ``ended`` takes; how many.
     ``state``: SUCCESS with the value ``retval``; FAILURE or REVOKED with the exception
-    ``retval`` (each joiner ends in that state, its error links called)."""
+    ``retval`` (each joiner ends in that state, its error links called). Each completed
+    joiner's task event (``task-succeeded``, ``task-failed``, ``task-revoked``) goes to
+    ``send_events`` (run/task_events.py), unless that is None."""
     opts = task.singleton_options()
     run = store_for(opts.redis_url).run_script
     try:
@@ -219,6 +229,9 @@ def complete_joiners(task: Task, lock_key: str, ended: str, state: str, retval: 
         request = _completed(task, joiner, state, retval, lock_key, ended)
         if request is not None:
             done.append((joiner.task_id, int(request.retries or 0)))
+    if done and send_events is not None:
+        event = _event_of(task, state, retval)
+        send_events([(event[0], task_id, event[1]) for task_id, _ in done])
     if done:
         try:
             record_done(run, lock_key, done, _keep_ms(opts) * 2)
@@ -248,6 +261,7 @@ def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
             joiner.task_id,
             lock_key,
             exc,
+            extra=about(task.name, ended),
         )
         return None
     if _expired(request.expires):
@@ -270,6 +284,7 @@ def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
             lock_key,
             ended,
             exc,
+            extra=about(task.name, ended),
         )
         return None
     logger.info(
@@ -279,8 +294,19 @@ def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
         lock_key,
         ended,
         state,
+        extra=about(task.name, ended),
     )
     return request
+
+
+def _event_of(task: Task, state: str, retval: Any) -> tuple[str, dict[str, Any]]:
+    """The task event of a joiner completed in ``state`` with ``retval``, with the fields
+    Celery's worker gives the same event."""
+    if state == states.SUCCESS:
+        return "task-succeeded", {"result": saferepr(retval, task.resultrepr_maxsize)}
+    if state == states.REVOKED:
+        return "task-revoked", {"terminated": False, "signum": None, "expired": False}
+    return "task-failed", {"exception": safe_repr(retval), "traceback": ""}  # type: ignore[no-untyped-call]
 
 
 def _succeed(task: Task, request: Context, retval: Any) -> None:

@@ -28,6 +28,7 @@ from ..run.completion import ending_for
 from ..run.events import on_released
 from ..run.handle import LockHandle, handle_of
 from ..run.log import LOGGED_ERRORS, about, logger
+from ..run.task_events import EventSink, run_sink
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -118,7 +119,9 @@ class RunEndings(Task):  # type: ignore[misc]
         if opts.on_duplicate == "join":  # released now: the joiners complete at once
             on_released(held, renewer.release_now(held), state)
             if state in (states.SUCCESS, states.FAILURE) and not eager:
-                complete_joiners(self, held.key, held.owner, state, retval)
+                complete_joiners(
+                    self, held.key, held.owner, state, retval, send_events=run_sink(self)
+                )
             return
         # A completion record must reach Redis before the message's acknowledgement, which
         # follows this hook: written ahead it is on the wire now; else (Cluster, Redlock,
@@ -136,17 +139,20 @@ class RunEndings(Task):  # type: ignore[misc]
         kwargs: Mapping[str, Any] | None,
         state: str,
         exc: BaseException,
+        *,
+        send_events: EventSink | None,
     ) -> None:
         """Complete the duplicates that joined the run ``task_id`` with its end (``state`` and
         ``exc``), from the worker's main process: a run terminated by a revoke, or stopped by
-        its hard time limit, whose own process does not end it (duplicates/join.py)."""
+        its hard time limit, whose own process does not end it (duplicates/join.py). Their task
+        events go to ``send_events`` (run/task_events.py)."""
         if self.singleton_options().on_duplicate != "join":
             return
         try:
             keys = self.singleton_keys(args, kwargs)
         except SingletonKeyError:
             return
-        complete_joiners(self, keys.lock, task_id, state, exc)
+        complete_joiners(self, keys.lock, task_id, state, exc, send_events=send_events)
 
     def _singleton_follow_up(
         self, keys: LockKeys, reason: str, releaser: str | None = None

@@ -62,6 +62,7 @@ from ..core.connection import flush_releases
 from ..errors import SingletonConfigError
 from ..run.log import about
 from ..run.log import logger as task_logger
+from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
 from ..settings.options import describe, read_options
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
@@ -113,6 +114,12 @@ class SingletonRequest(Request):  # type: ignore[misc]
     must subclass this one; otherwise the main process cannot tell which generation a lost
     child held and leaves its lock to the ttl, and every duplicate goes to the pool.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Celery's; the request handed to the pool also says whether this worker sends task
+        events now (run/task_events.py): a joined duplicate's events are sent by its run."""
+        super().__init__(*args, **kwargs)
+        self._request_dict[TASK_EVENTS_FIELD] = sends_task_events(self._eventer, self._task)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Celery makes a subclass per task (``create_request_cls``) whose ``on_success``
@@ -179,7 +186,14 @@ def _release_after_child_loss(
         return
     generation = int(request.request_dict.get("retries") or 0)
     if isinstance(exception, TimeLimitExceeded):  # its joiners fail as its own caller sees it
-        sender.singleton_end_joiners_for(task_id, args, kwargs, states.FAILURE, exception)
+        sender.singleton_end_joiners_for(
+            task_id,
+            args,
+            kwargs,
+            states.FAILURE,
+            exception,
+            send_events=run_sink(sender, request.request_dict),
+        )
     release = partial(sender.singleton_release_for, task_id, args, kwargs, generation, reason)
     if reason == "worker lost":
         release()
@@ -229,6 +243,7 @@ def _release_after_terminate(
         request.kwargs,
         states.REVOKED,
         TaskRevokedError("terminated"),
+        send_events=run_sink(sender, request),
     )
     try:
         fatal = int(signum) in _FATAL_SIGNALS

@@ -11,20 +11,28 @@ a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
 - coalesce: as skip, the marker also naming the follow-up (``coalesced_into``).
 - skip turned away by the worker's main process (worker/mainskip.py): the same three events with the
   same fields as a skip in the pool; Flower shows the same task.
+- join: task-received, task-started, then task-joined naming the holder and the key (Flower:
+  JOINED) while it waits; task-succeeded with the holder's value (Flower: SUCCESS), sent by the
+  holder's run when it completes the joined call. A holder's failure: task-failed. (The
+  joined call's watch copy, the same task id, adds a task-received, and a task-started when it
+  is due and dropped: Flower keeps the final state.)
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_singleton_lock import skip_info
 from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.connection import store_for
+from celery_singleton_lock.core.joiners import joiners_key
 from celery_singleton_lock.core.keys import LockKeys, derive_keys
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.flower import EventCapture, FlowerProcess
@@ -59,6 +67,20 @@ def _held(prefix: str, redis_url: str) -> dict[str, LockKeys]:
     return held
 
 
+def _joined_pair(
+    app: Celery, redis_client: redis.Redis, prefix: str, worker: WorkerProcess, fail: bool = False
+) -> tuple[Any, Any, str]:
+    """A t.join holder that waits for a push to ``<key>:go``, and a duplicate that joined it;
+    the key."""
+    key = f"join-{uuid.uuid4().hex[:8]}"
+    lock = _keys(prefix, "t.join", key).lock
+    holder = app.send_task("t.join", kwargs={"key": key, "seconds": -1, "value": 7, "fail": fail})
+    wait_for(lambda: redis_client.exists(lock), TIMEOUT, "the holder's lock", worker)
+    joined = app.send_task("t.join", kwargs={"key": key, "value": "not run"})
+    wait_for(lambda: redis_client.hlen(joiners_key(lock)), TIMEOUT, "the join", worker)
+    return holder, joined, key
+
+
 def _send_duplicates(app: Celery) -> dict[str, Any]:
     return {
         policy: app.send_task(task, kwargs={"key": "busy"}) for policy, task in POLICIES.items()
@@ -76,19 +98,6 @@ def _flower_subscribed(flower: FlowerProcess, worker: WorkerProcess, app: Celery
         )
 
     wait_for(flower_sees_a_run, TIMEOUT, "flower to see a task", worker, flower)
-
-
-def _receiver_subscribed(capture: EventCapture, worker: WorkerProcess, app: Celery) -> None:
-    """The worker answers a heartbeat request with a worker-heartbeat event; one sent before
-    the receiver's subscription reached the broker is lost: ask again."""
-
-    def subscribed() -> bool:
-        if any(e.get("type") == "worker-heartbeat" for e in capture.events):
-            return True
-        app.control.broadcast("heartbeat")
-        return False
-
-    wait_for(subscribed, TIMEOUT, "the receiver to get a heartbeat", worker, interval=0.3)
 
 
 @pytest.fixture
@@ -115,12 +124,13 @@ def flower(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[FlowerPr
 
 
 @pytest.mark.slow(seconds=6)
-def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
+def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(  # noqa: PLR0917
     flower: FlowerProcess,
     worker: WorkerProcess,
     client_app: Celery,
     key_prefix: str,
     redis_url: str,
+    redis_client: redis.Redis,
 ) -> None:
     _flower_subscribed(flower, worker, client_app)
     held = _held(key_prefix, redis_url)
@@ -164,22 +174,34 @@ def test_flower_lists_every_duplicate_outcome_as_finished_with_key_and_holder(
     ran = flower_state("retry", "SUCCESS")
     assert "token" in ran["result"]
 
+    holder, duplicates["join"], key = _joined_pair(client_app, redis_client, key_prefix, worker)
+    assert flower_state("join", "JOINED")["name"] == "t.join"
+    redis_client.rpush(f"{key}:go", 1)
+    assert holder.get(timeout=TIMEOUT) == 7
+    completed = flower_state("join", "SUCCESS")
+    assert completed["result"] == "7"
+
     # the task list, as Flower's UI pages it, shows them in their terminal states
     succeeded = flower.get("/api/tasks?state=SUCCESS")
     assert succeeded[duplicates["skip"].id]["result"] == skipped["result"]
     assert duplicates["retry"].id in succeeded
     assert duplicates["raise"].id in flower.get("/api/tasks?state=FAILURE")
+    assert duplicates["join"].id in succeeded
     # and a search for the marker finds the skip and the coalesced duplicate, and no run
     found = flower.get("/api/tasks?search=__singleton_skipped__")
     assert sorted(found) == sorted([duplicates["skip"].id, duplicates["coalesce"].id])
 
 
 def test_event_receiver_sees_every_duplicate_end(
-    worker: WorkerProcess, client_app: Celery, key_prefix: str, redis_url: str
+    worker: WorkerProcess,
+    client_app: Celery,
+    key_prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
 ) -> None:
     capture = EventCapture(client_app).start()
     try:
-        _receiver_subscribed(capture, worker, client_app)
+        capture.wait_subscribed(worker)
         held = _held(key_prefix, redis_url)
         duplicates = _send_duplicates(client_app)
 
@@ -207,6 +229,23 @@ def test_event_receiver_sees_every_duplicate_end(
         retried = ended("retry", "task-retried")
         assert held["retry"].lock in retried["exception"]
         assert "is held by holder-retry" in retried["exception"]
+
+        for fail, last in ((False, "task-succeeded"), (True, "task-failed")):
+            holder, joined, key = _joined_pair(client_app, redis_client, key_prefix, worker, fail)
+            (event,) = wait_for(lambda j=joined: capture.of(j.id, "task-joined"), TIMEOUT, "joined")
+            assert event["holder"] == holder.id
+            assert event["key"] == _keys(key_prefix, "t.join", key).lock
+            assert event["hostname"] == worker.nodename
+            redis_client.rpush(f"{key}:go", 1)
+            (end,) = wait_for(lambda j=joined, k=last: capture.of(j.id, k), TIMEOUT, last, worker)
+            if fail:
+                assert end["exception"] == "ValueError(7)"
+            else:
+                assert end["result"] == "7"
+            # the watch copy (same task id) adds its own task-received, and task-started once due
+            kinds = [e["type"] for e in capture.of(joined.id)]
+            assert set(kinds) == {"task-received", "task-started", "task-joined", last}
+            assert kinds.count("task-joined") == kinds.count(last) == 1
     finally:
         capture.stop()
 
@@ -227,7 +266,7 @@ def test_a_skip_in_the_main_process_is_the_same_finished_task(
     process: the event stream and Flower show both alike."""
     capture = EventCapture(client_app).start()
     try:
-        _receiver_subscribed(capture, worker, client_app)
+        capture.wait_subscribed(worker)
         _flower_subscribed(flower, worker, client_app)
         keys = _keys(key_prefix, "t.hold", "flood")
         assert isinstance(store_for(redis_url).acquire(keys, "holder-main", 0, 60_000), Acquired)

@@ -17,6 +17,7 @@ from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.duplicates.join import JOINED_HEADER
 from tests.support import singleton_app
 from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.flower import EventCapture
 from tests.support.history import check_history, load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -254,22 +255,42 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
     how: str,
 ) -> None:
     """``revoke(terminate=True)`` of the holder: its joiner ends REVOKED (TaskRevokedError), as
-    the holder's own result; its hard time limit: the joiner fails with TimeLimitExceeded."""
-    (worker,) = _workers(worker_factory, client_app, "prefork")
-    key = f"k-{uuid.uuid4().hex[:8]}"
-    join = client_app.signature("t.join")
-    options = {"time_limit": 2.0} if how == "time limit" else {}
-    holder = join.clone((key, -1, "never")).apply_async(**options)
-    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
-    joined = join.clone((key, 0, "not run")).apply_async()
-    _joined(redis_client, lock, 1, worker)
-    if how == "revoke":
-        client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
-    expected = "REVOKED" if how == "revoke" else "FAILURE"
-    wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
-    wait_for(lambda: joined.state == expected, 20, f"the joiner {expected}", worker)
-    assert type(joined.result) is type(holder.result), (joined.result, holder.result)
-    assert _runs(redis_client, key_prefix, key) == 1
+    the holder's own result; its hard time limit: the joiner fails with TimeLimitExceeded.
+
+    The worker starts without ``-E``; task events are turned on at run time, as Flower does
+    (``celery control enable_events``): the joined call's task-joined (from the pool child that
+    joined it) and its end (from the main process, which ends the holder) are sent too."""
+    worker = worker_factory.start(SINGLETON_APP, concurrency=3, worker_events=True)
+    worker.wait_ready(client_app)
+    capture = EventCapture(client_app).start()
+    try:
+        capture.wait_subscribed(worker)
+        assert client_app.control.enable_events(
+            destination=[worker.nodename], reply=True, timeout=10
+        )
+        key = f"k-{uuid.uuid4().hex[:8]}"
+        join = client_app.signature("t.join")
+        options = {"time_limit": 2.0} if how == "time limit" else {}
+        holder = join.clone((key, -1, "never")).apply_async(**options)
+        lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
+        joined = join.clone((key, 0, "not run")).apply_async()
+        _joined(redis_client, lock, 1, worker)
+        if how == "revoke":
+            client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
+        expected = "REVOKED" if how == "revoke" else "FAILURE"
+        wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
+        wait_for(lambda: joined.state == expected, 20, f"the joiner {expected}", worker)
+        assert type(joined.result) is type(holder.result), (joined.result, holder.result)
+        assert _runs(redis_client, key_prefix, key) == 1
+        # a watch copy that comes while the holder still runs joins again: one more event
+        joins = wait_for(lambda: capture.of(joined.id, "task-joined"), 10, "task-joined")
+        assert {e["holder"] for e in joins} == {holder.id}
+        end = "task-revoked" if how == "revoke" else "task-failed"
+        (event,) = wait_for(lambda: capture.of(joined.id, end), 10, end, worker)
+        if how == "time limit":
+            assert event["exception"].startswith("TimeLimitExceeded(")
+    finally:
+        capture.stop()
 
 
 @pytest.mark.slow(seconds=6)

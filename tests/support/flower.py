@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_singleton_lock._dev.process import DevProcess
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT
 
 __all__ = ["EventCapture", "FlowerProcess"]
@@ -108,6 +109,19 @@ class EventCapture:
     def start(self) -> EventCapture:
         self._thread.start()
         return self
+
+    def wait_subscribed(self, *workers: Any, timeout: float = 20) -> None:
+        """Wait until the receiver gets events: a worker answers a heartbeat request with a
+        worker-heartbeat event; one sent before the subscription reached the broker is lost,
+        so ask again."""
+
+        def subscribed() -> bool:
+            if any(e.get("type") == "worker-heartbeat" for e in self.events):
+                return True
+            self.app.control.broadcast("heartbeat")
+            return False
+
+        wait_for(subscribed, timeout, "the receiver to get a heartbeat", *workers, interval=0.3)
 
     def stop(self) -> None:
         """Stop consuming (within the receiver's one-second poll) and close the connection."""

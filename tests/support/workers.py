@@ -46,6 +46,7 @@ class WorkerProcess(DevProcess):
         loglevel: str = "INFO",
         python: str = sys.executable,
         cwd: Path = REPO_ROOT,
+        worker_events: bool = False,
     ) -> None:
         self.app_module = app_module
         self.pool = pool
@@ -67,8 +68,9 @@ class WorkerProcess(DevProcess):
             "-n",
             f"{name}@%h",
             "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
+            # no worker events (heartbeats): quicker; ``worker_events``: a worker as deployed,
+            # whose task events ``celery control enable_events`` turns on (as Flower does)
+            *(() if worker_events else ("--without-gossip", "--without-heartbeat")),
             "-l",
             loglevel,
             *extra_args,
@@ -114,6 +116,7 @@ class WorkerFactory:
         extra_args: Iterable[str] = (),
         python: str = sys.executable,
         cwd: Path = REPO_ROOT,
+        worker_events: bool = False,
     ) -> WorkerProcess:
         """Start a worker; ``env`` is merged over ``base_env``, itself over ``os.environ``.
 
@@ -130,6 +133,7 @@ class WorkerFactory:
             extra_args=extra_args,
             python=python,
             cwd=cwd,
+            worker_events=worker_events,
         )
         self.workers.append(worker)
         return worker
