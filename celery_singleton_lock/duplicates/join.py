@@ -46,7 +46,7 @@ from .. import signals
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
 from ..publish.dedup import seconds_until
-from ..run.callrepr import repr_options
+from ..run.callrepr import copy_options
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..run.task_events import EventSink, run_sink
 from .coalesce import task_dumps
@@ -360,7 +360,7 @@ def _publish_copy(
     if recheck:
         headers[_RECHECK_HEADER] = True
     task.signature_from_request(
-        request, countdown=countdown, headers=headers, **repr_options(request)
+        request, countdown=countdown, headers=headers, **copy_options(request)
     ).apply_async()
 
 

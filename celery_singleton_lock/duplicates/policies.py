@@ -26,7 +26,7 @@ from ..core.keys import LockKeys
 from ..core.pending import leave_pending
 from ..core.renewer import Renewer
 from ..errors import DuplicateTaskError, LockUnavailableError
-from ..run.callrepr import repr_options, request_field
+from ..run.callrepr import copy_options, request_field
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
@@ -321,7 +321,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
-        options: dict[str, Any] = {"countdown": countdown, **repr_options(request)}
+        options: dict[str, Any] = {"countdown": countdown, **copy_options(request)}
         if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
             options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}

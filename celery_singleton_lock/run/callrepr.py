@@ -7,8 +7,9 @@ masked for Celery is masked for the library too:
 
 - the lock's ``args`` preview (``celery singleton list``/``show``) shows each half given as it
   was given (:func:`preview_of`);
-- a message the library publishes again for a call (a requeued duplicate, a coalesced
-  duplicate's follow-up) carries the same two (:func:`repr_options`).
+- a message the library publishes again for a call (a requeued duplicate, a joined call's
+  watch copy, a retry's hand-over) carries the same two, and the message's serializer
+  (:func:`copy_options`); a coalesced duplicate's follow-up carries them from its record.
 
 On a worker they are fields of the request (a Context, or the dict a worker's tracer gets). An
 eager ``apply()`` drops them (Celery builds its request without them): SingletonTask's
@@ -20,12 +21,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kombu.serialization import registry
+
 from ..core.arguments import args_preview
 
-__all__ = ["REPR_OPTIONS", "preview_of", "repr_options", "reprs_of", "request_field"]
+__all__ = [
+    "CONTENT_TYPE_FIELD",
+    "REPR_OPTIONS",
+    "copy_options",
+    "preview_of",
+    "reprs_of",
+    "request_field",
+]
 
 #: The ``apply_async`` options (and message headers) that say how Celery shows a call.
 REPR_OPTIONS = ("argsrepr", "kwargsrepr")
+
+#: Request field: the content type of the message (``application/json``, ...), written by the
+#: worker's main process (worker/hooks.py ``SingletonRequest``): Celery's request does not carry
+#: it to the pool.
+CONTENT_TYPE_FIELD = "singleton_content_type"
 
 
 def request_field(request: Any, name: str) -> Any:
@@ -45,14 +60,19 @@ def reprs_of(request: Any) -> tuple[str | None, str | None]:
     return found[0], found[1]
 
 
-def repr_options(request: Any) -> dict[str, str]:
-    """The ``apply_async`` options that publish the call of ``request`` shown as it was."""
+def copy_options(request: Any) -> dict[str, str]:
+    """The ``apply_async`` options that publish a copy of the message of ``request`` shown as
+    it was, and in the serializer it came in (a call sent in pickle to a json task may carry
+    what json cannot write): see :data:`CONTENT_TYPE_FIELD`."""
     argsrepr, kwargsrepr = reprs_of(request)
     options = {}
     if argsrepr is not None:
         options["argsrepr"] = argsrepr
     if kwargsrepr is not None:
         options["kwargsrepr"] = kwargsrepr
+    serializer = registry.type_to_name.get(request_field(request, CONTENT_TYPE_FIELD))
+    if serializer is not None:
+        options["serializer"] = serializer
     return options
 
 

@@ -20,7 +20,7 @@ from celery import Task
 from celery.exceptions import Retry
 
 from ..errors import LockUnavailableError
-from .callrepr import repr_options
+from .callrepr import copy_options
 from .handle import LockHandle
 from .log import logger
 
@@ -55,7 +55,7 @@ class RetryHandOver(Task):  # type: ignore[misc]
         published shown as its caller had Celery show it (Celery's own retry drops
         ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
         if args is None and kwargs is None:
-            options = {**repr_options(self.request), **options}
+            options = {**copy_options(self.request), **options}
         handle = self.singleton
         held, renewer = handle._held, handle._renewer
         if not handle.held or held is None or renewer is None or self.request.is_eager:

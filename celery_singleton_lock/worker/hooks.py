@@ -60,6 +60,7 @@ from ..beat.witness import witness_scheduled_run
 from ..core.arguments import check_key_args
 from ..core.connection import flush_releases
 from ..errors import SingletonConfigError
+from ..run.callrepr import CONTENT_TYPE_FIELD
 from ..run.log import about
 from ..run.log import logger as task_logger
 from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
@@ -117,9 +118,11 @@ class SingletonRequest(Request):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Celery's; the request handed to the pool also says whether this worker sends task
-        events now (run/task_events.py): a joined duplicate's events are sent by its run."""
+        events now (run/task_events.py: a joined duplicate's events are sent by its run), and
+        the message's content type (run/callrepr.py: a copy of it is sent in the same)."""
         super().__init__(*args, **kwargs)
         self._request_dict[TASK_EVENTS_FIELD] = sends_task_events(self._eventer, self._task)
+        self._request_dict[CONTENT_TYPE_FIELD] = self._content_type
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Celery makes a subclass per task (``create_request_cls``) whose ``on_success``

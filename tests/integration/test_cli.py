@@ -287,6 +287,7 @@ def _plant_foreign(client: redis.Redis, key_prefix: str) -> list[str]:
         f"{lock_prefix}{tag}:fence",
         f"{lock_prefix}{tag}:queued",
         f"{lock_prefix}{tag}:pending",  # a coalesced follow-up's record
+        f"{lock_prefix}{tag}:joiners",  # the calls that joined a run (a hash, as a lock is)
         f"{lock_prefix}{tag}:done:x}}:lock",  # a completion record: its task id ends "}:lock"
         f"{lock_prefix}{tag}:done:{tag}:lock",  # ... a task id shaped as a lock's tail
         f"{lock_prefix}{tag}:lock:0",  # no permit slot 0

@@ -17,7 +17,7 @@ from celery.result import AsyncResult
 
 from celery_singleton_lock import SkipInfo, skip_info
 from celery_singleton_lock.core.backend import Acquired, LockBackend, ReleaseStatus
-from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_keys
+from celery_singleton_lock.core.keys import LockKeys, derive_keys, keys_of, lock_keys
 from celery_singleton_lock.core.pending import (
     leave_pending,
     pending_key,
@@ -414,7 +414,7 @@ def test_a_copy_of_the_holder_met_while_it_runs_waits_and_is_dropped(
 
 
 @pytest.mark.slow(seconds=6)
-def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
+def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced_or_requeued(
     worker_factory: WorkerFactory,
     client_app: Celery,
     redis_client: redis.Redis,
@@ -422,7 +422,8 @@ def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
 ) -> None:
     """A json task on a worker that also accepts pickle: a duplicate sent in pickle, carrying a
     set (json cannot write one), is coalesced (its call recorded in pickle, the first accepted
-    serializer that writes it) and its follow-up is published in pickle and runs with the set."""
+    serializer that writes it) and its follow-up is published in pickle and runs with the set.
+    Under ``"retry"`` such a duplicate is requeued in pickle, and runs with its set."""
     worker = worker_factory.start(
         SINGLETON_APP,
         pool="prefork",
@@ -447,6 +448,16 @@ def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced(
     executions = [e for e in load_history(redis_client, history_key(key_prefix)) if e.key == key]
     assert len(executions) == 2
     assert_no_overlap(check_history(executions), allow_unfinished=False)
+
+    lock = _lock_key(key_prefix, key, "t.hold_retry")
+    assert isinstance(LockStore(redis_client).acquire(keys_of(lock), "holder", 0, 30_000), Acquired)
+    retried = client_app.send_task(
+        "t.hold_retry", kwargs={"key": key, "payload": {3, 4}}, serializer="pickle"
+    )
+    worker.wait_for_log(rf"singleton: duplicate retried in 0.2s: t.hold_retry\[{retried.id}\]")
+    worker.wait_for_log(rf"Task t.hold_retry\[{retried.id}\] retry")
+    LockStore(redis_client).release(lock, "holder", 0)
+    assert retried.get(timeout=10)["payload"] == "{3, 4}"
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])

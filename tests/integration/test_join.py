@@ -204,6 +204,102 @@ def test_joiners_wait_through_the_holders_retry_for_its_final_value(
     assert _runs(redis_client, key_prefix, key) == 2  # the holder's two tries
 
 
+@pytest.mark.slow(seconds=6)
+def test_joiners_of_a_holder_whose_autoretry_max_retries_refuses_get_its_failure(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """Celery's ``autoretry_for`` retries the holder once (its joiners wait), then
+    ``max_retries`` refuses: the holder fails with its KeyError, and so does the joined call."""
+    (worker,) = _workers(worker_factory, client_app, "prefork")
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    task = client_app.signature("t.join_autoretry")
+    holder = task.clone((key, "boom")).apply_async()
+    lock = wait_for(
+        lambda: _held_lock(redis_client, key_prefix, key, "t.join_autoretry"), 20, "lock", worker
+    )
+    joined = task.clone((key, "not run")).apply_async()
+    _joined(redis_client, lock, 1, worker)
+    redis_client.rpush(f"{key}:go", 1, 1)  # the first try, then the retried one
+    for call in (holder, joined):
+        with pytest.raises(KeyError) as raised:
+            call.get(timeout=20)
+        assert raised.value.args == ("boom",)
+        assert call.state == "FAILURE"
+    assert _runs(redis_client, key_prefix, key) == 2  # the holder's two tries
+    assert not redis_client.exists(joiners_key(lock))
+
+
+#: a secret argument and the mask its caller gives Celery (``kwargsrepr``)
+_SECRET, _MASK = "s3cret-token", "{'value': '***'}"
+
+
+@pytest.mark.slow(seconds=8)
+def test_joined_calls_at_celerys_seams(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """Duplicates sent in pickle (carrying a set, which json cannot keep), msgpack and yaml;
+    one with ``ignore_result`` and a link; one whose secret argument its caller masked with
+    ``kwargsrepr``. Each joins and ends with the holder's value (the ignored one stores no
+    result, its link still gets the value); the masked one's watch copy is shown with the mask,
+    in the events Flower reads, never with the secret."""
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        concurrency=3,
+        extra_args=["-E"],
+        # C_FORCE_ROOT: Celery refuses pickle as root (a CI container)
+        env={"SINGLETON_TEST_ACCEPT": "json,pickle,msgpack,yaml", "C_FORCE_ROOT": "1"},
+    )
+    worker.wait_ready(client_app)
+    client_app.conf.accept_content = ["json", "pickle", "msgpack", "yaml"]
+    capture = EventCapture(client_app).start()
+    try:
+        capture.wait_subscribed(worker)
+        key = f"k-{uuid.uuid4().hex[:8]}"
+        join = client_app.signature("t.join")
+        holder = join.clone((key, -1, {"v": 1})).apply_async()
+        lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "lock", worker)
+        by_serializer = {
+            "pickle": join.clone((key, 0, {1, 2})).apply_async(serializer="pickle"),
+            "msgpack": join.clone((key, 0, "not run")).apply_async(serializer="msgpack"),
+            "yaml": join.clone((key, 0, "not run")).apply_async(serializer="yaml"),
+        }
+        after = client_app.signature("t.join_next", kwargs={"tag": "ignored"})
+        ignored = join.clone((key, 0, "not run")).apply_async(ignore_result=True, link=after)
+        masked = client_app.send_task(
+            "t.join", kwargs={"key": key, "value": _SECRET}, kwargsrepr=_MASK
+        )
+        _joined(redis_client, lock, 5, worker)
+        # the first message's and the watch copy's task-received: both masked
+        received = wait_for(
+            lambda: (e := capture.of(masked.id, "task-received")) and len(e) == 2 and e,
+            10,
+            "the watch copy's task-received",
+            worker,
+        )
+        assert [e["kwargs"] for e in received] == [_MASK, _MASK]
+        redis_client.rpush(f"{key}:go", 1)
+
+        assert holder.get(timeout=20) == {"v": 1}
+        for serializer, call in by_serializer.items():
+            assert call.get(timeout=20) == {"v": 1}, serializer
+        assert masked.get(timeout=20) == {"v": 1}
+        link = f"{key_prefix}join:next"
+        wait_for(lambda: redis_client.llen(link), 10, "the ignored call's link", worker)
+        assert [v.decode() for v in redis_client.lrange(link, 0, -1)] == ["ignored:{'v': 1}"]
+        assert ignored.state == "PENDING"  # its result was not stored, as Celery does
+        assert _SECRET not in "".join(str(e) for e in capture.events)
+        assert _SECRET not in worker.log_text()
+        assert _runs(redis_client, key_prefix, key) == 1
+    finally:
+        capture.stop()
+
+
 @pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.slow(seconds=10)
 def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(

@@ -60,9 +60,9 @@ def hold(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict
     singleton_on_duplicate="retry",
     singleton_retry_countdown=0.2,
 )
-def hold_retry(self: Any, key: str, seconds: float = 0.0) -> dict[str, Any]:
-    """Like hold, but duplicates are requeued until they can run."""
-    return _run(self, key, seconds)
+def hold_retry(self: Any, key: str, seconds: float = 0.0, payload: Any = None) -> dict[str, Any]:
+    """Like hold, but duplicates are requeued until they can run; returns ``repr(payload)``."""
+    return {**_run(self, key, seconds), "payload": repr(payload)}
 
 
 @app.task(
@@ -1107,3 +1107,21 @@ def join_retry(self: Any, key: str, value: Any = None) -> Any:
     if not self.request.retries:
         raise self.retry(countdown=0.2)
     return value
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="t.join_autoretry",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="join",
+    autoretry_for=(KeyError,),
+    max_retries=1,
+    default_retry_delay=0.2,
+)
+def join_autoretry(self: Any, key: str, value: Any = None) -> Any:
+    """Wait for a push to ``key``'s release list, then raise KeyError(value): Celery's
+    ``autoretry_for`` retries once, and its ``max_retries`` refuses the second retry (the run
+    fails with the KeyError)."""
+    _run(self, key, 0.0, until=f"{key}:go")
+    raise KeyError(value)
