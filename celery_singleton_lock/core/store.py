@@ -42,6 +42,7 @@ from .backend import (
 )
 from .completion import Ending, done_key
 from .keys import LockKeys
+from .rates import rate_acquire_call
 from .sendahead import SendAhead
 
 __all__ = ["LockStore", "ScriptStore"]
@@ -376,6 +377,8 @@ def acquire_call(  # noqa: PLR0917 - acquire's arguments
     """The script call taking ``keys``: acquire.lua for one permit; acquire_permit.lua, which
     takes a free slot of ``keys.permits`` in the same one call, for more."""
     args = acquire_args(keys, owner, generation, ttl_ms, fence_margin_ms, meta)
+    if keys.rate is not None:  # the slot and the rate in one call (core/rates.py)
+        return rate_acquire_call(keys, args[3], args[4:])
     if keys.permits == 1:
         return ACQUIRE, args
     slots = keys.slots  # the same ARGV; KEYS: the record, the counter, the slots

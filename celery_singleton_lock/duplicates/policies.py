@@ -20,18 +20,19 @@ from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
-from ..core.backend import Acquired, Contended
+from ..core.backend import Acquired, Contended, RateLimited
 from ..core.connection import store_for
 from ..core.keys import LockKeys
 from ..core.pending import leave_pending
 from ..core.renewer import Renewer
-from ..errors import DuplicateTaskError, LockUnavailableError
+from ..errors import DuplicateTaskError, LockUnavailableError, RateLimitedError
 from ..run.callrepr import repr_options, request_field
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
 from .join import join_holder
+from .rate import over_rate
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
@@ -89,6 +90,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
     def _singleton_duplicate(
         self, opts: Options, keys: LockKeys, held: Contended, task_id: str
     ) -> NoReturn:
+        if isinstance(held, RateLimited):  # over the key's rate limit (duplicates/rate.py)
+            over_rate(self, opts, keys, held, task_id)
         request = self.request
         error = DuplicateTaskError(
             f"{self.name}[{task_id}] is a duplicate: {keys.lock} is held by {held.holder}",
@@ -180,6 +183,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         under the skip policy."""
         return (
             isinstance(outcome, Contended)
+            and not isinstance(outcome, RateLimited)  # ended by policy in before_start
             and outcome.holder not in (task_id, parent)
             and self.singleton_options().on_duplicate in ("skip", "coalesce")
         )
@@ -322,7 +326,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         if request.is_eager or request.called_directly:
             raise reason
         options: dict[str, Any] = {"countdown": countdown, **repr_options(request)}
-        if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
+        if isinstance(reason, DuplicateTaskError | RateLimitedError):  # waiting: since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
             options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}
         signature = self.signature_from_request(request, **options)

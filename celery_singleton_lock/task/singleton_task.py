@@ -64,7 +64,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
     default in docs/configuration.md): ``singleton_on_duplicate``,
     ``singleton_on_redis_error``, ``singleton_key_args``, ``singleton_key``,
     ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``,
-    ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``;
+    ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``,
+    ``singleton_permits``, ``singleton_rate_limit``;
     ``singleton_lock_at_least`` is read from the task only. The option spellings of
     celery-singleton and celery-once are read too, with a DeprecationWarning (settings/legacy.py).
     """
@@ -143,7 +144,9 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
             name, key_args = self.name, opts.key_args
         else:  # the scope's name, and argument names in one order for all its tasks
             name, key_args = opts.scope, self._singleton_scope_names()
-        deriver = KeyDeriver(opts.key_prefix, name, self.run, key_args, opts.key, opts.permits)
+        deriver = KeyDeriver(
+            opts.key_prefix, name, self.run, key_args, opts.key, opts.permits, opts.rate_limit
+        )
         made = self._singleton_keyed = (opts, deriver)
         return made
 
@@ -269,6 +272,10 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
             if taken is None:  # Redis failed, and the run goes on without the lock
                 return
             outcome, generation, renewer = taken
+        if not keys.permits:  # a rate alone: the run started and holds no lock (core/rates.py)
+            if first is not None:
+                first.taken = True
+            return
         key = keys.lock if keys.permits == 1 else keys.slot(outcome.slot)  # or the permit slot
         held = HeldLock(
             key=key,
@@ -347,6 +354,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
         """Release a lock (permit ``slot``; None: whichever slot is the run's, if any) taken for
         a run that Celery's tracer ended before ``before_start``, or whose acquire a SystemExit
         interrupted, and publish the follow-up a duplicate left beside it meanwhile."""
+        if not keys.permits:  # a rate alone: a run holds no lock
+            return
         key = keys.lock if slot is None else keys.slot(slot)
         store = store_for(self.singleton_options().redis_url)
         try:
