@@ -1107,3 +1107,48 @@ def join_retry(self: Any, key: str, value: Any = None) -> Any:
     if not self.request.retries:
         raise self.retry(countdown=0.2)
     return value
+
+
+# -- added for test_rate: a cluster-wide rate limit per key (singleton_rate_limit) -------------
+#
+# Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left out
+# there, unless SINGLETON_TEST_RATE=1 asks for the refusal. SINGLETON_TEST_BAD_RATE: a task with
+# that malformed rate, refused at worker start.
+
+
+def _rate_task(name: str, **options: Any) -> Any:
+    @app.task(
+        name=name,
+        singleton_key_args=("tenant",),
+        **{"bind": True, "base": SingletonTask, **options},
+    )
+    def rate_task(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
+        """Records its start (key ``rate:<task>:<tenant>``) and sleeps ``seconds``."""
+        return {**_run(self, f"rate:{self.name}:{tenant}", seconds), "host": self.request.hostname}
+
+    return rate_task
+
+
+if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
+    # a rate alone (no limit on runs at once): a flood meets the rate, not a held lock
+    rate_skip = _rate_task("t.rate_skip", singleton_rate_limit="4/s", singleton_permits=None)
+    rate_retry = _rate_task(
+        "t.rate_retry",
+        singleton_rate_limit="4/s",
+        singleton_on_duplicate="retry",
+        singleton_permits=None,
+    )
+    rate_alone = _rate_task("t.rate_alone", singleton_rate_limit="3/s", singleton_permits=None)
+    rate_raise = _rate_task(
+        "t.rate_raise", singleton_rate_limit="2/m", singleton_on_duplicate="raise"
+    )
+    rate_coalesce = _rate_task(
+        "t.rate_coalesce",
+        singleton_rate_limit="2/s",
+        singleton_on_duplicate="coalesce",
+        singleton_permits=None,
+    )
+    rate_join = _rate_task("t.rate_join", singleton_rate_limit="1/s", singleton_on_duplicate="join")
+
+if os.environ.get("SINGLETON_TEST_BAD_RATE"):
+    _rate_task("t.rate_bad", singleton_rate_limit=os.environ["SINGLETON_TEST_BAD_RATE"])
