@@ -138,7 +138,7 @@ def round_trips(url: str, name: str, calls: int = 50) -> float:
 
     def counting(self: AbstractConnection, *args: Any, **kwargs: Any) -> None:
         count[0] += 1
-        send(self, *args, **kwargs)
+        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
     try:
