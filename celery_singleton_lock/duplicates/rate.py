@@ -9,6 +9,9 @@ key's duplicate policy, with the moment the next start is allowed.
   key's one follow-up (``{prefix}{tag}:rate_next`` names it until then); the calls over the rate
   after it end skipped, naming it. A follow-up is never dropped: it is requeued again.
 
+A message its own task retried (``self.retry()``, ``autoretry_for``: a retries count above 0)
+is a run going on, not a new call: over the rate it waits like ``retry`` whatever the policy.
+
 An eager call (``apply()``) cannot be requeued: ``retry``, ``join`` and ``coalesce`` raise
 there.
 """
@@ -57,6 +60,8 @@ def over_rate(
         holder=held.holder,
     )
     policy = opts.on_duplicate
+    if request.retries and not request.is_eager:  # its own retry (self.retry, autoretry_for):
+        policy = "retry"  # the run goes on at the next allowed start, never dropped
     if policy == "coalesce" and not request.is_eager:
         follow_up = task_id if is_follow_up(request) else _follow_up(task, opts, keys, held)
         if follow_up == task_id:  # this call is the key's one follow-up: at the next start

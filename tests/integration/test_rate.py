@@ -157,6 +157,23 @@ def test_without_a_concurrency_limit_runs_overlap_under_the_rate(
     assert max(e.start_us for e in starts) < min(e.end_us for e in starts)  # all three at once
 
 
+@pytest.mark.slow(seconds=3)
+def test_a_retry_of_its_own_waits_for_the_rate_whatever_the_policy(
+    two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
+) -> None:
+    """2/s, "skip": two calls start and fail, autoretry_for retries each at once; the retries
+    are over the rate but not dropped: they run when the window lets them (max_retries 1 is
+    not spent on the wait)."""
+    app, _ = two_workers
+    tenant = _tenant()
+    sent = [app.send_task("t.rate_autoretry", (tenant,)) for _ in range(2)]
+    values = [result.get(timeout=30) for result in sent]
+    assert all(skip_info(value) is None for value in values)
+    starts = _starts(client, module_prefix, "t.rate_autoretry", tenant)
+    assert len(starts) == 4
+    _assert_within_rate(starts, 2, 1000)
+
+
 def test_raise_fails_with_rate_limited_error(
     two_workers: tuple[Celery, list[WorkerProcess]],
 ) -> None:

@@ -1150,5 +1150,22 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
     )
     rate_join = _rate_task("t.rate_join", singleton_rate_limit="1/s", singleton_on_duplicate="join")
 
+    @app.task(
+        name="t.rate_autoretry",
+        singleton_rate_limit="2/s",
+        singleton_permits=None,
+        autoretry_for=(ValueError,),
+        max_retries=1,
+        default_retry_delay=0.01,
+        **PER_TENANT,
+    )
+    def rate_autoretry(self: Any, tenant: str) -> dict[str, Any]:
+        """Records each start; fails its first try (autoretry_for retries it at once)."""
+        result = _run(self, f"rate:{self.name}:{tenant}", 0.0)
+        if not self.request.retries:
+            raise ValueError("the first try fails")
+        return result
+
+
 if os.environ.get("SINGLETON_TEST_BAD_RATE"):
     _rate_task("t.rate_bad", singleton_rate_limit=os.environ["SINGLETON_TEST_BAD_RATE"])
