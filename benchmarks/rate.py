@@ -1,7 +1,7 @@
 """Section 1b: a rate check (``singleton_rate_limit``) on one connection, loopback, beside the
 acquire it rides in, and celery-heimdall's global rate limit.
 
-Ours decides the rate in the acquire's own script call (acquire_rate.lua): a lock cycle under a
+Ours decides the rate in the acquire's own script call (acquire_permit.lua): a lock cycle under a
 rate is the same two round trips as one without, and a rate alone (``singleton_permits=None``)
 one. celery-heimdall's check (``rate_limited_countdown``, what its task's ``__call__`` runs
 before the body) is GET then SET or INCR under the limit (a fixed window: a counter expiring
@@ -27,7 +27,7 @@ from celery_singleton_lock.core.backend import Acquired, RateLimited, ReleaseSta
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.store import LockStore
 
-from .lock_cycle import Cycle, CycleResult, _batch
+from .lock_cycle import Cycle, CycleResult, interleaved
 from .report import Table, paired_ratio, spread
 from .server import PrivateRedis
 
@@ -153,15 +153,8 @@ def round_trips(url: str, name: str, calls: int = 50) -> float:
 def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[CycleResult]]:
     clients = {name: redis.Redis.from_url(server.url) for name in CONTENDERS}
     cycles = {name: make(clients[name]) for name, make in CONTENDERS.items()}
-    for cycle in cycles.values():  # warm up: connect, load scripts, check it works
-        for _ in range(50):
-            cycle()
+    samples = interleaved(cycles, batch, rounds)
     names = list(cycles)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_batch(cycles[name], batch))
     trips = {name: round_trips(server.url, name) for name in names}
     for client in clients.values():
         client.close()

@@ -396,7 +396,7 @@ def acquire_outcome(reply: Any, replicas: int | None, owner: str = "") -> Acquir
         return Acquired(int(reply[1]), bool(reply[2]), replicas, slot)
     if reply[0] == 2:
         return Completed(owner, int(reply[1]), None, int(reply[2]))
-    if reply[0] == 3:  # over the rate (acquire_rate.lua)
+    if reply[0] == 3:  # over the rate (acquire_permit.lua)
         return RateLimited(as_text(reply[2]), int(reply[3]), None, max(int(reply[1]), 1), True)
     holder_token = None if reply[3] is None else int(reply[3])
     finished = len(reply) > 5 and reply[5] == 1

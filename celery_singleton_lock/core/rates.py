@@ -1,5 +1,6 @@
 """Cluster-wide rate limits of a key: at most N runs start within any window of a period (a
-sliding window), counted across every worker in the acquire's one script call (acquire_rate.lua).
+sliding window), counted across every worker in the acquire's one script call
+(acquire_permit.lua, which takes the key's slot, if any, in the same call).
 
 A key's rate record is a sorted set beside its lock (``{prefix}{tag}:rate``, the lock's hash
 slot): one small entry per start within the last period (``owner:generation``, scored by the
@@ -14,11 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _wire
-from .keys import LockKeys, beside
+from .keys import beside
 
-__all__ = ["MAX_RATE_LIMIT", "PERIODS_S", "parse_rate", "rate_acquire_call", "rate_key", "starts"]
-
-ACQUIRE_RATE = _wire.script("acquire_rate.lua")
+__all__ = ["MAX_RATE_LIMIT", "PERIODS_S", "parse_rate", "rate_key", "starts"]
 
 #: The periods a rate may name, as Celery spells ``rate_limit``: per second, minute, hour.
 PERIODS_S = {"s": 1, "m": 60, "h": 3600}
@@ -46,26 +45,6 @@ def parse_rate(value: Any) -> tuple[int, int]:
 def rate_key(lock_key: str) -> str:
     """The rate record of the lock ``lock_key`` (or of one of its permit slots)."""
     return beside(lock_key, "rate")
-
-
-def rate_acquire_call(
-    keys: LockKeys, done: str, acquire_argv: list[Any]
-) -> tuple[_wire.Script, list[Any]]:
-    """The one script call that takes ``keys``' slot (none for ``permits`` 0) under their rate:
-    ``done`` is the owner's completion record, ``acquire_argv`` acquire.lua's ARGV (owner,
-    generation, ttl, fence lifetime, metadata)."""
-    assert keys.rate is not None
-    slots = keys.slots
-    return ACQUIRE_RATE, [
-        len(slots) + 3,
-        done,
-        keys.fence,
-        rate_key(keys.lock),
-        *slots,
-        *acquire_argv[:4],
-        *keys.rate,
-        *acquire_argv[4:],
-    ]
 
 
 def starts(client: Any, lock_key: str) -> Mapping[str, int]:

@@ -23,7 +23,6 @@ from celery_singleton_lock.core.backend import Acquired, RateLimited
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.settings.options import read_options
-from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, load_history
 from tests.support.waiting import wait_for
@@ -31,12 +30,6 @@ from tests.support.workers import WorkerFactory, WorkerProcess
 
 #: how much later than its acquire a run records its start (a round trip, a busy CPU)
 SLACK_MS = 60
-
-
-@pytest.fixture(scope="module")
-def module_prefix(redis_url: str) -> Iterator[str]:
-    with private_prefix(redis_url) as prefix:
-        yield prefix
 
 
 @pytest.fixture(scope="module")

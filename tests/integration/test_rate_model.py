@@ -1,4 +1,4 @@
-"""Model-based test (hypothesis stateful) of the rate limit's script (acquire_rate.lua) against
+"""Model-based test (hypothesis stateful) of the rate limit's script (acquire_permit.lua) against
 real Redis: a key with a limit of 3 starts per 100 ms, with one permit (the lock and the rate
 both apply) or none (``singleton_permits=None``: the rate alone).
 
