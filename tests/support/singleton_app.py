@@ -1122,9 +1122,13 @@ def _rate_task(name: str, **options: Any) -> Any:
         singleton_key_args=("tenant",),
         **{"bind": True, "base": SingletonTask, **options},
     )
-    def rate_task(self: Any, tenant: str, seconds: float = 0.0) -> dict[str, Any]:
-        """Records its start (key ``rate:<task>:<tenant>``) and sleeps ``seconds``."""
-        return {**_run(self, f"rate:{self.name}:{tenant}", seconds), "host": self.request.hostname}
+    def rate_task(
+        self: Any, tenant: str, seconds: float = 0.0, until: str | None = None
+    ) -> dict[str, Any]:
+        """Records its start (key ``rate:<task>:<tenant>``) and sleeps ``seconds`` (with
+        ``until``: waits for the test to push to that list)."""
+        key = f"rate:{self.name}:{tenant}"
+        return {**_run(self, key, seconds, until), "host": self.request.hostname}
 
     return rate_task
 
@@ -1138,7 +1142,7 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
         singleton_on_duplicate="retry",
         singleton_permits=None,
     )
-    rate_alone = _rate_task("t.rate_alone", singleton_rate_limit="3/s", singleton_permits=None)
+    rate_alone = _rate_task("t.rate_alone", singleton_rate_limit="3/m", singleton_permits=None)
     rate_raise = _rate_task(
         "t.rate_raise", singleton_rate_limit="2/m", singleton_on_duplicate="raise"
     )
@@ -1148,6 +1152,7 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
         singleton_on_duplicate="coalesce",
         singleton_permits=None,
     )
+    rate_minute = _rate_task("t.rate_minute", singleton_rate_limit="1/m")
     rate_join = _rate_task("t.rate_join", singleton_rate_limit="1/s", singleton_on_duplicate="join")
 
     @app.task(
