@@ -298,6 +298,11 @@ def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
             f"{where} None (no limit on runs at once) needs singleton_rate_limit: without a "
             "rate it would limit nothing"
         )
+    if values["permits"] == 0 and values["lock_at_least"] > 0:
+        raise SingletonConfigError(
+            f"{where} None does not go with singleton_lock_at_least (a run holds no lock to "
+            "keep the key blocked with); the rate limits the starts"
+        )
     if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
         raise SingletonConfigError(
             f"{where} > 1 is not supported with a redis+redlock:// URL (a permit slot would "

@@ -15,6 +15,7 @@ from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.rates import parse_rate, rate_key
 from celery_singleton_lock.settings.options import read_options
 from celery_singleton_lock.worker.hooks import banner_lines
+from celery_singleton_lock.worker.scopes import check_scopes
 
 REDLOCK = "redis+redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0"
 
@@ -146,5 +147,32 @@ def test_celery_task_options_and_the_banner() -> None:
         assert ".> permits:         t.api=none\n" in banner
         assert ".> rate_limit:      t.api=5/s, t.sync=2/m\n" in banner
         assert "rate_limit" not in banner_lines(app.conf, [plain])
+    finally:
+        app.close()
+
+
+def test_the_tasks_of_a_scope_take_one_rate_and_none_goes_without_windows() -> None:
+    """Tasks sharing a scope count their starts in one record: one rate for all, else refused
+    at worker start; a task without a limit on runs at once has no lock to keep a window."""
+    app = Celery("rate-scope", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:6379/0"
+    scoped = {"base": SingletonTask, "shared": False, "singleton_scope": "tenant-api"}
+
+    @app.task(name="t.read", singleton_rate_limit="5/s", **scoped)
+    def read(tenant: str) -> None: ...
+
+    @app.task(name="t.write", singleton_rate_limit="2/s", **scoped)
+    def write(tenant: str) -> None: ...
+
+    try:
+        with pytest.raises(SingletonConfigError, match=r"same singleton_rate_limit.*t\.read 5/s"):
+            check_scopes([read, write])
+        with pytest.raises(SingletonConfigError, match="does not go with singleton_lock_at_least"):
+            read_options(
+                {},
+                _task(
+                    singleton_permits=None, singleton_rate_limit="5/s", singleton_lock_at_least=1
+                ),
+            )
     finally:
         app.close()
