@@ -32,7 +32,7 @@ from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
 from .join import join_holder
-from .rate import over_rate
+from .rate import NEXT_START, over_rate, report_rate_skip
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
@@ -250,7 +250,11 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         """Store a skipped duplicate's result (SUCCESS, the skip marker) and return it; so is
         that of each canvas task that will not run after it (duplicates/canvas.py)."""
         marker = skip_marker(
-            keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
+            keys.lock,
+            holder,
+            task_id,
+            getattr(request, "_singleton_follow_up", None),
+            getattr(request, NEXT_START, None),  # skipped for the rate (duplicates/rate.py)
         )
         if not request.is_eager or self.app.conf.task_store_eager_result:
             stopped = store_skip(self, task_id, marker, request)
@@ -269,6 +273,10 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
         """The skip's one log line and its signal."""
         follow_up = getattr(self.request, "_singleton_follow_up", None)
+        next_start = getattr(self.request, NEXT_START, None)
+        if next_start is not None:  # skipped for the rate: its own line
+            report_rate_skip(self, keys, holder, task_id, next_start, follow_up)
+            return
         if follow_up is not None:
             logger.info(
                 "singleton: duplicate coalesced: %s[%s] key=%s holder=%s follow_up=%s",

@@ -29,11 +29,13 @@ from ..core.keys import LockKeys, beside
 from ..errors import RateLimitedError
 from ..run.log import LOGGED_ERRORS, logger
 from ..settings.options import Options
-from .canvas import store_skip
 from .coalesce import is_follow_up
-from .skips import Skipped, skip_marker
+from .skips import Skipped
 
-__all__ = ["over_rate", "rate_text"]
+__all__ = ["NEXT_START", "over_rate", "rate_skips", "rate_text", "report_rate_skip"]
+
+#: The request field of a run skipped for the rate: when the next start is allowed (epoch s).
+NEXT_START = "_singleton_next_start"
 
 _PERIOD_NAMES = {1000: "s", 60_000: "m", 3_600_000: "h"}
 
@@ -116,15 +118,49 @@ def _follow_up(task: Any, opts: Options, keys: LockKeys, held: RateLimited) -> s
 def _skip(
     task: Any, keys: LockKeys, held: RateLimited, task_id: str, follow_up: str | None
 ) -> NoReturn:
-    """End the run skipped: its marker (reason rate, the next allowed start) stored, logged,
-    ``rate_limited`` sent."""
+    """End the run skipped in its ``before_start`` (as a duplicate's skip there)."""
     request = task.request
-    wait = held.pttl_ms / 1000
-    marker = skip_marker(keys.lock, held.holder, task_id, follow_up, round(time.time() + wait, 3))
-    if not request.is_eager or task.app.conf.task_store_eager_result:
-        store_skip(task, task_id, marker, request)
+    setattr(request, NEXT_START, _next_start(held))
+    if follow_up is not None:
+        request._singleton_follow_up = follow_up
+    marker = task._singleton_store_skip(keys, held.holder, task_id, request)
+    task._singleton_report_skip(keys, held.holder, task_id)
+    raise Skipped(marker)
+
+
+def rate_skips(task: Any, outcome: Any, request: dict[str, Any]) -> bool:
+    """Whether a worker's first acquire ends the run skipped for the rate at once, in front of
+    Celery's tracer (as a duplicate's skip): over the rate under "skip", not its own retry.
+    The next allowed start is noted on ``request`` for the marker."""
+    if type(outcome) is not RateLimited or request.get("retries"):
+        return False
+    if (task._singleton_opts or task.singleton_options()).on_duplicate != "skip":
+        return False
+    request[NEXT_START] = _next_start(outcome)
+    return True
+
+
+def _next_start(held: RateLimited) -> float:
+    """When the next start is allowed, on this process's clock (epoch seconds)."""
+    return round(time.time() + held.pttl_ms / 1000, 3)
+
+
+def report_rate_skip(  # noqa: PLR0917 - the run, and what it met
+    task: Any, keys: LockKeys, holder: str, task_id: str, next_start: float, follow_up: str | None
+) -> None:
+    """A skip for the rate's one line and its signal."""
+    wait = max(next_start - time.time(), 0.0)
     policy = "skip" if follow_up is None else "coalesce"
-    _report(task, keys, held, task_id, policy, None)
+    if signals.rate_limited.receivers:
+        signals.rate_limited.send(
+            sender=task,
+            key=keys.lock,
+            task_id=task_id,
+            holder=holder,
+            policy=policy,
+            next_start_in=wait,
+            countdown=None,
+        )
     logger.info(
         "singleton: over the rate limit, skipped: %s[%s] key=%s next_start_in=%ss follow_up=%s",
         task.name,
@@ -133,7 +169,6 @@ def _skip(
         round(wait, 3),
         follow_up,
     )
-    raise Skipped(marker)
 
 
 def _report(  # noqa: PLR0917 - the run, and what it met

@@ -4,17 +4,23 @@ option not given."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.utils.saferepr import saferepr
 
 from celery_singleton_lock import SingletonConfigError, SingletonTask
+from celery_singleton_lock.core.hotkeys import HotKeys
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.rates import parse_rate, rate_key
+from celery_singleton_lock.duplicates.skips import skip_marker
 from celery_singleton_lock.settings.options import read_options
 from celery_singleton_lock.worker.hooks import banner_lines
+from celery_singleton_lock.worker.mainskip import learning
 from celery_singleton_lock.worker.scopes import check_scopes
 
 REDLOCK = "redis+redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0"
@@ -174,5 +180,30 @@ def test_the_tasks_of_a_scope_take_one_rate_and_none_goes_without_windows() -> N
                     singleton_permits=None, singleton_rate_limit="5/s", singleton_lock_at_least=1
                 ),
             )
+    finally:
+        app.close()
+
+
+def test_a_skip_for_the_rate_makes_no_key_hot() -> None:
+    """The worker's main process (solo, threads) probes the lock of a key a skip made hot: a
+    skip for the rate found the key free, so it marks nothing (no probe's round trip for the
+    calls after it); a duplicate's skip still does."""
+    app = Celery("rate-hot", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:6379/0"
+
+    @app.task(base=SingletonTask, name="t.hot", shared=False, singleton_rate_limit="1/s")
+    def hot(tenant: str) -> None: ...
+
+    hot.__dict__["_singleton_hot"] = HotKeys()
+    learns = learning(lambda self, failed__retval__runtime, **kwargs: None)
+    request = SimpleNamespace(task=hot, args=("acme",), kwargs={})
+    key = hot.singleton_keys(("acme",), {}).lock
+    try:
+        ids = [str(uuid.uuid4()) for _ in range(3)]  # as long as Celery task ids
+        rate = skip_marker(key, ids[0], ids[1], ids[2], time.time() + 1)
+        learns(request, (False, saferepr(rate), 0.0))
+        assert not hot.__dict__["_singleton_hot"].entries
+        learns(request, (False, saferepr(skip_marker(key, "h", "t")), 0.0))
+        assert key in hot.__dict__["_singleton_hot"].entries
     finally:
         app.close()
