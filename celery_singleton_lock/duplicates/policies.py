@@ -91,7 +91,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         self, opts: Options, keys: LockKeys, held: Contended, task_id: str
     ) -> NoReturn:
         if isinstance(held, RateLimited):  # over the key's rate limit (duplicates/rate.py)
-            over_rate(self, opts, keys, held, task_id)
+            over_rate(self, opts, keys, held, task_id, waited(self.request) is not None)
         request = self.request
         error = DuplicateTaskError(
             f"{self.name}[{task_id}] is a duplicate: {keys.lock} is held by {held.holder}",

@@ -7,7 +7,8 @@ key's duplicate policy, with the moment the next start is allowed.
 - ``raise``: fails with :class:`~celery_singleton_lock.errors.RateLimitedError`.
 - ``coalesce``: the first call over the rate is requeued to the next allowed moment and is the
   key's one follow-up (``{prefix}{tag}:rate_next`` names it until then); the calls over the rate
-  after it end skipped, naming it. A follow-up is never dropped: it is requeued again.
+  after it end skipped, naming it. A follow-up (or any message the library requeued) is never
+  dropped: over the rate again at its moment, it is requeued again.
 
 A message its own task retried (``self.retry()``, ``autoretry_for``: a retries count above 0)
 is a run going on, not a new call: over the rate it waits like ``retry`` whatever the policy.
@@ -46,11 +47,19 @@ def rate_text(rate: tuple[int, int]) -> str:
     return f"{limit}/{_PERIOD_NAMES.get(period_ms, f'{period_ms}ms')}"
 
 
-def over_rate(
-    task: Any, opts: Options, keys: LockKeys, held: RateLimited, task_id: str
+def over_rate(  # noqa: PLR0917 - the run, what it met, and whether it was requeued
+    task: Any,
+    opts: Options,
+    keys: LockKeys,
+    held: RateLimited,
+    task_id: str,
+    requeued: bool = False,
 ) -> NoReturn:
     """Deal with a run over its key's rate by the key's policy (``task`` a SingletonTask in its
-    ``before_start``); raises Retry, :class:`Skipped` or :class:`RateLimitedError`."""
+    ``before_start``); raises Retry, :class:`Skipped` or :class:`RateLimitedError`.
+    ``requeued``: the message was requeued by the library (coalesce's follow-up coming back
+    at its moment, or a duplicate waiting): under coalesce it is requeued again, never
+    skipped."""
     request = task.request
     wait = held.pttl_ms / 1000
     assert keys.rate is not None
@@ -65,7 +74,8 @@ def over_rate(
     if request.retries and not request.is_eager:  # its own retry (self.retry, autoretry_for):
         policy = "retry"  # the run goes on at the next allowed start, never dropped
     if policy == "coalesce" and not request.is_eager:
-        follow_up = task_id if is_follow_up(request) else _follow_up(task, opts, keys, held)
+        again = requeued or is_follow_up(request)  # a follow-up already: never dropped
+        follow_up = task_id if again else _follow_up(task, opts, keys, held)
         if follow_up == task_id:  # this call is the key's one follow-up: at the next start
             policy = "retry"
         else:
