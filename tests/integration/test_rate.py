@@ -23,6 +23,7 @@ from celery_singleton_lock import RateLimitedError, SingletonConfigError, Single
 from celery_singleton_lock.core.backend import Acquired, RateLimited
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.core.rates import starts
 from celery_singleton_lock.settings.options import read_options
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, load_history
@@ -307,6 +308,31 @@ def test_the_rate_holds_on_sentinel_and_cluster(lock_urls: dict[str, str], store
                 backend.release(keys.lock, f"o{n}", 0)
         assert [type(o) for o in outcomes] == [Acquired] * 3 + [RateLimited], outcomes
         assert 0 < outcomes[-1].pttl_ms <= 1000
+
+
+@pytest.mark.slow(seconds=5)
+@pytest.mark.usefixtures("forget_stores")
+@pytest.mark.parametrize("store", ["sentinel", "cluster"])
+def test_a_worker_counts_the_rate_on_sentinel_and_cluster(  # noqa: PLR0917 - fixtures
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    lock_urls: dict[str, str],
+    store: str,
+) -> None:
+    """A worker whose locks are on a Sentinel's master or a Cluster: 1/m lets the first of
+    three calls start, the two after it end skipped for the rate; the record is in the store."""
+    env = {"SINGLETON_TEST_LOCK_URL": lock_urls[store]}
+    worker = worker_factory.start(SINGLETON_APP, pool="prefork", concurrency=2, env=env)
+    worker.wait_ready(client_app)
+    tenant = _tenant()
+    values = [client_app.send_task("t.rate_minute", (tenant,)).get(timeout=30) for _ in range(3)]
+    assert skip_info(values[0]) is None
+    assert [skip_info(v).reason for v in values[1:] if skip_info(v)] == ["rate", "rate"]
+    assert len(_starts(redis_client, key_prefix, "t.rate_minute", tenant)) == 1
+    key = skip_info(values[1]).key
+    assert len(starts(store_for(lock_urls[store]).client, key)) == 1
 
 
 def test_redlock_is_refused_at_worker_start() -> None:
