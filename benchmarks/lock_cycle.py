@@ -262,6 +262,21 @@ class CycleResult:
         return median(self.samples_us)
 
 
+def interleaved(cycles: dict[str, Cycle], batch: int, rounds: int) -> dict[str, list[float]]:
+    """µs per cycle of each contender, one sample per round: each warmed up first (connected,
+    scripts loaded, checked), then batch by batch in a rotating order."""
+    for cycle in cycles.values():
+        for _ in range(50):
+            cycle()
+    names = list(cycles)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_batch(cycles[name], batch))
+    return samples
+
+
 def _batch(cycle: Cycle, n: int) -> float:
     """µs per cycle over one batch of ``n`` cycles."""
     start = time.perf_counter()
@@ -272,16 +287,8 @@ def _batch(cycle: Cycle, n: int) -> float:
 
 def run(server: PrivateRedis, batch: int, rounds: int) -> tuple[Table, list[CycleResult]]:
     cycles = {name: make(server.url) for name, make in CONTENDERS.items()}
-    for cycle in cycles.values():  # warm up: connect, load scripts, check it works
-        for _ in range(50):
-            cycle()
-    names = list(cycles)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_batch(cycles[name], batch))
-    results = [CycleResult(name, samples[name]) for name in names]
+    samples = interleaved(cycles, batch, rounds)
+    results = [CycleResult(name, samples[name]) for name in cycles]
     floor = next(r for r in results if r.name == PING_FLOOR).samples_us
     ours = next(r for r in results if r.name == OURS).samples_us
     table = Table(

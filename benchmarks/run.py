@@ -36,6 +36,7 @@ from .server import PrivateRedis
 
 SECTIONS = (
     "lock",
+    "rate",
     "throughput",
     "work",
     "renewal",
@@ -219,6 +220,15 @@ class Runner:
 
         with PrivateRedis() as server:
             table, self.results["lock_cycle"] = lock_cycle.run(
+                server, self.sizes.cycle_batch, self.sizes.cycle_rounds
+            )
+        self.show(table)
+
+    def rate(self) -> None:
+        from . import rate
+
+        with PrivateRedis() as server:
+            table, self.results["rate"] = rate.run(
                 server, self.sizes.cycle_batch, self.sizes.cycle_rounds
             )
         self.show(table)

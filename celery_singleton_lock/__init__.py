@@ -19,6 +19,7 @@ from .duplicates.skips import SkipInfo, skip_info
 from .errors import (
     DuplicateTaskError,
     LockUnavailableError,
+    RateLimitedError,
     SingletonConfigError,
     SingletonError,
     SingletonKeyError,
@@ -37,6 +38,7 @@ __all__ = [
     "FencedWrite",
     "LockHandle",
     "LockUnavailableError",
+    "RateLimitedError",
     "SingletonConfigError",
     "SingletonDatabaseScheduler",
     "SingletonError",

@@ -6,6 +6,7 @@
     ├── SingletonConfigError        a setting or task option is invalid (names the setting)
     ├── SingletonKeyError           an argument cannot be turned into a lock key (names it)
     ├── DuplicateTaskError          the lock is held by another run ("raise" policy)
+    ├── RateLimitedError            the key's rate limit allows no start now ("raise" policy)
     └── LockUnavailableError        Redis could not be asked (down, timed out, auth)
 
 Every exception is picklable and survives Celery's JSON result serialiser: its
@@ -17,6 +18,7 @@ from __future__ import annotations
 __all__ = [
     "DuplicateTaskError",
     "LockUnavailableError",
+    "RateLimitedError",
     "SingletonConfigError",
     "SingletonError",
     "SingletonKeyError",
@@ -53,6 +55,11 @@ class SingletonKeyError(SingletonError, ValueError):
 
 class DuplicateTaskError(SingletonError):
     """Another run holds the lock for the same task and arguments."""
+
+
+class RateLimitedError(SingletonError):
+    """The key's ``singleton_rate_limit`` allows no start now; the message says when the next
+    start is allowed, and ``holder`` names the last run that started."""
 
 
 class LockUnavailableError(SingletonError):

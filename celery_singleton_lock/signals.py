@@ -35,6 +35,7 @@ __all__ = [
     "lock_released",
     "lock_renewed_late",
     "lock_unavailable",
+    "rate_limited",
     "redelivery_dropped",
 ]
 
@@ -51,3 +52,4 @@ duplicate_raised = Signal(name="singleton_duplicate_raised")
 duplicate_joined = Signal(name="singleton_duplicate_joined")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
 redelivery_dropped = Signal(name="singleton_redelivery_dropped")
+rate_limited = Signal(name="singleton_rate_limited")

@@ -99,6 +99,13 @@ def private_prefix(redis_url: str) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture(scope="module")
+def module_prefix(redis_url: str) -> Iterator[str]:
+    """A ``key_prefix`` shared by a module's tests (one worker set for all of them)."""
+    with private_prefix(redis_url) as prefix:
+        yield prefix
+
+
 @pytest.fixture
 def key_prefix(redis_url: str) -> Iterator[str]:
     """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted at teardown."""

@@ -41,6 +41,7 @@ __all__ = [
     "Completed",
     "Contended",
     "LockBackend",
+    "RateLimited",
     "ReleaseItem",
     "ReleaseStatus",
     "RenewItem",
@@ -102,6 +103,14 @@ class Contended:
     holder_token: int | None
     pttl_ms: int
     finished: bool = False
+
+
+@dataclass(frozen=True)
+class RateLimited(Contended):
+    """The key's rate limit (core/rates.py) allows no start now: the next one is allowed in
+    ``pttl_ms`` (when the oldest start in the window leaves it). Nothing was taken or counted.
+    ``holder`` and ``holder_generation`` name the last run that started; ``finished`` is True
+    (nothing can start before ``pttl_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +396,8 @@ def acquire_outcome(reply: Any, replicas: int | None, owner: str = "") -> Acquir
         return Acquired(int(reply[1]), bool(reply[2]), replicas, slot)
     if reply[0] == 2:
         return Completed(owner, int(reply[1]), None, int(reply[2]))
+    if reply[0] == 3:  # over the rate (acquire_permit.lua)
+        return RateLimited(as_text(reply[2]), int(reply[3]), None, max(int(reply[1]), 1), True)
     holder_token = None if reply[3] is None else int(reply[3])
     finished = len(reply) > 5 and reply[5] == 1
     return Contended(as_text(reply[1]), int(reply[2]), holder_token, int(reply[4]), finished)

@@ -110,14 +110,19 @@ class LockKeys:
 
     ``permits`` > 1: up to that many runs hold the key at once, each in a slot of its own
     (:meth:`slot`: ``{prefix}{tag}:lock:<i>``, an ordinary lock), all fenced by one counter.
+
+    ``rate``: ``(limit, period_ms)``, at most ``limit`` runs of the key start within any
+    ``period_ms`` (core/rates.py); with it ``permits`` may be 0: no limit on runs at once, a
+    run holds no slot.
     """
 
     lock: str
     fence: str
     permits: int = 1
+    rate: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.permits != 1 and not 1 <= self.permits <= MAX_PERMITS:
+        if self.permits != 1 and not (1 if self.rate is None else 0) <= self.permits <= MAX_PERMITS:
             raise ValueError(f"permits must be 1 to {MAX_PERMITS}, got {self.permits!r}")
 
     def slot(self, index: int) -> str:
@@ -130,12 +135,18 @@ class LockKeys:
 
     @property
     def slots(self) -> list[str]:
-        """The key of every slot a run may hold: ``[lock]`` for 1 permit."""
+        """The key of every slot a run may hold: ``[lock]`` for 1 permit, none for 0."""
         return [self.slot(index) for index in range(1, self.permits + 1)]
 
     def with_permits(self, permits: int) -> LockKeys:
         """These keys, with ``permits`` slots."""
-        return self if permits == self.permits else LockKeys(self.lock, self.fence, permits)
+        if permits == self.permits:
+            return self
+        return LockKeys(self.lock, self.fence, permits, self.rate)
+
+    def with_rate(self, rate: tuple[int, int] | None) -> LockKeys:
+        """These keys, under ``rate`` (``(limit, period_ms)``; None: none)."""
+        return self if rate == self.rate else LockKeys(self.lock, self.fence, self.permits, rate)
 
 
 def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
@@ -144,11 +155,17 @@ def lock_keys(prefix: str, task_name: str, identity: bytes) -> LockKeys:
     return _tagged_keys(f"{prefix}{{{safe}:", name, identity, 1)
 
 
-def _tagged_keys(head: str, name: bytes, identity: bytes, permits: int) -> LockKeys:
+def _tagged_keys(
+    head: str,
+    name: bytes,
+    identity: bytes,
+    permits: int,
+    rate: tuple[int, int] | None = None,
+) -> LockKeys:
     """The keys ``{head}<digest>}:lock`` and ``:fence``; ``head`` is ``{prefix}{<safe name>:``
     and ``name`` the task name's bytes as :func:`argument_digest` hashes them."""
     tag = head + hashlib.blake2b(name + identity, digest_size=_DIGEST_BYTES).hexdigest()
-    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}" + _FENCE_SUFFIX, permits)
+    return LockKeys(tag + "}" + _LOCK_SUFFIX, tag + "}" + _FENCE_SUFFIX, permits, rate)
 
 
 def keys_of(key: str, permits: int = 1) -> LockKeys:
@@ -296,9 +313,10 @@ class KeyDeriver:
         "_shape",
         "_start",
         "permits",
+        "rate",
     )
 
-    def __init__(  # noqa: PLR0917 - derive_keys' arguments, and the permits
+    def __init__(  # noqa: PLR0917 - derive_keys' arguments, the permits and the rate
         self,
         prefix: str,
         task_name: str,
@@ -306,12 +324,14 @@ class KeyDeriver:
         key_args: Sequence[str] | None = None,
         key_fn: Callable[[Sequence[Any], Mapping[str, Any]], str] | None = None,
         permits: int = 1,
+        rate: tuple[int, int] | None = None,
     ) -> None:
         safe, self._name = _name_parts(task_name)
         self._head = f"{prefix}{{{safe}:"
         self._func = func
         self._key_fn = key_fn
         self.permits = permits
+        self.rate = rate
         #: (parameter name, its encoding), sorted as the encoding of their dict sorts them
         self._order: tuple[tuple[str, bytes], ...] = ()
         #: (position, name, its encoding) in that order, for a call that gives every parameter
@@ -339,7 +359,7 @@ class KeyDeriver:
         """The lock keys of one call (``derive_keys`` with this task's arguments)."""
         if self._key_fn is not None:
             identity = b"k" + _key_fn_identity(self._key_fn, args, kwargs)
-            return _tagged_keys(self._head, self._name, identity, self.permits)
+            return _tagged_keys(self._head, self._name, identity, self.permits, self.rate)
         active: set[int] = set()
         parts: list[bytes] = []
         name = ""
@@ -356,7 +376,7 @@ class KeyDeriver:
         except RecursionError:
             raise too_deep_error(name) from None
         identity = self._start + b"".join(parts)
-        return _tagged_keys(self._head, self._name, identity, self.permits)
+        return _tagged_keys(self._head, self._name, identity, self.permits, self.rate)
 
 
 #: the shape of a KeyDeriver with a key_fn (it binds nothing)

@@ -40,8 +40,9 @@ from .backend import (
     release_outcome,
     renew_groups,
 )
-from .completion import Ending, done_key
+from .completion import Ending
 from .keys import LockKeys
+from .rates import rate_key
 from .sendahead import SendAhead
 
 __all__ = ["LockStore", "ScriptStore"]
@@ -374,17 +375,21 @@ def acquire_call(  # noqa: PLR0917 - acquire's arguments
     meta: Mapping[str, str] | None,
 ) -> AcquireCall:
     """The script call taking ``keys``: acquire.lua for one permit; acquire_permit.lua, which
-    takes a free slot of ``keys.permits`` in the same one call, for more."""
+    takes a free slot of ``keys.permits`` in the same one call, for more, and under a rate
+    (which it counts in that call: core/rates.py)."""
     args = acquire_args(keys, owner, generation, ttl_ms, fence_margin_ms, meta)
-    if keys.permits == 1:
+    if keys.permits == 1 and keys.rate is None:
         return ACQUIRE, args
-    slots = keys.slots  # the same ARGV; KEYS: the record, the counter, the slots
+    slots = keys.slots  # KEYS: the record, the counter, the rate record, the slots
     return ACQUIRE_PERMIT, [
-        len(slots) + 2,
-        done_key(keys.lock, owner),
+        len(slots) + 3,
+        args[3],
         keys.fence,
+        rate_key(keys.lock),
         *slots,
-        *args[4:],
+        *args[4:8],
+        *(keys.rate or (0, 0)),
+        *args[8:],
     ]
 
 

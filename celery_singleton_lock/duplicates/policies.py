@@ -20,18 +20,19 @@ from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
-from ..core.backend import Acquired, Contended
+from ..core.backend import Acquired, Contended, RateLimited
 from ..core.connection import store_for
 from ..core.keys import LockKeys
 from ..core.pending import leave_pending
 from ..core.renewer import Renewer
-from ..errors import DuplicateTaskError, LockUnavailableError
+from ..errors import DuplicateTaskError, LockUnavailableError, RateLimitedError
 from ..run.callrepr import copy_options, request_field
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
 from .join import join_holder
+from .rate import NEXT_START, over_rate, report_rate_skip
 from .skips import Skipped, skip_marker
 
 __all__ = ["PARENT_WAITS", "WAITING_HEADER", "DuplicatePolicies", "waited"]
@@ -89,6 +90,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
     def _singleton_duplicate(
         self, opts: Options, keys: LockKeys, held: Contended, task_id: str
     ) -> NoReturn:
+        if isinstance(held, RateLimited):  # over the key's rate limit (duplicates/rate.py)
+            over_rate(self, opts, keys, held, task_id, waited(self.request) is not None)
         request = self.request
         error = DuplicateTaskError(
             f"{self.name}[{task_id}] is a duplicate: {keys.lock} is held by {held.holder}",
@@ -180,6 +183,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         under the skip policy."""
         return (
             isinstance(outcome, Contended)
+            and not isinstance(outcome, RateLimited)  # ended by policy in before_start
             and outcome.holder not in (task_id, parent)
             and self.singleton_options().on_duplicate in ("skip", "coalesce")
         )
@@ -246,7 +250,11 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         """Store a skipped duplicate's result (SUCCESS, the skip marker) and return it; so is
         that of each canvas task that will not run after it (duplicates/canvas.py)."""
         marker = skip_marker(
-            keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
+            keys.lock,
+            holder,
+            task_id,
+            getattr(request, "_singleton_follow_up", None),
+            getattr(request, NEXT_START, None),  # skipped for the rate (duplicates/rate.py)
         )
         if not request.is_eager or self.app.conf.task_store_eager_result:
             stopped = store_skip(self, task_id, marker, request)
@@ -265,6 +273,10 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
         """The skip's one log line and its signal."""
         follow_up = getattr(self.request, "_singleton_follow_up", None)
+        next_start = getattr(self.request, NEXT_START, None)
+        if next_start is not None:  # skipped for the rate: its own line
+            report_rate_skip(self, keys, holder, task_id, next_start, follow_up)
+            return
         if follow_up is not None:
             logger.info(
                 "singleton: duplicate coalesced: %s[%s] key=%s holder=%s follow_up=%s",
@@ -322,7 +334,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         if request.is_eager or request.called_directly:
             raise reason
         options: dict[str, Any] = {"countdown": countdown, **copy_options(request)}
-        if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
+        if isinstance(reason, DuplicateTaskError | RateLimitedError):  # waiting: since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
             options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}
         signature = self.signature_from_request(request, **options)

@@ -38,15 +38,28 @@ class SkipInfo:
     #: under ``singleton_on_duplicate="coalesce"``: the task id of the one follow-up run its
     #: call was coalesced into (published when ``holder`` releases the lock), else None
     follow_up: str | None = None
+    #: why it was skipped: ``"duplicate"`` (its key was held) or ``"rate"`` (the key's
+    #: ``singleton_rate_limit`` allowed no start; ``holder`` is then the last run that started)
+    reason: str = "duplicate"
+    #: under ``"rate"``: when the next start of the key is allowed (epoch seconds), else None
+    next_start: float | None = None
 
 
 def skip_marker(
-    key: str, holder: str, task_id: str, follow_up: str | None = None
+    key: str,
+    holder: str,
+    task_id: str,
+    follow_up: str | None = None,
+    next_start: float | None = None,
 ) -> dict[str, Any]:
-    """The result a skipped duplicate stores; a coalesced one also names its follow-up."""
+    """The result a skipped duplicate stores; a coalesced one also names its follow-up, one
+    over a rate limit (``next_start``, epoch seconds) when the next start is allowed."""
     marker = {SKIP_MARKER: True, "key": key, "holder": holder, "task_id": task_id}
     if follow_up is not None:
         marker["coalesced_into"] = follow_up
+    if next_start is not None:
+        marker["reason"] = "rate"
+        marker["next_start"] = next_start
     return marker
 
 
@@ -56,11 +69,14 @@ def skip_info(value: Any) -> SkipInfo | None:
         value = value.result if value.ready() else None
     if isinstance(value, Mapping) and value.get(SKIP_MARKER) is True:
         follow_up = value.get("coalesced_into")
+        next_start = value.get("next_start")
         return SkipInfo(
             str(value["key"]),
             str(value["holder"]),
             str(value["task_id"]),
             None if follow_up is None else str(follow_up),
+            str(value.get("reason", "duplicate")),
+            None if next_start is None else float(next_start),
         )
     return None
 

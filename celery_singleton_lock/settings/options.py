@@ -115,7 +115,10 @@ class Options:
     lock_on: str = "execute"
     publish_ttl: float = 300.0
     scope: str | None = None
+    #: 0: ``singleton_permits=None`` given on the task: no limit on runs at once (a rate only)
     permits: int = 1
+    #: ``(limit, period_ms)``: at most ``limit`` runs of a key start within any ``period_ms``
+    rate_limit: tuple[int, int] | None = None
 
     #: None when read without a task (the banner): it depends on the task's acks_late
     completion_ttl: float | None = None
@@ -198,6 +201,9 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
                         "set; keep the new one"
                     )
                 value = legacy[setting.name]
+        if value is None and setting.name == "permits" and _given_none(task, setting.conf_key):
+            values["permits"] = 0  # None given on the task: no limit on runs at once
+            continue
         if value is None and setting.app_fallback:
             value = conf.get(setting.conf_key)
             where = setting.conf_key
@@ -233,9 +239,50 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
             "singleton_permits > 1 or singleton_lock_at_least (a duplicate joins the one run "
             "that holds its key; with several, or after a window, there is no such run)"
         )
-    if values["permits"] > 1:
+    if values["rate_limit"] is not None:
+        _check_rate(task_name, values)
+    if values["permits"] != 1:
         _check_permits(task_name, values)
     return Options(**values)
+
+
+_LIBRARY = __name__.split(".", 1)[0] + "."
+
+
+def _given_none(task: object | None, name: str) -> bool:
+    """Whether ``task`` was given option ``name`` as None (``@app.task(singleton_permits=None)``,
+    or a class attribute of a task class of the user's), not merely left unset."""
+    if task is None:
+        return False
+    if name in vars(task):
+        return vars(task)[name] is None
+    for klass in type(task).__mro__:
+        if name in vars(klass):
+            return vars(klass)[name] is None and not klass.__module__.startswith(_LIBRARY)
+    return False
+
+
+def _check_rate(task_name: str | None, values: Mapping[str, Any]) -> None:
+    """Refuse what a rate limit does not support: Redlock, publish-time dedup; and ``join``
+    without a run to join (no limit on runs at once)."""
+    where = (
+        "singleton_rate_limit" if task_name is None else f"task {task_name}: singleton_rate_limit"
+    )
+    if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
+        raise SingletonConfigError(
+            f"{where} is not supported with a redis+redlock:// URL (the starts of a key would "
+            "need a majority of their own on every master); use one server, Sentinel or Cluster"
+        )
+    if values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f'{where} needs singleton_lock_on "execute" (the rate is counted where a run '
+            f"starts), got lock_on {values['lock_on']!r}"
+        )
+    if values["on_duplicate"] == "join" and values["permits"] == 0:
+        raise SingletonConfigError(
+            f"{where} with singleton_on_duplicate 'join' needs a limit on runs at once "
+            "(singleton_permits 1): with singleton_permits None no run holds a lock to join"
+        )
 
 
 def _where_policy(task_name: str | None) -> str:
@@ -243,8 +290,19 @@ def _where_policy(task_name: str | None) -> str:
 
 
 def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
-    """Refuse what permits > 1 does not support: Redlock, publish-time dedup."""
+    """Refuse what permits > 1 (or None) does not support: Redlock, publish-time dedup; and
+    None without a rate limit (it would limit nothing)."""
     where = "singleton_permits" if task_name is None else f"task {task_name}: singleton_permits"
+    if values["permits"] == 0 and values["rate_limit"] is None:
+        raise SingletonConfigError(
+            f"{where} None (no limit on runs at once) needs singleton_rate_limit: without a "
+            "rate it would limit nothing"
+        )
+    if values["permits"] == 0 and values["lock_at_least"] > 0:
+        raise SingletonConfigError(
+            f"{where} None does not go with singleton_lock_at_least (a run holds no lock to "
+            "keep the key blocked with); the rate limits the starts"
+        )
     if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
         raise SingletonConfigError(
             f"{where} > 1 is not supported with a redis+redlock:// URL (a permit slot would "

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.backend import FENCE_MARGIN_MS
 from ..core.keys import MAX_PERMITS, check_prefix
+from ..core.rates import parse_rate
 from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
     URL_KINDS,
@@ -174,6 +175,16 @@ def _permits(name: str, value: Any) -> int:
     return value
 
 
+def _rate(name: str, value: Any) -> tuple[int, int] | None:
+    """A rate as Celery spells ``rate_limit`` (``"N/s"``, ``"N/m"``, ``"N/h"``), or None."""
+    if value is None:
+        return None
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise SingletonConfigError(f"{name}: {exc}, got {_shown(value)}") from None
+
+
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -303,7 +314,18 @@ SETTINGS: dict[str, Setting] = {
             _permits,
             "How many runs of one key may run at once (each holds a permit slot of its own: "
             "renewed, released and fenced like a single lock); the next one meets "
-            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both".',
+            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both". '
+            "None, given on the task with `rate_limit`: no limit on runs at once (only the rate "
+            "applies; a run holds no lock).",
+        ),
+        Setting(
+            "rate_limit",
+            None,
+            _rate,
+            'At most N runs of one key start within any window of a second, minute or hour ("N/s", '
+            '"N/m", "N/h"; a sliding window, counted across the whole cluster); a run over it '
+            "meets `on_duplicate`. None: no rate limit. Not with redis+redlock:// URLs, nor with "
+            'lock_on "publish"/"both".',
         ),
         Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
         Setting(

@@ -35,7 +35,7 @@ from celery.result import EagerResult
 from .. import signals
 from ..core._pid import current_pid
 from ..core.arguments import scope_key_names
-from ..core.backend import Acquired, Completed, Contended, release_lost_slot
+from ..core.backend import Acquired, Completed, Contended, RateLimited, release_lost_slot
 from ..core.connection import renewer_for, store_for
 from ..core.keys import KeyDeriver, LockKeys
 from ..core.renewer import HeldLock, Renewer
@@ -64,7 +64,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
     default in docs/configuration.md): ``singleton_on_duplicate``,
     ``singleton_on_redis_error``, ``singleton_key_args``, ``singleton_key``,
     ``singleton_ttl``, ``singleton_retry_countdown``, ``singleton_max_hold``,
-    ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``;
+    ``singleton_lock_on``, ``singleton_publish_ttl``, ``singleton_completion_ttl``,
+    ``singleton_permits``, ``singleton_rate_limit``;
     ``singleton_lock_at_least`` is read from the task only. The option spellings of
     celery-singleton and celery-once are read too, with a DeprecationWarning (settings/legacy.py).
     """
@@ -143,7 +144,9 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
             name, key_args = self.name, opts.key_args
         else:  # the scope's name, and argument names in one order for all its tasks
             name, key_args = opts.scope, self._singleton_scope_names()
-        deriver = KeyDeriver(opts.key_prefix, name, self.run, key_args, opts.key, opts.permits)
+        deriver = KeyDeriver(
+            opts.key_prefix, name, self.run, key_args, opts.key, opts.permits, opts.rate_limit
+        )
         made = self._singleton_keyed = (opts, deriver)
         return made
 
@@ -269,6 +272,10 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
             if taken is None:  # Redis failed, and the run goes on without the lock
                 return
             outcome, generation, renewer = taken
+        if not keys.permits:  # a rate alone: the run started and holds no lock (core/rates.py)
+            if first is not None:
+                first.taken = True
+            return
         key = keys.lock if keys.permits == 1 else keys.slot(outcome.slot)  # or the permit slot
         held = HeldLock(
             key=key,
@@ -329,7 +336,11 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
                 raise first.outcome
             else:
                 outcome = first.outcome
-            if isinstance(outcome, Contended) and outcome.holder == request.parent_id:
+            if (  # the run that published it holds the key: it lets go in a moment
+                isinstance(outcome, Contended)
+                and outcome.holder == request.parent_id
+                and not isinstance(outcome, RateLimited)  # a start of the rate stays counted
+            ):
                 meta = self._singleton_meta(args, kwargs, request)
                 outcome = self._singleton_wait_for_parent(renewer, keys, outcome, generation, meta)
         except LockUnavailableError as exc:
@@ -347,6 +358,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
         """Release a lock (permit ``slot``; None: whichever slot is the run's, if any) taken for
         a run that Celery's tracer ended before ``before_start``, or whose acquire a SystemExit
         interrupted, and publish the follow-up a duplicate left beside it meanwhile."""
+        if not keys.permits:  # a rate alone: a run holds no lock
+            return
         key = keys.lock if slot is None else keys.slot(slot)
         store = store_for(self.singleton_options().redis_url)
         try:

@@ -53,6 +53,7 @@ from ..core.backend import Acquired, Completed, Contended
 from ..core.keys import LockKeys
 from ..core.renewer import Renewer
 from ..duplicates.coalesce import is_follow_up
+from ..duplicates.rate import rate_skips
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import dropped, report_drop
 from ..run.log import about, logger
@@ -166,7 +167,10 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
             return _drop(task, first, args, kwargs, request)
         if (
             not isinstance(first.outcome, Acquired)  # the lock taken: the common case goes on
-            and task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
+            and (
+                task._singleton_skips(first.outcome, uuid, request.get("parent_id"))
+                or rate_skips(task, first.outcome, request)  # over the rate (duplicates/rate.py)
+            )
             and (
                 task.singleton_options().on_duplicate != "coalesce"
                 or is_follow_up(request)  # never coalesced again: ends as a skip

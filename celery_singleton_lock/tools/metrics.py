@@ -12,7 +12,7 @@ Four metrics, all labelled by task name:
 - ``singleton_lock_events_total{event, task}``: one count per library signal; ``event`` is
   the signal's name without ``lock_`` (acquired, released, lost, max_hold, renewed_late,
   force_released, unavailable, duplicate_skipped, duplicate_retried, duplicate_raised,
-  duplicate_not_published, redelivery_dropped);
+  duplicate_not_published, redelivery_dropped, rate_limited);
 - ``singleton_locks_held{task}``: locks held by runs of this process right now (a lock
   counts from ``lock_acquired`` until it is released or lost, or its run ends);
 - ``singleton_lock_hold_seconds{task}`` (histogram): how long each of those holds lasted;

@@ -59,6 +59,7 @@ from kombu.utils.imports import symbol_by_name
 from ..beat.witness import witness_scheduled_run
 from ..core.arguments import check_key_args
 from ..core.connection import flush_releases
+from ..duplicates.rate import rate_text
 from ..errors import SingletonConfigError
 from ..run.callrepr import CONTENT_TYPE_FIELD
 from ..run.log import about
@@ -332,9 +333,12 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
     ]
     if windows:
         settings["lock_at_least"] = ", ".join(windows)
-    permits = [f"{t.name}={t.singleton_options().permits}" for t in tasks]
-    if any(t.singleton_options().permits > 1 for t in tasks):
+    permits = [f"{t.name}={t.singleton_options().permits or 'none'}" for t in tasks]
+    if any(t.singleton_options().permits != 1 for t in tasks):
         settings["permits"] = ", ".join(p for p in permits if not p.endswith("=1"))
+    rates = [(t.name, t.singleton_options().rate_limit) for t in tasks]
+    if any(rate for _, rate in rates):
+        settings["rate_limit"] = ", ".join(f"{n}={rate_text(r)}" for n, r in rates if r)
     lines = ["", "[singleton]"]
     lines += [f"  .> {name + ':':<17}{value}" for name, value in settings.items()]
     lines.append(f"  .> {'tasks:':<17}{', '.join(t.name for t in tasks)}")

@@ -57,6 +57,8 @@ Handler = Callable[..., Any]
 #: How the repr of a skip's marker starts: what a pool hands the main process back for a
 #: skipped duplicate (Celery passes it the repr of a run's return value, in every pool).
 _SKIP_REPR = repr({SKIP_MARKER: True})[:-1]
+#: in a skip's repr when it was skipped for the rate, not a held key: nothing to probe for
+_RATE_REPR = "'reason': 'rate'"
 
 
 def hot_keys_of(task: Any) -> HotKeys | None:
@@ -106,7 +108,7 @@ def learning(on_success: Callable[..., Any]) -> Callable[..., Any]:
 
     def learns(self: Any, failed__retval__runtime: Any, **kwargs: Any) -> Any:
         retval = failed__retval__runtime[1]
-        if type(retval) is str and retval.startswith(_SKIP_REPR):
+        if type(retval) is str and retval.startswith(_SKIP_REPR) and _RATE_REPR not in retval:
             _learn(self, failed__retval__runtime[0])
         return on_success(self, failed__retval__runtime, **kwargs)
 

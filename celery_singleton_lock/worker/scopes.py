@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from ..duplicates.rate import rate_text
 from ..errors import SingletonConfigError
 
 if TYPE_CHECKING:
@@ -47,6 +48,13 @@ def check_scopes(tasks: Iterable[SingletonTask]) -> None:
             raise SingletonConfigError(
                 f"the tasks of scope {scope!r} must take the same singleton_permits, or they "
                 f"never exclude each other: {_listed(permits)}"
+            )
+        rates = {name: task.singleton_options().rate_limit for name, task in members.items()}
+        if len(set(rates.values())) > 1:  # one rate record for the scope's key: one limit
+            shown = {name: rate and rate_text(rate) for name, rate in rates.items()}
+            raise SingletonConfigError(
+                f"the tasks of scope {scope!r} must take the same singleton_rate_limit (they "
+                f"count their starts together): {_listed(shown)}"
             )
         policies = {name: task.singleton_options().on_duplicate for name, task in members.items()}
         if len({p == "coalesce" for p in policies.values()}) > 1:

@@ -70,6 +70,19 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
             "scope 'tenant-sync' must take the same singleton_permits",
             "t.tenant_import 1; t.tenant_permits 2",
         ),
+        (  # a malformed rate (a day is not a period Celery's rate_limit knows)
+            {"SINGLETON_TEST_BAD_RATE": "5/d"},
+            "singleton_rate_limit (task t.rate_bad)",
+            "got '5/d'",
+        ),
+        (  # rate-limited tasks over Redlock (never connected to)
+            {
+                "SINGLETON_TEST_LOCK_URL": "redis+redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0",
+                "SINGLETON_TEST_RATE": "1",
+            },
+            "singleton_rate_limit",
+            "redis+redlock://",
+        ),
     ],
     ids=[
         "ttl-zero",
@@ -86,6 +99,8 @@ def _assert_refused(log: str, code: int, setting: str, value: str) -> None:
         "permits-redlock",
         "coalesce-window",
         "scope-permits",
+        "rate-malformed",
+        "rate-redlock",
     ],
 )
 def test_worker_refuses_to_start(

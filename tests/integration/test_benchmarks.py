@@ -81,3 +81,17 @@ def test_the_fast_sections_run_and_count_what_they_claim(tmp_path: Path) -> None
     assert len(ours) == 2, per_call
     assert all(2 <= per_call[name] <= 3.01 for name in ours), per_call
     assert per_call["one PING per call (floor: a round trip)"] == 1
+
+
+def test_the_rate_check_adds_no_round_trip() -> None:
+    """Section 1b's counts (benchmarks/rate.py, on a private server as it runs): a lock cycle
+    under a rate is as many round trips as one without, a start under a rate alone one;
+    celery-heimdall's check two."""
+    from benchmarks import rate
+    from benchmarks.server import PrivateRedis
+
+    with PrivateRedis() as server:
+        trips = {name: rate.round_trips(server.url, name, calls=20) for name in rate.CONTENDERS}
+    assert trips[rate.OURS_LOCK_RATE] == trips[rate.OURS_LOCK] == 2
+    assert trips[rate.OURS_RATE] == trips[rate.OURS_OVER] == 1
+    assert trips[rate.HEIMDALL] == 2

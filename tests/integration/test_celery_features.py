@@ -26,7 +26,6 @@ from celery import Celery
 
 from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import KeyDeriver
-from tests.conftest import private_prefix
 from tests.support import features_app
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.chaos import deliveries_key
@@ -110,12 +109,6 @@ def _start(
     worker = factory.start(FEATURES_APP, pool=pool, concurrency=3, env=env or {}, extra_args=extra)
     worker.wait_ready(app)
     return worker
-
-
-@pytest.fixture(scope="module")
-def module_prefix(redis_url: str) -> Iterator[str]:
-    with private_prefix(redis_url) as prefix:
-        yield prefix
 
 
 @pytest.fixture(scope="module")

@@ -1125,3 +1125,70 @@ def join_autoretry(self: Any, key: str, value: Any = None) -> Any:
     fails with the KeyError)."""
     _run(self, key, 0.0, until=f"{key}:go")
     raise KeyError(value)
+
+
+# -- added for test_rate: a cluster-wide rate limit per key (singleton_rate_limit) -------------
+#
+# Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left out
+# there, unless SINGLETON_TEST_RATE=1 asks for the refusal. SINGLETON_TEST_BAD_RATE: a task with
+# that malformed rate, refused at worker start.
+
+
+def _rate_task(name: str, **options: Any) -> Any:
+    @app.task(
+        name=name,
+        singleton_key_args=("tenant",),
+        **{"bind": True, "base": SingletonTask, **options},
+    )
+    def rate_task(
+        self: Any, tenant: str, seconds: float = 0.0, until: str | None = None
+    ) -> dict[str, Any]:
+        """Records its start (key ``rate:<task>:<tenant>``) and sleeps ``seconds`` (with
+        ``until``: waits for the test to push to that list)."""
+        key = f"rate:{self.name}:{tenant}"
+        return {**_run(self, key, seconds, until), "host": self.request.hostname}
+
+    return rate_task
+
+
+if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
+    # a rate alone (no limit on runs at once): a flood meets the rate, not a held lock
+    rate_skip = _rate_task("t.rate_skip", singleton_rate_limit="4/s", singleton_permits=None)
+    rate_retry = _rate_task(
+        "t.rate_retry",
+        singleton_rate_limit="4/s",
+        singleton_on_duplicate="retry",
+        singleton_permits=None,
+    )
+    rate_alone = _rate_task("t.rate_alone", singleton_rate_limit="3/m", singleton_permits=None)
+    rate_raise = _rate_task(
+        "t.rate_raise", singleton_rate_limit="2/m", singleton_on_duplicate="raise"
+    )
+    rate_coalesce = _rate_task(
+        "t.rate_coalesce",
+        singleton_rate_limit="2/s",
+        singleton_on_duplicate="coalesce",
+        singleton_permits=None,
+    )
+    rate_minute = _rate_task("t.rate_minute", singleton_rate_limit="1/m")
+    rate_join = _rate_task("t.rate_join", singleton_rate_limit="1/s", singleton_on_duplicate="join")
+
+    @app.task(
+        name="t.rate_autoretry",
+        singleton_rate_limit="2/s",
+        singleton_permits=None,
+        autoretry_for=(ValueError,),
+        max_retries=1,
+        default_retry_delay=0.01,
+        **PER_TENANT,
+    )
+    def rate_autoretry(self: Any, tenant: str) -> dict[str, Any]:
+        """Records each start; fails its first try (autoretry_for retries it at once)."""
+        result = _run(self, f"rate:{self.name}:{tenant}", 0.0)
+        if not self.request.retries:
+            raise ValueError("the first try fails")
+        return result
+
+
+if os.environ.get("SINGLETON_TEST_BAD_RATE"):
+    _rate_task("t.rate_bad", singleton_rate_limit=os.environ["SINGLETON_TEST_BAD_RATE"])

@@ -490,7 +490,11 @@ def test_the_numeric_settings_are_found() -> None:
         "lock_at_least",
         "beat_lease",
     }
-    assert {s.name for s in _numeric_settings() if _integer(s)} == {"wait_replicas", "permits"}
+    assert {s.name for s in _numeric_settings() if _integer(s)} == {
+        "wait_replicas",
+        "permits",
+        "rate_limit",
+    }
 
 
 @pytest.mark.parametrize("setting", _numeric_settings(), ids=lambda s: s.name)
