@@ -25,6 +25,7 @@ from .errors import (
 )
 from .settings import masking as _hidden_settings
 from .task.singleton_task import LockHandle, SingletonTask
+from .tools import otel as _otel
 from .worker import hooks as _worker  # connects the worker-side hooks
 from .worker.hooks import SingletonRequest
 
@@ -53,8 +54,9 @@ __all__ = [
 ]
 
 _hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock URL's password
+_otel.install()  # the lock's outcome on OpenTelemetry spans, if the API is installed
 
-del _hidden_settings, _worker
+del _hidden_settings, _otel, _worker
 
 _LAZY = frozenset({"SingletonDatabaseScheduler", "SingletonScheduler", "SingletonSchedulerMixin"})
 

@@ -1107,3 +1107,11 @@ def join_retry(self: Any, key: str, value: Any = None) -> Any:
     if not self.request.retries:
         raise self.retry(countdown=0.2)
     return value
+
+
+# -- OpenTelemetry (test_otel.py) -----------------------------------------------------------------
+
+if os.environ.get("SINGLETON_TEST_OTEL"):  # the real instrumentation; spans copied to Redis
+    from tests.support.otel_spans import start as _start_tracing
+
+    _start_tracing(app.conf.singleton_test_redis_url, app.conf.singleton_test_prefix)
