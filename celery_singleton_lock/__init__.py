@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING, Any
 
 from . import signals
@@ -25,7 +26,6 @@ from .errors import (
 )
 from .settings import masking as _hidden_settings
 from .task.singleton_task import LockHandle, SingletonTask
-from .tools import otel as _otel
 from .worker import hooks as _worker  # connects the worker-side hooks
 from .worker.hooks import SingletonRequest
 
@@ -54,9 +54,13 @@ __all__ = [
 ]
 
 _hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock URL's password
-_otel.install()  # the lock's outcome on OpenTelemetry spans, if the API is installed
+if _find_spec("opentelemetry") is not None:  # not installed: nothing more imported (tools/otel.py)
+    from .tools import otel as _otel
 
-del _hidden_settings, _otel, _worker
+    _otel.install()  # the lock's outcome on OpenTelemetry spans
+    del _otel
+
+del _find_spec, _hidden_settings, _worker
 
 _LAZY = frozenset({"SingletonDatabaseScheduler", "SingletonScheduler", "SingletonSchedulerMixin"})
 

@@ -216,12 +216,14 @@ def test_a_skip_the_main_process_ends_has_its_own_span_there(
 
 
 def test_without_opentelemetry_nothing_is_imported_or_connected() -> None:
-    """The package imported where OpenTelemetry cannot be: no receiver on any signal (a run's
-    hot path sends ``lock_acquired`` only to receivers), nothing of OpenTelemetry loaded."""
+    """The package imported where OpenTelemetry cannot be: the module of this integration not
+    loaded, no receiver on any signal (a run's hot path sends ``lock_acquired`` only to
+    receivers), nothing of OpenTelemetry loaded."""
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
         "import celery_singleton_lock\n"
         "from celery_singleton_lock import signals\n"
+        "assert 'celery_singleton_lock.tools.otel' not in sys.modules\n"
         "from celery_singleton_lock.tools import otel\n"
         "assert not otel._installed\n"
         "connected = [n for n in signals.__all__ if getattr(signals, n).receivers]\n"
