@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, chain
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-from celery_singleton_lock import skip_info
+from celery_singleton_lock import SingletonTask, skip_info
+from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.tools import otel
 from tests.integration.test_publish import _client_app
 from tests.support.basic_app import SINGLETON_APP, close_app
@@ -236,3 +237,43 @@ def test_without_opentelemetry_nothing_is_imported_or_connected() -> None:
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_eager_chain_each_step_on_its_span(
+    redis_url: str, key_prefix: str, caller_spans: Any
+) -> None:
+    """An eager chain under a caller span, its middle step's lock held by another run: each
+    step's span (Celery's tracer, in this process) says acquired with a token, or skipped
+    with the holder, all in the caller's trace."""
+    tracer, exporter = caller_spans
+    app = Celery("otel-eager", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        singleton_redis_url=redis_url,
+        singleton_key_prefix=f"{key_prefix}lock:",
+    )
+
+    @app.task(bind=True, base=SingletonTask, name="o.hold", shared=False)
+    def hold(self: Any, key: str) -> int:
+        return int(self.singleton.fencing_token)
+
+    keys = hold.singleton_keys(("busy",), {})
+    store_for(redis_url).acquire(keys, "other-run", 0, 10_000)
+    try:
+        with tracer.start_as_current_span("caller") as caller:
+            last = chain(hold.si("a"), hold.si("busy"), hold.si("c")).apply_async()
+    finally:
+        app.close()
+    steps = [last.parent.parent.id, last.parent.id, last.id]
+    runs = {
+        span.attributes.get("messaging.message.id"): span
+        for span in exporter.get_finished_spans()
+        if span.name == "run/o.hold"
+    }
+    outcomes = [runs[step].attributes[otel.OUTCOME] for step in steps]
+    assert outcomes == ["acquired", "skipped", "acquired"]
+    assert runs[steps[1]].attributes[otel.HOLDER] == "other-run"
+    assert runs[steps[1]].attributes[otel.KEY] == keys.lock
+    assert isinstance(runs[steps[2]].attributes[otel.FENCING_TOKEN], int)
+    trace_id = caller.get_span_context().trace_id
+    assert {runs[step].context.trace_id for step in steps} == {trace_id}
