@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING, Any
 
 from . import signals
@@ -55,8 +56,13 @@ __all__ = [
 ]
 
 _hidden_settings.install()  # `celery report`, `celery inspect conf`: the lock URL's password
+if _find_spec("opentelemetry") is not None:  # not installed: nothing more imported (tools/otel.py)
+    from .tools import otel as _otel
 
-del _hidden_settings, _worker
+    _otel.install()  # the lock's outcome on OpenTelemetry spans
+    del _otel
+
+del _find_spec, _hidden_settings, _worker
 
 _LAZY = frozenset({"SingletonDatabaseScheduler", "SingletonScheduler", "SingletonSchedulerMixin"})
 

@@ -40,6 +40,7 @@ from ..core.keys import LockKeys, keys_of
 from ..core.urls import redact_url, repr_without_password
 from ..errors import SingletonConfigError
 from ..settings.options import read_options
+from .columns import aligned, tab_separated
 
 __all__ = ["singleton"]
 
@@ -211,16 +212,22 @@ def _pending(info: LockInfo) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of lock objects.")
 @click.pass_obj
 def list_locks(target: _Target, task: str | None, as_json: bool) -> None:
-    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, last renewal."""
+    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, last renewal.
+
+    Aligned columns in a terminal, tab-separated when piped."""
     if as_json:  # streamed: a big database never sits in memory
         click.echo("[", nl=False)
         for count, info in enumerate(_locks(target, task)):
             click.echo(("," if count else "") + "\n" + json.dumps(info.as_dict()), nl=False)
         click.echo("\n]")
         return
-    click.echo("\t".join(_COLUMNS))
-    for info in _locks(target, task):
-        click.echo("\t".join(_row(info)))
+    rows = (_row(info) for info in _locks(target, task))
+    if sys.stdout.isatty():  # columns an operator reads, previews cut
+        lines = aligned(_COLUMNS, rows, preview=_COLUMNS.index("ARGS"))
+    else:  # piped: tab-separated, for cut -f and awk
+        lines = tab_separated(_COLUMNS, rows)
+    for line in lines:
+        click.echo(line)
 
 
 def _read(target: _Target, key: str) -> LockInfo:

@@ -1192,3 +1192,11 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
 
 if os.environ.get("SINGLETON_TEST_BAD_RATE"):
     _rate_task("t.rate_bad", singleton_rate_limit=os.environ["SINGLETON_TEST_BAD_RATE"])
+
+
+# -- OpenTelemetry (test_otel.py) -----------------------------------------------------------------
+
+if os.environ.get("SINGLETON_TEST_OTEL"):  # the real instrumentation; spans copied to Redis
+    from tests.support.otel_spans import start as _start_tracing
+
+    _start_tracing(app.conf.singleton_test_redis_url, app.conf.singleton_test_prefix)
