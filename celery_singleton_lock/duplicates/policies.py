@@ -26,11 +26,12 @@ from ..core.keys import LockKeys
 from ..core.pending import leave_pending
 from ..core.renewer import Renewer
 from ..errors import DuplicateTaskError, LockUnavailableError
-from ..run.callrepr import repr_options, request_field
+from ..run.callrepr import request_field
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
+from .copies import publish_copy
 from .join import join_holder
 from .skips import Skipped, skip_marker
 
@@ -246,7 +247,11 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         """Store a skipped duplicate's result (SUCCESS, the skip marker) and return it; so is
         that of each canvas task that will not run after it (duplicates/canvas.py)."""
         marker = skip_marker(
-            keys.lock, holder, task_id, getattr(request, "_singleton_follow_up", None)
+            keys.lock,
+            holder,
+            task_id,
+            getattr(request, "_singleton_follow_up", None),
+            getattr(request, "_singleton_superseded", None),  # debounced (duplicates/debounce.py)
         )
         if not request.is_eager or self.app.conf.task_store_eager_result:
             stopped = store_skip(self, task_id, marker, request)
@@ -264,6 +269,18 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
 
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
         """The skip's one log line and its signal."""
+        if getattr(self.request, "_singleton_superseded", None) is not None:  # debounced
+            logger.info(
+                "singleton: debounced call superseded: %s[%s] key=%s by=%s",
+                self.name,
+                task_id,
+                keys.lock,
+                holder,
+            )
+            signals.duplicate_skipped.send(
+                sender=self, key=keys.lock, task_id=task_id, holder=holder, superseded_by=holder
+            )
+            return
         follow_up = getattr(self.request, "_singleton_follow_up", None)
         if follow_up is not None:
             logger.info(
@@ -321,13 +338,12 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
-        options: dict[str, Any] = {"countdown": countdown, **repr_options(request)}
+        headers: dict[str, Any] = {}
         if isinstance(reason, DuplicateTaskError):  # waiting for the lock: note since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
-            options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}
-        signature = self.signature_from_request(request, **options)
+            headers[WAITING_HEADER] = since
         try:
-            signature.apply_async()
+            publish_copy(self, request, countdown, headers)
         except Exception as exc:  # the broker is down too: fail loudly, never run unguarded
             logger.error(
                 "singleton: could not requeue, failing the run: %s[%s]: %s",

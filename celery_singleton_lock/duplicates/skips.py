@@ -38,15 +38,25 @@ class SkipInfo:
     #: under ``singleton_on_duplicate="coalesce"``: the task id of the one follow-up run its
     #: call was coalesced into (published when ``holder`` releases the lock), else None
     follow_up: str | None = None
+    #: under ``singleton_debounce``: the later call of its burst that superseded it (also
+    #: ``holder``), else None
+    superseded_by: str | None = None
 
 
 def skip_marker(
-    key: str, holder: str, task_id: str, follow_up: str | None = None
+    key: str,
+    holder: str,
+    task_id: str,
+    follow_up: str | None = None,
+    superseded_by: str | None = None,
 ) -> dict[str, Any]:
-    """The result a skipped duplicate stores; a coalesced one also names its follow-up."""
+    """The result a skipped duplicate stores; a coalesced one also names its follow-up, a
+    debounced call the later call that superseded it."""
     marker = {SKIP_MARKER: True, "key": key, "holder": holder, "task_id": task_id}
     if follow_up is not None:
         marker["coalesced_into"] = follow_up
+    if superseded_by is not None:
+        marker["superseded_by"] = superseded_by
     return marker
 
 
@@ -55,12 +65,13 @@ def skip_info(value: Any) -> SkipInfo | None:
     if hasattr(value, "ready") and hasattr(value, "result"):
         value = value.result if value.ready() else None
     if isinstance(value, Mapping) and value.get(SKIP_MARKER) is True:
-        follow_up = value.get("coalesced_into")
+        follow_up, superseded_by = value.get("coalesced_into"), value.get("superseded_by")
         return SkipInfo(
             str(value["key"]),
             str(value["holder"]),
             str(value["task_id"]),
             None if follow_up is None else str(follow_up),
+            None if superseded_by is None else str(superseded_by),
         )
     return None
 

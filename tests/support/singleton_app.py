@@ -1107,3 +1107,38 @@ def join_retry(self: Any, key: str, value: Any = None) -> Any:
     if not self.request.retries:
         raise self.retry(countdown=0.2)
     return value
+
+
+# -- debounce (test_debounce.py) ------------------------------------------------------------------
+
+#: the debounce window of the debounced tasks, and the cap of ``t.debounce_cap``
+DEBOUNCE_S = 0.8
+DEBOUNCE_MAX_S = 2.0
+
+
+def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> Any:
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        singleton_key_args=("key",),
+        singleton_debounce=DEBOUNCE_S,
+        **options,
+    )
+    def debounced(self: Any, key: str, value: Any = None) -> Any:
+        """A burst of calls of ``key`` runs once, with the latest ``value``: the run is
+        recorded (history) with that value and when (``<prefix>debounce:<key>``). With
+        ``retry_first``, it calls self.retry() once first."""
+        if retry_first and not self.request.retries:
+            raise self.retry(countdown=0.1)
+        client = _client(app.conf.singleton_test_redis_url)
+        _run(self, key, 0.0)
+        client.rpush(f"{app.conf.singleton_test_prefix}debounce:{key}", f"{value}|{time.time()}")
+        return value
+
+    return debounced
+
+
+debounce_run = _debounce_task("t.debounce")
+debounce_cap = _debounce_task("t.debounce_cap", singleton_debounce_max=DEBOUNCE_MAX_S)
+debounce_retry = _debounce_task("t.debounce_retry", retry_first=True)

@@ -1,0 +1,190 @@
+"""``singleton_debounce`` on real workers, two worker processes (a prefork and a threads one)
+sharing the queue: a burst of calls runs once, after it, with the last call's arguments,
+whichever way it was sent (``delay``, ``send_task``, a chain's first step); the earlier calls
+end as skipped duplicates naming a later call, their chains stopped; a burst that keeps going
+runs at its cap; a self.retry() of a burst's run is not debounced again."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain
+
+from celery_singleton_lock import skip_info
+from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
+from tests.conftest import private_prefix
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
+from tests.support.history import check_history, load_history
+from tests.support.singleton_app import DEBOUNCE_MAX_S, DEBOUNCE_S
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+
+@dataclass
+class Bed:
+    app: Celery
+    client: redis.Redis
+    prefix: str
+    workers: list[WorkerProcess]
+
+    def runs(self, key: str) -> list[tuple[str, float]]:
+        """The values ``key``'s runs ran with, and when, in order."""
+        raw = self.client.lrange(f"{self.prefix}debounce:{key}", 0, -1)
+        return [(v, float(t)) for v, _, t in (r.decode().partition("|") for r in raw)]
+
+    def logs(self) -> str:
+        return "".join(w.log_text() for w in self.workers)
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Bed]:
+    with private_prefix(redis_url) as prefix:
+        queue = f"debounce-{uuid.uuid4().hex[:6]}"
+        factory = WorkerFactory(
+            Path(tmp_path_factory.mktemp("debounce")),
+            base_env={
+                "SINGLETON_TEST_REDIS_URL": redis_url,
+                "SINGLETON_TEST_PREFIX": prefix,
+                "SINGLETON_TEST_QUEUE": queue,
+            },
+        )
+        app = make_app(redis_url, prefix, queue)
+        client = redis.Redis.from_url(redis_url)
+        try:
+            workers = [
+                factory.start(SINGLETON_APP, pool=pool, concurrency=2)
+                for pool in ("prefork", "threads")
+            ]
+            for worker in workers:
+                worker.wait_ready(app)
+            yield Bed(app, client, prefix, workers)
+        finally:
+            factory.close()
+            close_app(app)
+            client.close()
+
+
+def _key() -> str:
+    return f"k-{uuid.uuid4().hex[:8]}"
+
+
+def _beat_headers(app: Celery, value: Any) -> dict[str, Any]:
+    """The headers of a message SingletonScheduler published (a run of its own each)."""
+    run = f"{app.conf.singleton_test_prefix}claim:{uuid.uuid4().hex}"
+    return {RUN_HEADER: f"entry@{value}", CLAIM_HEADER: run, KEEP_HEADER: 60_000}
+
+
+#: how a test sends a call of ``t.debounce``: by the task's own apply_async, by name, as beat
+#: publishes it, or as a chain's first step (its next step records what it got)
+SENDERS: dict[str, Callable[[Celery, str, str, Any], Any]] = {
+    "delay": lambda app, task, key, value: app.signature(task, (key, value)).delay(),
+    "send_task": lambda app, task, key, value: app.send_task(task, args=(key, value)),
+    "beat": lambda app, task, key, value: app.send_task(
+        task, args=(key, value), headers=_beat_headers(app, value)
+    ),
+    "chain": lambda app, task, key, value: chain(
+        app.signature(task, (key, value)), app.signature("t.join_next", kwargs={"tag": key})
+    )(),
+}
+
+
+@pytest.mark.slow(seconds=4)
+@pytest.mark.parametrize("how", sorted(SENDERS))
+def test_a_burst_runs_once_after_it_with_the_last_arguments(bed: Bed, how: str) -> None:
+    """Five calls 0.1 s apart: one run, with the fifth call's value, at least the window after
+    it; the four others end as skipped duplicates naming a later call of the burst; in a chain
+    only the last call's next step runs, the others' chains end with the skip marker."""
+    key, send = _key(), SENDERS[how]
+    results = []
+    for value in range(5):
+        results.append(send(bed.app, "t.debounce", key, f"v{value}"))
+        time.sleep(0.1)
+    last_sent = time.time() - 0.1
+    last = results[-1]
+    if how == "chain":
+        assert last.get(timeout=20) == ["v4", key]
+        assert last.parent.get(timeout=5) == "v4"
+    else:
+        assert last.get(timeout=20) == "v4"
+    assert skip_info(last if how != "chain" else last.parent) is None
+    ids = [(r.parent if how == "chain" else r).id for r in results]
+    for index, result in enumerate(results[:-1]):
+        info = skip_info(result.get(timeout=20))
+        assert info is not None, result.result
+        assert info.task_id == ids[index]
+        assert info.superseded_by == info.holder
+        assert info.superseded_by in ids[index + 1 :]
+    assert [value for value, _ in bed.runs(key)] == ["v4"]
+    assert bed.runs(key)[0][1] >= last_sent + DEBOUNCE_S - 0.05  # not before its window ended
+    superseded = [f"singleton: debounced call superseded: t.debounce[{i}]" for i in ids[:-1]]
+    wait_for(lambda: all(line in bed.logs() for line in superseded), 10, "the lines", *bed.workers)
+    check_history(load_history(bed.client, history_key(bed.prefix)))
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_burst_that_keeps_going_runs_at_its_cap(bed: Bed) -> None:
+    """Calls every 0.3 s (within the window of each other) go on until the burst runs: it
+    runs although the calls never stopped, at its cap, with the latest call made before it.
+    Once they stop, the calls made after that run form a burst of their own, run with the
+    last one."""
+    key = _key()
+    first = time.time()
+    sent: list[tuple[str, float]] = []
+    deadline = first + 3 * DEBOUNCE_MAX_S
+    while not bed.runs(key) and time.time() < deadline:
+        sent.append((f"v{len(sent)}", time.time()))
+        bed.app.send_task("t.debounce_cap", args=(key, sent[-1][0]))
+        time.sleep(0.3)
+    runs = bed.runs(key)
+    assert runs, bed.logs()
+    value, ran_at = runs[0]
+    assert ran_at >= first + DEBOUNCE_MAX_S - 0.05  # the cap, not before
+    assert value in [v for v, at in sent if at <= ran_at]
+    final = bed.app.send_task("t.debounce_cap", args=(key, "last"))
+    assert final.get(timeout=20) == "last"
+    assert [v for v, _ in bed.runs(key)][-1] == "last"
+    assert len(bed.runs(key)) == 2
+
+
+def test_calls_of_other_keys_do_not_supersede_each_other(bed: Bed) -> None:
+    """Two keys called in one burst: each runs once, with its own last value."""
+    one, two = _key(), _key()
+    results = [
+        bed.app.send_task("t.debounce", args=(k, f"{k}-{i}")) for i in range(3) for k in (one, two)
+    ]
+    assert results[-2].get(timeout=20) == f"{one}-2"
+    assert results[-1].get(timeout=20) == f"{two}-2"
+    assert [v for v, _ in bed.runs(one)] == [f"{one}-2"]
+    assert [v for v, _ in bed.runs(two)] == [f"{two}-2"]
+
+
+def test_a_retry_of_the_bursts_run_is_not_debounced_again(bed: Bed) -> None:
+    """The run calls self.retry() (retries 1): the retried message runs at once."""
+    key = _key()
+    result = bed.app.send_task("t.debounce_retry", args=(key, "v"))
+    assert result.get(timeout=20) == "v"
+    wait_for(lambda: f"Task t.debounce_retry[{result.id}] succeeded" in bed.logs(), 10)
+    logs = bed.logs()
+    assert (
+        logs.count(
+            f"singleton: debounced, runs in 0.8s unless called again: t.debounce_retry[{result.id}]"
+        )
+        == 1
+    ), logs
+    assert logs.count(f"singleton: debounced call runs: t.debounce_retry[{result.id}]") == 1
+
+
+def test_a_call_whose_message_expires_while_it_waits_ends_revoked(bed: Bed) -> None:
+    """Its copy carries its ``expires``: Celery ends it as an expired message; the burst, whose
+    latest call it was, does not run."""
+    key = _key()
+    result = bed.app.send_task("t.debounce", args=(key, "v"), expires=DEBOUNCE_S / 2)
+    wait_for(lambda: result.state == "REVOKED", 20, "the expiry", *bed.workers)
+    assert bed.runs(key) == []
