@@ -188,3 +188,22 @@ def test_a_call_whose_message_expires_while_it_waits_ends_revoked(bed: Bed) -> N
     result = bed.app.send_task("t.debounce", args=(key, "v"), expires=DEBOUNCE_S / 2)
     wait_for(lambda: result.state == "REVOKED", 20, "the expiry", *bed.workers)
     assert bed.runs(key) == []
+
+
+def test_a_bursts_run_that_meets_the_lock_waits_for_it_under_retry_not_debounced_again(
+    bed: Bed,
+) -> None:
+    """The second burst's run comes due while the first one's still holds the lock: under
+    "retry" it is requeued until the lock is free (the requeue is the same call: it keeps the
+    debounce header, and is not debounced again), then runs."""
+    key = _key()
+    first = bed.app.send_task("t.debounce_wait", args=(key, "a", 1.5))
+    wait_for(lambda: bed.runs(key), 20, "the first burst's run", *bed.workers)
+    second = bed.app.send_task("t.debounce_wait", args=(key, "b"))
+    assert first.get(timeout=20) == "a"
+    assert second.get(timeout=20) == "b"
+    assert [v for v, _ in bed.runs(key)] == ["a", "b"]
+    logs = bed.logs()
+    assert f"singleton: duplicate retried in 0.2s: t.debounce_wait[{second.id}]" in logs, logs
+    assert logs.count(f"unless called again: t.debounce_wait[{second.id}]") == 1, logs
+    check_history(load_history(bed.client, history_key(bed.prefix)))

@@ -1125,15 +1125,16 @@ def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> A
         singleton_debounce=DEBOUNCE_S,
         **options,
     )
-    def debounced(self: Any, key: str, value: Any = None) -> Any:
+    def debounced(self: Any, key: str, value: Any = None, seconds: float = 0.0) -> Any:
         """A burst of calls of ``key`` runs once, with the latest ``value``: the run is
-        recorded (history) with that value and when (``<prefix>debounce:<key>``). With
-        ``retry_first``, it calls self.retry() once first."""
+        recorded (history) with that value and when it started (``<prefix>debounce:<key>``),
+        and holds the lock ``seconds``. With ``retry_first``, it calls self.retry() once
+        first."""
         if retry_first and not self.request.retries:
             raise self.retry(countdown=0.1)
         client = _client(app.conf.singleton_test_redis_url)
-        _run(self, key, 0.0)
         client.rpush(f"{app.conf.singleton_test_prefix}debounce:{key}", f"{value}|{time.time()}")
+        _run(self, key, seconds)
         return value
 
     return debounced
@@ -1142,3 +1143,6 @@ def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> A
 debounce_run = _debounce_task("t.debounce")
 debounce_cap = _debounce_task("t.debounce_cap", singleton_debounce_max=DEBOUNCE_MAX_S)
 debounce_retry = _debounce_task("t.debounce_retry", retry_first=True)
+debounce_wait = _debounce_task(
+    "t.debounce_wait", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
+)
