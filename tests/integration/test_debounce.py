@@ -207,3 +207,29 @@ def test_a_bursts_run_that_meets_the_lock_waits_for_it_under_retry_not_debounced
     assert f"singleton: duplicate retried in 0.2s: t.debounce_wait[{second.id}]" in logs, logs
     assert logs.count(f"unless called again: t.debounce_wait[{second.id}]") == 1, logs
     check_history(load_history(bed.client, history_key(bed.prefix)))
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_waiting_burst_survives_its_worker_killed(
+    worker_factory: WorkerFactory, client_app: Celery, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The only worker holds every waiting copy of a burst (3 s window) when it is SIGKILLed.
+    The broker gives them back after its visibility timeout (2 s) to a new worker: the burst
+    runs once, with its last call, and the others end superseded."""
+    env = {"SINGLETON_TEST_VISIBILITY": "2"}
+    doomed = worker_factory.start(SINGLETON_APP, pool="threads", concurrency=2, env=env)
+    doomed.wait_ready(client_app)
+    key = _key()
+    results = [client_app.send_task("t.debounce_long", args=(key, f"v{i}")) for i in range(3)]
+    waiting = [f"unless called again: t.debounce_long[{r.id}]" for r in results]
+    wait_for(lambda: all(w in doomed.log_text() for w in waiting), 10, "the waits", doomed)
+    doomed.kill()
+    heir = worker_factory.start(SINGLETON_APP, pool="threads", concurrency=2, env=env)
+    heir.wait_ready(client_app)
+    assert results[-1].get(timeout=30) == "v2"
+    for result in results[:-1]:
+        info = skip_info(result.get(timeout=10))
+        assert info is not None
+        assert info.superseded_by == results[-1].id
+    bed = Bed(client_app, redis_client, key_prefix, [heir])
+    assert [v for v, _ in bed.runs(key)] == ["v2"]

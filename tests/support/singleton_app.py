@@ -1122,8 +1122,7 @@ def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> A
         base=SingletonTask,
         name=name,
         singleton_key_args=("key",),
-        singleton_debounce=DEBOUNCE_S,
-        **options,
+        **{"singleton_debounce": DEBOUNCE_S, **options},
     )
     def debounced(self: Any, key: str, value: Any = None, seconds: float = 0.0) -> Any:
         """A burst of calls of ``key`` runs once, with the latest ``value``: the run is
@@ -1143,6 +1142,7 @@ def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> A
 debounce_run = _debounce_task("t.debounce")
 debounce_cap = _debounce_task("t.debounce_cap", singleton_debounce_max=DEBOUNCE_MAX_S)
 debounce_retry = _debounce_task("t.debounce_retry", retry_first=True)
+debounce_long = _debounce_task("t.debounce_long", singleton_debounce=3.0)
 debounce_wait = _debounce_task(
     "t.debounce_wait", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
 )
