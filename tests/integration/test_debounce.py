@@ -17,8 +17,9 @@ import pytest
 import redis
 from celery import Celery, chain
 
-from celery_singleton_lock import skip_info
+from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
+from celery_singleton_lock.testing import isolated_locks
 from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import check_history, load_history
@@ -233,3 +234,24 @@ def test_a_waiting_burst_survives_its_worker_killed(
         assert info.superseded_by == results[-1].id
     bed = Bed(client_app, redis_client, key_prefix, [heir])
     assert [v for v, _ in bed.runs(key)] == ["v2"]
+
+
+def test_eager_calls_run_at_once(redis_url: str, redis_client: redis.Redis) -> None:
+    """Under task_always_eager the call is the run: no queue to wait in, each runs at once
+    under its lock, and nothing of debounce is written."""
+    app = Celery("eager-debounce", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.singleton_redis_url = redis_url
+
+    @app.task(bind=True, base=SingletonTask, name="e.debounce", shared=False, singleton_debounce=5)
+    def debounced(self: Any, key: str, value: str) -> tuple[str, int]:
+        return value, self.singleton.fencing_token
+
+    try:
+        with isolated_locks(app) as prefix:
+            ran = [debounced.delay("k", f"v{i}").get() for i in range(3)]
+            assert [value for value, _ in ran] == ["v0", "v1", "v2"]
+            assert all(token > 0 for _, token in ran)
+            assert list(redis_client.scan_iter(match=f"{prefix}*:debounce")) == []
+    finally:
+        app.close()
