@@ -23,6 +23,7 @@ from celery_singleton_lock.testing import isolated_locks
 from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import check_history, load_history
+from tests.support.servers import RedisServer
 from tests.support.singleton_app import DEBOUNCE_MAX_S, DEBOUNCE_S
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -255,3 +256,39 @@ def test_eager_calls_run_at_once(redis_url: str, redis_client: redis.Redis) -> N
             assert list(redis_client.scan_iter(match=f"{prefix}*:debounce")) == []
     finally:
         app.close()
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_call_waits_for_the_lock_redis_to_come_back(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    private_redis: RedisServer,
+) -> None:
+    """The locks' Redis is down when the call arrives: under on_redis_error="fail" its message
+    comes back every retry_countdown, nothing runs; once Redis is back it is debounced and
+    runs, once."""
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        pool="threads",
+        concurrency=2,
+        env={
+            "SINGLETON_TEST_LOCK_URL": private_redis.url,
+            "SINGLETON_TEST_RETRY_COUNTDOWN": "0.3",
+        },
+    )
+    worker.wait_ready(client_app)
+    private_redis.stop()
+    key = _key()
+    result = client_app.send_task("t.debounce", args=(key, "v"))
+    retried = f"singleton: redis error on debounce, retrying in 0.3s: t.debounce[{result.id}]"
+    wait_for(lambda: worker.log_text().count(retried) >= 2, 15, "2 requeues", worker)
+    bed = Bed(client_app, redis_client, key_prefix, [worker])
+    assert bed.runs(key) == []
+    private_redis.restart()
+    assert result.get(timeout=20) == "v"
+    assert [v for v, _ in bed.runs(key)] == ["v"]
+    assert f"singleton: debounced, runs in 0.8s unless called again: t.debounce[{result.id}]" in (
+        worker.log_text()
+    )
