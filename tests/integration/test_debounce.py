@@ -152,7 +152,9 @@ def test_a_burst_that_keeps_going_runs_at_its_cap(bed: Bed) -> None:
     final = bed.app.send_task("t.debounce_cap", args=(key, "last"))
     assert final.get(timeout=20) == "last"
     assert [v for v, _ in bed.runs(key)][-1] == "last"
-    assert len(bed.runs(key)) == 2
+    # the calls made after the cap's run and "last" form one burst (a third run only if the
+    # machine stalled the test for a whole window between two sends)
+    assert len(bed.runs(key)) in (2, 3)
 
 
 def test_calls_of_other_keys_do_not_supersede_each_other(bed: Bed) -> None:
