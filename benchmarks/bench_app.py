@@ -32,8 +32,9 @@ message in the worker's main process, before any ``Request`` or pool:
   result is stored, then acknowledges: the least a skipped duplicate can cost, since its
   contract is a stored result (and it must also hear from Redis whether the lock is held).
 
-``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up, and
-``bench.join`` one whose duplicates join the run they meet (section 4b).
+``bench.coalesce`` is a ``SingletonTask`` whose duplicates coalesce into one follow-up,
+``bench.join`` one whose duplicates join the run they meet, and ``bench.debounce`` one whose
+calls are debounced (``singleton_debounce``, 50 ms) (section 4b).
 
 ``bench.scoped`` is a ``SingletonTask`` with ``singleton_scope`` (a lock shared across tasks),
 and ``bench.permits`` one with ``singleton_permits=3``: counted in section 2c beside
@@ -89,6 +90,7 @@ ACK_ONLY = "bench.ack_only"
 ACK_STORE = "bench.ack_store"
 COALESCE = "bench.coalesce"
 JOIN = "bench.join"
+DEBOUNCE = "bench.debounce"
 SCOPED = "bench.scoped"
 ACKED_LATE = "bench.acked_late"
 PERMITS = "bench.permits"
@@ -310,6 +312,11 @@ def coalesce(i: int) -> None:
 
 @app.task(name=JOIN, base=SingletonTask, singleton_on_duplicate="join")  # type: ignore[untyped-decorator]
 def join(i: int) -> None:
+    return None
+
+
+@app.task(name=DEBOUNCE, base=SingletonTask, singleton_debounce=0.05)  # type: ignore[untyped-decorator]
+def debounce(i: int) -> None:
     return None
 
 

@@ -46,8 +46,14 @@ POOLS: tuple[tuple[str, int], ...] = (("solo", 1), ("threads", 2), ("prefork", 2
 DUPLICATES = "SingletonTask, every delivery a duplicate (skipped)"
 COALESCED = "SingletonTask, coalesce: every delivery a duplicate (coalesced)"
 JOINED = "SingletonTask, join: every delivery a duplicate (joined)"
+DEBOUNCED = "SingletonTask, debounce: every call debounced (superseded, the last skipped)"
 #: the duplicate rows of 4b: their task, taking turns with section 2's rounds
-DUPLICATE_ROWS = {DUPLICATES: "singleton", COALESCED: "coalesce", JOINED: "join"}
+DUPLICATE_ROWS = {
+    DUPLICATES: "singleton",
+    COALESCED: "coalesce",
+    JOINED: "join",
+    DEBOUNCED: "debounce",
+}
 DUP_KEYS = 10
 #: 4b's floor row, in the same rounds: what a skip must at least do (store a result, ack)
 SKIP_FLOOR = "floor of a skip: result stored in the main process, acked (no lock, no run)"
@@ -216,8 +222,14 @@ def run(
                 _held_keys(app, counter, DUP_KEYS, bench_app.singleton) as dup_base,
                 _held_keys(app, counter, DUP_KEYS, bench_app.coalesce) as coalesce_base,
                 _held_keys(app, counter, DUP_KEYS, bench_app.join) as join_base,
+                _held_keys(app, counter, DUP_KEYS, bench_app.debounce) as debounce_base,
             ):
-                bases = {DUPLICATES: dup_base, COALESCED: coalesce_base, JOINED: join_base}
+                bases = {
+                    DUPLICATES: dup_base,
+                    COALESCED: coalesce_base,
+                    JOINED: join_base,
+                    DEBOUNCED: debounce_base,
+                }
                 join_hashes = [
                     joiners_key(bench_app.join.singleton_keys((join_base + k,), {}).lock)
                     for k in range(DUP_KEYS)
@@ -443,7 +455,12 @@ def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: 
             a.worker_cpu_s / a.n / (b.worker_cpu_s / b.n)
             for a, b in zip(d.batches, floor.batches, strict=True)
         ]
-        policy = {DUPLICATES: "skip", COALESCED: "coalesce", JOINED: "join"}.get(d.name, d.name)
+        policy = {
+            DUPLICATES: "skip",
+            COALESCED: "coalesce",
+            JOINED: "join",
+            DEBOUNCED: "debounce",
+        }.get(d.name, d.name)
         table.add(
             d.pool,
             policy,
@@ -469,7 +486,11 @@ def duplicates_table(dups: list[Series], series: list[Series], n: int, repeats: 
         "not run), or under coalesce left as the held lock's follow-up (coalesce.lua, one more "
         "round trip) and then ended as a skip, or under join kept beside the held lock "
         "(join.lua), a watch copy of its message published and the delivery acknowledged "
-        "without a result (a batch of joined duplicates ends once all have joined). "
+        "without a result (a batch of joined duplicates ends once all have joined), or "
+        "under debounce (50 ms; the calls of a key come faster than that) told to wait "
+        "(debounce.lua), a copy of its message published due 50 ms later and the delivery "
+        "acknowledged, then the copy, come due, superseded by a later call (debounce.lua "
+        "again) and ended as a skip, the last call of each key skipped by the held lock. "
         "The floor row stores a SUCCESS result and acks "
         "each message in the worker's main process (no lock, no run): the least a skip can "
         "cost. Ratios are medians of per-round ratios against plain Task and the floor of the "

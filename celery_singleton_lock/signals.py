@@ -23,6 +23,7 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 __all__ = [
+    "call_debounced",
     "duplicate_joined",
     "duplicate_not_published",
     "duplicate_raised",
@@ -53,3 +54,4 @@ duplicate_joined = Signal(name="singleton_duplicate_joined")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
 redelivery_dropped = Signal(name="singleton_redelivery_dropped")
 rate_limited = Signal(name="singleton_rate_limited")
+call_debounced = Signal(name="singleton_call_debounced")

@@ -46,12 +46,18 @@ from .. import signals
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
 from ..publish.dedup import seconds_until
-from ..run.callrepr import copy_options
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..run.task_events import EventSink, run_sink
 from .coalesce import task_dumps
+from .copies import publish_copy
 
-__all__ = ["JOINED_HEADER", "Joined", "complete_joiners", "join_holder", "runs_in_place"]
+__all__ = [
+    "JOINED_HEADER",
+    "Joined",
+    "complete_joiners",
+    "join_holder",
+    "runs_in_place",
+]
 
 #: Message header of a joiner's watch copy: the holder it joined.
 JOINED_HEADER = "singleton_joined"
@@ -356,12 +362,10 @@ def _publish_copy(
     """Publish a copy of the message of ``request`` (the same task id, retries and canvas, as
     ``retry()`` would), due in ``countdown`` seconds: a watch copy of a joiner of ``holder``,
     or with ``recheck`` its last check (see :func:`runs_in_place`)."""
-    headers = {**(request.headers or {}), JOINED_HEADER: holder}
+    headers: dict[str, Any] = {JOINED_HEADER: holder}
     if recheck:
         headers[_RECHECK_HEADER] = True
-    task.signature_from_request(
-        request, countdown=countdown, headers=headers, **copy_options(request)
-    ).apply_async()
+    publish_copy(task, request, countdown, headers)
 
 
 def _watch_countdown(pttl_ms: int, expires: Any) -> float:

@@ -26,11 +26,12 @@ from ..core.keys import LockKeys
 from ..core.pending import leave_pending
 from ..core.renewer import Renewer
 from ..errors import DuplicateTaskError, LockUnavailableError, RateLimitedError
-from ..run.callrepr import copy_options, request_field
+from ..run.callrepr import request_field
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
+from .copies import publish_copy
 from .join import join_holder
 from .rate import NEXT_START, over_rate, report_rate_skip
 from .skips import Skipped, skip_marker
@@ -255,6 +256,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             task_id,
             getattr(request, "_singleton_follow_up", None),
             getattr(request, NEXT_START, None),  # skipped for the rate (duplicates/rate.py)
+            superseded_by=getattr(request, "_singleton_superseded", None),  # duplicates/debounce.py
         )
         if not request.is_eager or self.app.conf.task_store_eager_result:
             stopped = store_skip(self, task_id, marker, request)
@@ -272,6 +274,18 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
 
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
         """The skip's one log line and its signal."""
+        if getattr(self.request, "_singleton_superseded", None) is not None:  # debounced
+            logger.info(
+                "singleton: debounced call superseded: %s[%s] key=%s by=%s",
+                self.name,
+                task_id,
+                keys.lock,
+                holder,
+            )
+            signals.duplicate_skipped.send(
+                sender=self, key=keys.lock, task_id=task_id, holder=holder, superseded_by=holder
+            )
+            return
         follow_up = getattr(self.request, "_singleton_follow_up", None)
         next_start = getattr(self.request, NEXT_START, None)
         if next_start is not None:  # skipped for the rate: its own line
@@ -333,13 +347,12 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise reason
-        options: dict[str, Any] = {"countdown": countdown, **copy_options(request)}
+        headers: dict[str, Any] = {}
         if isinstance(reason, DuplicateTaskError | RateLimitedError):  # waiting: since when
             since = _waiting_since(request) or [time.time(), int(request.retries or 0)]
-            options["headers"] = {**(request.headers or {}), WAITING_HEADER: since}
-        signature = self.signature_from_request(request, **options)
+            headers[WAITING_HEADER] = since
         try:
-            signature.apply_async()
+            publish_copy(self, request, countdown, headers)
         except Exception as exc:  # the broker is down too: fail loudly, never run unguarded
             logger.error(
                 "singleton: could not requeue, failing the run: %s[%s]: %s",

@@ -38,11 +38,15 @@ class SkipInfo:
     #: under ``singleton_on_duplicate="coalesce"``: the task id of the one follow-up run its
     #: call was coalesced into (published when ``holder`` releases the lock), else None
     follow_up: str | None = None
-    #: why it was skipped: ``"duplicate"`` (its key was held) or ``"rate"`` (the key's
+    #: why it was skipped: ``"duplicate"`` (its key was held), ``"rate"`` (the key's
     #: ``singleton_rate_limit`` allowed no start; ``holder`` is then the last run that started)
+    #: or ``"debounced"`` (a later call of its burst superseded it)
     reason: str = "duplicate"
     #: under ``"rate"``: when the next start of the key is allowed (epoch seconds), else None
     next_start: float | None = None
+    #: under ``singleton_debounce``: the later call of its burst that superseded it (also
+    #: ``holder``), else None
+    superseded_by: str | None = None
 
 
 def skip_marker(
@@ -51,15 +55,21 @@ def skip_marker(
     task_id: str,
     follow_up: str | None = None,
     next_start: float | None = None,
+    *,
+    superseded_by: str | None = None,
 ) -> dict[str, Any]:
     """The result a skipped duplicate stores; a coalesced one also names its follow-up, one
-    over a rate limit (``next_start``, epoch seconds) when the next start is allowed."""
+    over a rate limit (``next_start``, epoch seconds) when the next start is allowed, a
+    debounced call the later call that superseded it."""
     marker = {SKIP_MARKER: True, "key": key, "holder": holder, "task_id": task_id}
     if follow_up is not None:
         marker["coalesced_into"] = follow_up
     if next_start is not None:
         marker["reason"] = "rate"
         marker["next_start"] = next_start
+    if superseded_by is not None:
+        marker["reason"] = "debounced"
+        marker["superseded_by"] = superseded_by
     return marker
 
 
@@ -69,7 +79,7 @@ def skip_info(value: Any) -> SkipInfo | None:
         value = value.result if value.ready() else None
     if isinstance(value, Mapping) and value.get(SKIP_MARKER) is True:
         follow_up = value.get("coalesced_into")
-        next_start = value.get("next_start")
+        next_start, superseded_by = value.get("next_start"), value.get("superseded_by")
         return SkipInfo(
             str(value["key"]),
             str(value["holder"]),
@@ -77,6 +87,7 @@ def skip_info(value: Any) -> SkipInfo | None:
             None if follow_up is None else str(follow_up),
             str(value.get("reason", "duplicate")),
             None if next_start is None else float(next_start),
+            None if superseded_by is None else str(superseded_by),
         )
     return None
 

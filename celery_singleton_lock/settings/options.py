@@ -129,6 +129,9 @@ class Options:
     delayed_completion_ttl: float | None = None
     #: the task's at-least window (0: none); never the app-wide (beat's) value
     lock_at_least: float = 0.0
+    #: debounce window and its cap, seconds (duplicates/debounce.py); None: off / no cap
+    debounce: float | None = None
+    debounce_max: float | None = None
     #: not a setting: whether a run that ends in FAILURE ends its message (records its
     #: completion). False for a task acked late whose failures are not acknowledged
     #: (``acks_on_failure``/``acks_on_failure_or_timeout`` False): the broker may deliver the
@@ -241,6 +244,7 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
         )
     if values["rate_limit"] is not None:
         _check_rate(task_name, values)
+    _check_debounce(task_name, values)
     if values["permits"] != 1:
         _check_permits(task_name, values)
     return Options(**values)
@@ -287,6 +291,22 @@ def _check_rate(task_name: str | None, values: Mapping[str, Any]) -> None:
 
 def _where_policy(task_name: str | None) -> str:
     return "app settings" if task_name is None else f"task {task_name}"
+
+
+def _check_debounce(task_name: str | None, values: Mapping[str, Any]) -> None:
+    """Refuse a cap without a window, a cap shorter than the window, and publish-time dedup
+    (a duplicate not published could not supersede the call before it)."""
+    window, cap, where = values["debounce"], values["debounce_max"], _where_policy(task_name)
+    if cap is not None and (window is None or cap < window):
+        raise SingletonConfigError(
+            f"{where}: singleton_debounce_max ({cap:g}) needs a singleton_debounce no longer "
+            f"than it, got {window!r}"
+        )
+    if window is not None and values["lock_on"] != "execute":
+        raise SingletonConfigError(
+            f"{where}: singleton_debounce needs singleton_lock_on 'execute' (the latest call "
+            "of a burst must reach a worker), got " + repr(values["lock_on"])
+        )
 
 
 def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:

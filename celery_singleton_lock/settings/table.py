@@ -370,6 +370,22 @@ SETTINGS: dict[str, Setting] = {
             "call is published again; the lock on the worker still guards the run.",
         ),
         Setting(
+            "debounce",
+            None,
+            _optional_positive,
+            "Seconds: calls of one key made within this long of each other form a burst, "
+            "which runs once, this long after its last call, with that call's arguments; the "
+            "earlier calls end as skipped duplicates. The calls wait as countdown messages, "
+            'in no worker slot. Needs lock_on "execute". None: off.',
+        ),
+        Setting(
+            "debounce_max",
+            None,
+            _optional_positive,
+            "Seconds: under `debounce`, a burst that keeps going runs at the latest this long "
+            "after its first call (>= `debounce`). None: no cap.",
+        ),
+        Setting(
             "beat_mode",
             "active",
             _choice(BEAT_MODES),

@@ -81,6 +81,8 @@ class SingletonTask(PublishDedup, DuplicatePolicies, RetryHandOver, RunEndings):
     singleton_publish_ttl: ClassVar[float | None] = None
     singleton_completion_ttl: ClassVar[float | None] = None
     singleton_lock_at_least: ClassVar[float | None] = None
+    singleton_debounce: ClassVar[float | None] = None
+    singleton_debounce_max: ClassVar[float | None] = None
 
     #: Celery's worker-side request class for this task: tells the worker's main process which
     #: generation a lost child held (worker/hooks.py). A custom one must subclass it.

@@ -53,6 +53,7 @@ from ..core.backend import Acquired, Completed, Contended
 from ..core.keys import LockKeys
 from ..core.renewer import Renewer
 from ..duplicates.coalesce import is_follow_up
+from ..duplicates.debounce import debounced
 from ..duplicates.rate import rate_skips
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import dropped, report_drop
@@ -160,9 +161,14 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         return celery_trace(uuid, args, kwargs, request)
     first: FirstTry | None = None
     try:  # from the acquire on: a run's SystemExit (a revoke's SIGTERM) never strands its lock
-        first = _first_try(task, uuid, args, kwargs, request)
-        if first is None:
+        keys = _keys(task, args, kwargs)
+        if keys is None:  # before_start raises it, in Celery's tracer
             return celery_trace(uuid, args, kwargs, request)
+        if (task._singleton_opts or task.singleton_options()).debounce is not None:
+            ended = _debounce(task, keys, uuid, args, kwargs, request)
+            if ended is not None:  # waiting, or superseded by a later call
+                return ended
+        first = _first_try(task, keys, uuid, args, kwargs, request)
         if type(first.outcome) is Completed:  # a copy of a message that already ran: dropped
             return _drop(task, first, args, kwargs, request)
         if (
@@ -199,17 +205,21 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
                 task._singleton_abandon(first.keys, uuid, first.generation, first.outcome.slot)
 
 
-def _first_try(
+def _keys(task: TracedTask, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys | None:
+    try:
+        return task.singleton_keys(args, kwargs)
+    except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
+        return None
+
+
+def _first_try(  # noqa: PLR0917 - the message, and its keys
     task: TracedTask,
+    keys: LockKeys,
     uuid: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     request: Mapping[str, Any],
-) -> FirstTry | None:
-    try:
-        keys = task.singleton_keys(args, kwargs)
-    except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
-        return None
+) -> FirstTry:
     generation = int(request.get("retries") or 0)
     opts = task._singleton_opts or task.singleton_options()
     renewer = task._singleton_renewer(opts)
@@ -311,11 +321,49 @@ def _drop(
         report_drop(task, first.keys.lock, first.outcome, first.task_id, first.generation)
         if (task._singleton_opts or task.singleton_options()).lock_on != "execute":
             task._singleton_forget_queued(first.task_id, first.keys, "start")
+    return _ignored(dropped(first.task_id), started)
+
+
+def _ignored(reason: Ignore, started: float) -> Any:
+    """What Celery's tracer returns for an ``Ignore`` raised by the task (app/trace.py): the
+    worker's main process acknowledges the message, and nothing is stored."""
     try:
-        raise dropped(first.task_id)
-    except Ignore as exc:  # what Celery's tracer returns for an Ignore (app/trace.py)
+        raise reason
+    except Ignore as exc:
         einfo = ExceptionInfo(internal=True)
         return trace_ok_t(einfo, TraceInfo(states.IGNORED, exc), time.monotonic() - started, None)
+
+
+def _debounce(  # noqa: PLR0917 - the message, and its keys
+    task: TracedTask,
+    keys: LockKeys,
+    uuid: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: dict[str, Any],
+) -> Any:
+    """Debounce a message (duplicates/debounce.py): None when it goes on to its lock; else
+    what ends it: left waiting (as an ``Ignore``), or superseded (as a skip)."""
+    started = time.monotonic()
+    with _as_run(task, request, args, kwargs) as context:
+        verdict = debounced(task, keys, context)
+    if verdict is None or verdict.action == "run":
+        return None
+    if verdict.action == "wait":
+        return _ignored(Ignore("singleton: debounced, waiting"), started)
+    request["_singleton_superseded"] = verdict.by  # the marker and the line name it
+    try:
+        marker, runtime = end_skip(task, keys, str(verdict.by), uuid, args, kwargs, request)
+    except Exception as exc:  # storing the result failed: it was superseded all the same
+        logger.warning(
+            "singleton: could not end superseded debounced call, acknowledged: %s[%s]: %s",
+            task.name,
+            uuid,
+            exc,
+            extra=about(task.name, uuid),
+        )
+        return _ignored(Ignore("singleton: debounced call superseded"), started)
+    return trace_ok_t(marker, None, runtime, saferepr(marker))
 
 
 def _holder(first: FirstTry) -> str:

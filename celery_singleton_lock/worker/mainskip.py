@@ -85,6 +85,7 @@ def singleton_strategy(task: SingletonTask, app: Any, consumer: Any, **options: 
     opts = task.singleton_options()
     if (
         opts.on_duplicate != "skip"
+        or opts.debounce is not None  # a call is debounced before its lock (task/tracer.py)
         or type(getattr(consumer, "pool", None)).__module__ not in MAIN_PROCESS_POOLS
         or prober_for(opts.redis_url) is None
     ):

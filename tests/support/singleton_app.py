@@ -1200,3 +1200,42 @@ if os.environ.get("SINGLETON_TEST_OTEL"):  # the real instrumentation; spans cop
     from tests.support.otel_spans import start as _start_tracing
 
     _start_tracing(app.conf.singleton_test_redis_url, app.conf.singleton_test_prefix)
+
+
+# -- debounce (test_debounce.py) ------------------------------------------------------------------
+
+#: the debounce window of the debounced tasks, and the cap of ``t.debounce_cap``
+DEBOUNCE_S = 0.8
+DEBOUNCE_MAX_S = 2.0
+
+
+def _debounce_task(name: str, *, retry_first: bool = False, **options: Any) -> Any:
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name=name,
+        singleton_key_args=("key",),
+        **{"singleton_debounce": DEBOUNCE_S, **options},
+    )
+    def debounced(self: Any, key: str, value: Any = None, seconds: float = 0.0) -> Any:
+        """A burst of calls of ``key`` runs once, with the latest ``value``: the run is
+        recorded (history) with that value and when it started (``<prefix>debounce:<key>``),
+        and holds the lock ``seconds``. With ``retry_first``, it calls self.retry() once
+        first."""
+        if retry_first and not self.request.retries:
+            raise self.retry(countdown=0.1)
+        client = _client(app.conf.singleton_test_redis_url)
+        client.rpush(f"{app.conf.singleton_test_prefix}debounce:{key}", f"{value}|{time.time()}")
+        _run(self, key, seconds)
+        return value
+
+    return debounced
+
+
+debounce_run = _debounce_task("t.debounce")
+debounce_cap = _debounce_task("t.debounce_cap", singleton_debounce_max=DEBOUNCE_MAX_S)
+debounce_retry = _debounce_task("t.debounce_retry", retry_first=True)
+debounce_long = _debounce_task("t.debounce_long", singleton_debounce=3.0)
+debounce_wait = _debounce_task(
+    "t.debounce_wait", singleton_on_duplicate="retry", singleton_retry_countdown=0.2
+)

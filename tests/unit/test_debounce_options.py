@@ -1,0 +1,63 @@
+"""``singleton_debounce`` and ``singleton_debounce_max``: checked like every setting (a worker
+refuses to start on them: the start-up check reads every task's options), and the rules
+across settings."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_singleton_lock import SingletonConfigError
+from celery_singleton_lock.duplicates.skips import skip_info, skip_marker
+from celery_singleton_lock.settings.options import read_options
+
+
+def _task(**options: Any) -> SimpleNamespace:
+    return SimpleNamespace(name="t.debounced", **{f"singleton_{k}": v for k, v in options.items()})
+
+
+def test_off_by_default_and_read_from_the_task_or_the_app() -> None:
+    assert read_options({}, _task()).debounce is None
+    opts = read_options({}, _task(debounce=2, debounce_max=10))
+    assert (opts.debounce, opts.debounce_max) == (2.0, 10.0)
+    assert read_options({"singleton_debounce": 1.5}, _task()).debounce == 1.5
+
+
+@pytest.mark.parametrize("value", [-1, 0, math.inf, math.nan, "2", True])
+@pytest.mark.parametrize("name", ["debounce", "debounce_max"])
+def test_a_bad_value_is_refused_naming_the_setting_and_the_task(name: str, value: Any) -> None:
+    options = {"debounce": 1.0, name: value}
+    with pytest.raises(SingletonConfigError, match=rf"singleton_{name} \(task t\.debounced\)"):
+        read_options({}, _task(**options))
+
+
+def test_a_cap_shorter_than_the_window_or_without_one_is_refused() -> None:
+    with pytest.raises(SingletonConfigError, match=r"task t\.debounced: singleton_debounce_max"):
+        read_options({}, _task(debounce=5, debounce_max=2))
+    with pytest.raises(SingletonConfigError, match="needs a singleton_debounce"):
+        read_options({}, _task(debounce_max=2))
+    assert read_options({}, _task(debounce=2, debounce_max=2)).debounce_max == 2.0
+
+
+@pytest.mark.parametrize("lock_on", ["publish", "both"])
+def test_publish_time_dedup_is_refused(lock_on: str) -> None:
+    """A call not published could not supersede the one before it."""
+    with pytest.raises(SingletonConfigError, match="needs singleton_lock_on 'execute'"):
+        read_options({}, _task(debounce=1, lock_on=lock_on))
+
+
+def test_a_superseded_calls_marker_names_the_later_call() -> None:
+    marker = skip_marker("k", "later", "me", superseded_by="later")
+    info = skip_info(marker)
+    assert info is not None
+    assert (info.holder, info.task_id, info.superseded_by, info.follow_up, info.reason) == (
+        "later",
+        "me",
+        "later",
+        None,
+        "debounced",
+    )
+    assert skip_info(skip_marker("k", "h", "me")).superseded_by is None  # type: ignore[union-attr]
