@@ -31,6 +31,7 @@ from ..core.connection import store_for
 from ..core.debounce import Verdict, debounce
 from ..core.keys import LockKeys
 from ..run.log import LOGGED_ERRORS, logger
+from ..run.task_events import run_sink
 from .coalesce import is_follow_up
 from .copies import DEBOUNCE_HEADER, publish_copy
 
@@ -110,6 +111,10 @@ def _wait(
         countdown=verdict.countdown,
         calls=verdict.calls,
     )
+    send_events = run_sink(task, request)
+    if send_events is not None:  # Flower: DEBOUNCED (not STARTED) until its copy comes due
+        fields = {"key": keys.lock, "countdown": verdict.countdown, "calls": verdict.calls}
+        send_events([("task-debounced", request.id, fields)])
     return verdict
 
 

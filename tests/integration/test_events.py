@@ -16,6 +16,9 @@ a real worker started with ``-E`` (docs/operations.md, "Events and Flower").
   holder's run when it completes the joined call. A holder's failure: task-failed. (The
   joined call's watch copy, the same task id, adds a task-received, and a task-started when it
   is due and dropped: Flower keeps the final state.)
+- debounce: task-debounced (``key``, ``countdown``, ``calls``) as a call starts to wait
+  (Flower: DEBOUNCED, not STARTED); then, as its copy comes due, task-succeeded with the skip
+  marker naming the later call (superseded) or with its own value (the burst's run).
 """
 
 from __future__ import annotations
@@ -246,6 +249,20 @@ def test_event_receiver_sees_every_duplicate_end(
             kinds = [e["type"] for e in capture.of(joined.id)]
             assert set(kinds) == {"task-received", "task-started", "task-joined", last}
             assert kinds.count("task-joined") == kinds.count(last) == 1
+
+        # debounce: each call waits (task-debounced), then the earlier ends skipped, the later runs
+        key = f"deb-{uuid.uuid4().hex[:8]}"
+        early, late = (
+            client_app.send_task("t.debounce", kwargs={"key": key, "value": v}) for v in (1, 2)
+        )
+        for call, end in ((early, "'superseded_by': "), (late, "2")):
+            (succeeded,) = wait_for(
+                lambda c=call: capture.of(c.id, "task-succeeded"), TIMEOUT, "its end", worker
+            )
+            assert end in succeeded["result"]
+            (waited,) = capture.of(call.id, "task-debounced")
+            assert waited["key"] == _keys(key_prefix, "t.debounce", key).lock
+            assert waited["countdown"] > 0
     finally:
         capture.stop()
 
