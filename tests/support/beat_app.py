@@ -209,3 +209,45 @@ if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
     (before_task_publish if _when == "before" else after_task_publish).connect(
         _die_on_publish, weak=False
     )
+
+
+# SINGLETON_TEST_SENTRY=1: Sentry's Celery integration monitors the beat's runs (Sentry Crons),
+# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is three
+# 2 s entries Sentry reads as one minute: ``crons-record`` (b.record), ``crons-held``
+# (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped;
+# unknown to beats, published with send_task) and ``crons-fails`` (``b.crons_fails``, raises).
+if os.environ.get("SINGLETON_TEST_SENTRY"):
+    import time as _time
+
+    from celery_singleton_lock import SingletonTask
+    from tests.support.sentry_crons import CronsInterval, init_sentry
+
+    init_sentry(app.conf.singleton_test_redis_url, app.conf.singleton_test_prefix)
+    app.conf.beat_schedule = {
+        name: {"task": task, "schedule": CronsInterval(2.0), "args": (name,)}
+        for name, task in (
+            ("crons-record", "b.record"),
+            ("crons-held", "b.crons_held"),
+            ("crons-fails", "b.crons_fails"),
+        )
+    }
+
+    @app.task(bind=True, name="b.crons_fails")
+    def crons_fails(self: Any, entry: str) -> None:
+        """A scheduled run that fails (recorded first)."""
+        _record(self, entry)
+        raise ValueError("scheduled run failed")
+
+    if os.environ.get("SINGLETON_TEST_ROLE") != "beat":
+
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="b.crons_held",
+            singleton_ttl=5,
+        )
+        def crons_held(self: Any, entry: str) -> str:
+            """A scheduled run holding its lock 2.5 s: the next run meets it and is skipped."""
+            run = _record(self, entry)
+            _time.sleep(2.5)
+            return run

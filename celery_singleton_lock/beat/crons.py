@@ -1,0 +1,139 @@
+"""Sentry Crons behind several beats: one in-progress check-in per scheduled run, sent by the
+instance that published it, and closed once on the worker, a skipped run included.
+
+sentry-sdk's Celery integration (``CeleryIntegration(monitor_beat_tasks=True)``) wraps Celery's
+``Scheduler.apply_entry``: it sends an in-progress check-in, puts its id in the entry's headers
+and lets ``apply_entry`` publish; the worker's ``task_success`` / ``task_failure`` /
+``task_retry`` close it. The mixin calls ``apply_entry`` only for runs whose claim it won (a
+tick of a scheduler's own that calls ``apply_entry`` claims first), so an instance that loses a
+claim sends nothing. What is left is the order inside the winner: a check-in sent before the
+message went out stays open when the publish fails or the instance dies before its batch is
+sent, and the run, published again by another instance, gets a second one. So, for the runs
+the mixin publishes, :class:`BeatCrons` writes the same headers itself (Sentry's slug and
+monitor config, a fresh check-in id), holds Sentry's own check-in off for that call and sends
+the in-progress check-in once the message is out (:meth:`BeatCrons.sent`).
+
+On the worker, Sentry closes a check-in at ``task_success``, which a duplicate skipped by the
+library never sends: :func:`close_skipped` (a ``duplicate_skipped`` receiver) closes it as
+``ok``, as Sentry closes a run that succeeded.
+
+Nothing is imported from sentry_sdk: its modules are looked up in ``sys.modules``, so this does
+something only in a process that set up Sentry's Celery integration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import signals
+
+__all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_skipped"]
+
+_CELERY = "sentry_sdk.integrations.celery"
+_BEAT = "sentry_sdk.integrations.celery.beat"
+
+
+@dataclass(frozen=True)
+class CheckIn:
+    """A run's check-in, written in its message's headers, not sent yet."""
+
+    slug: str
+    check_in_id: str
+    config: Any
+
+
+def _integration() -> Any:
+    """Sentry's Celery integration if this process set it up with beat monitoring, else None."""
+    celery_integration = sys.modules.get(_CELERY)
+    if celery_integration is None or _BEAT not in sys.modules:
+        return None
+    client = sys.modules["sentry_sdk"].get_client()
+    integration = client.get_integration(celery_integration.CeleryIntegration)
+    if integration is None or not integration.monitor_beat_tasks:
+        return None
+    return integration
+
+
+def beat_crons(app: Any) -> BeatCrons | None:
+    """The check-ins of ``app``'s scheduled runs, if Sentry monitors them in this process."""
+    integration = _integration()
+    if integration is None:
+        return None
+    beat = sys.modules[_BEAT]
+    if not all(  # a Sentry we do not know: its own apply_entry wrapper sends the check-ins
+        callable(getattr(beat, name, None))
+        for name in ("_get_monitor_config", "match_regex_list", "capture_checkin")
+    ):
+        return None
+    return BeatCrons(app, integration, beat)
+
+
+class BeatCrons:
+    """Sentry Crons' check-ins of the runs one batch publishes (see the module's docstring)."""
+
+    def __init__(self, app: Any, integration: Any, beat: Any) -> None:
+        self._app, self._integration, self._beat = app, integration, beat
+
+    def label(self, entry: Any, labelled: Any) -> CheckIn | None:
+        """Write the check-in of ``entry``'s run into ``labelled``'s headers (a copy of the
+        entry, its options its own), as Sentry's ``apply_entry`` wrapper would; None for an
+        entry Sentry does not monitor (excluded, or a schedule Crons cannot take)."""
+        if self._beat.match_regex_list(entry.name, self._integration.exclude_beat_tasks):
+            return None
+        config = self._beat._get_monitor_config(entry.schedule, self._app, entry.name)
+        if not config:
+            return None
+        check_in = CheckIn(entry.name, uuid.uuid4().hex, config)
+        labelled.options.setdefault("headers", {}).update(
+            {
+                "sentry-monitor-slug": check_in.slug,
+                "sentry-monitor-config": config,
+                "sentry-monitor-check-in-id": check_in.check_in_id,
+                # what Sentry's apply_async wrapper adds when it monitors: the run's duration
+                "sentry-monitor-start-timestamp-s": f"{time.time():.9f}",
+            }
+        )
+        return check_in
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Sentry's own check-in held off while a labelled run is published (its wrappers of
+        ``apply_entry`` and ``apply_async`` look at ``monitor_beat_tasks`` then). Beat's tick
+        runs in one thread."""
+        integration = self._integration
+        monitoring, integration.monitor_beat_tasks = integration.monitor_beat_tasks, False
+        try:
+            yield
+        finally:
+            integration.monitor_beat_tasks = monitoring
+
+    def sent(self, check_in: CheckIn) -> None:
+        """The run's message went out: its in-progress check-in."""
+        self._beat.capture_checkin(
+            monitor_slug=check_in.slug,
+            check_in_id=check_in.check_in_id,
+            monitor_config=check_in.config,
+            status="in_progress",
+        )
+
+
+def close_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """A skipped duplicate of a scheduled run: its check-in closed as ``ok`` (Sentry's own
+    ``task_success`` closer, which reads the skipped message's headers). Only for the run
+    whose request is current: a coalesced follow-up superseded at a release is not."""
+    if _BEAT not in sys.modules:
+        return
+    request = getattr(sender, "request", None)
+    if request is None or task_id is None or request.id != task_id:
+        return
+    if _integration() is not None:
+        sys.modules[_BEAT].crons_task_success(sender)
+
+
+signals.duplicate_skipped.connect(close_skipped, weak=False)

@@ -1,0 +1,205 @@
+"""Sentry Crons with three SingletonScheduler beats: each scheduled run gets one in-progress
+check-in, from the beat that published it, and one closing check-in, from the worker.
+
+The real sentry-sdk runs in the beats and the worker (``CeleryIntegration(monitor_beat_tasks=
+True)``), its check-ins recorded in Redis instead of sent (tests/support/sentry_crons.py).
+beat_app's Sentry schedule (``SINGLETON_TEST_SENTRY``): ``crons-record`` (succeeds),
+``crons-held`` (a SingletonTask holding its lock longer than its 2 s interval: every other run
+is a skipped duplicate) and ``crons-fails`` (raises), each every 2 s. One worker serves both
+tests; each starts its own three beats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import private_prefix
+from tests.support.basic_app import BEAT_APP, close_app, make_app
+from tests.support.beats import BeatFactory, BeatProcess
+from tests.support.sentry_crons import CheckIn, load_checkins
+from tests.support.waiting import wait_for
+from tests.support.workers import WorkerFactory, WorkerProcess
+
+ENTRIES = ("crons-record", "crons-held", "crons-fails")
+SENTRY_ENV = {"SINGLETON_TEST_SENTRY": "1"}
+
+
+@dataclass
+class Bed:
+    prefix: str
+    client: redis.Redis
+    worker: WorkerProcess
+    beats: BeatFactory
+
+    def checkins(self) -> list[CheckIn]:
+        return load_checkins(self.client, self.prefix)
+
+
+@pytest.fixture(scope="module")
+def module_prefix(redis_url: str) -> Iterator[str]:
+    with private_prefix(redis_url) as prefix:
+        yield prefix
+
+
+@pytest.fixture(scope="module")
+def crons_worker(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[WorkerProcess]:
+    """One prefork worker of beat_app with Sentry on, for both tests."""
+    env = {"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix}
+    factory = WorkerFactory(Path(tmp_path_factory.mktemp("crons")), base_env=env)
+    app = make_app(redis_url, module_prefix)
+    try:
+        worker = factory.start(BEAT_APP, pool="prefork", concurrency=3, env=SENTRY_ENV)
+        worker.wait_ready(app)
+        yield worker
+    finally:
+        close_app(app)
+        factory.close()
+
+
+@pytest.fixture
+def bed(
+    tmp_path: Path, redis_url: str, module_prefix: str, crons_worker: WorkerProcess
+) -> Iterator[Bed]:
+    """The module's worker, beats of its own (Sentry on), and the check-ins recorded so far
+    cleared."""
+    client = redis.Redis.from_url(redis_url)
+    beats = BeatFactory(
+        tmp_path / "beats",
+        base_env={
+            "SINGLETON_TEST_REDIS_URL": redis_url,
+            "SINGLETON_TEST_PREFIX": module_prefix,
+            "SINGLETON_TEST_ROLE": "beat",
+            **SENTRY_ENV,
+        },
+    )
+    client.delete(f"{module_prefix}sentry-checkins")
+    try:
+        yield Bed(module_prefix, client, crons_worker, beats)
+    finally:
+        beats.close()
+        client.close()
+
+
+def check_one_checkin_per_run(bed: Bed, publishers: dict[str, int]) -> list[CheckIn]:
+    """Wait until every in-progress check-in is closed, then check: per check-in id one
+    in-progress (from a beat) and one closing check-in (from the worker, naming its run); per
+    run one id; each in-progress sent by the beat that logged the run as published
+    (``publishers``: run label -> beat pid, for the runs logged). The check-ins, returned."""
+
+    def open_ids() -> set[str]:
+        checkins = bed.checkins()
+        started = {c.check_in_id for c in checkins if c.status == "in_progress"}
+        return started - {c.check_in_id for c in checkins if c.status != "in_progress"}
+
+    wait_for(lambda: not open_ids(), 15, "every check-in closed", bed.worker, *bed.beats.beats)
+    checkins = bed.checkins()
+    detail = "\n".join(map(str, checkins))
+    by_id: dict[str, list[CheckIn]] = defaultdict(list)
+    for checkin in checkins:
+        by_id[checkin.check_in_id].append(checkin)
+    ids_of_run: dict[str, set[str]] = defaultdict(set)
+    for check_in_id, its in by_id.items():
+        started = [c for c in its if c.status == "in_progress"]
+        closed = [c for c in its if c.status != "in_progress"]
+        assert len(started) == 1, detail
+        assert started[0].role == "beat", detail
+        assert len(closed) == 1, detail
+        assert closed[0].role == "worker", detail
+        assert closed[0].status in ("ok", "error"), detail
+        assert closed[0].run is not None, detail
+        assert closed[0].run.rsplit("@", 1)[0] == closed[0].slug == started[0].slug, detail
+        ids_of_run[closed[0].run].add(check_in_id)
+        if closed[0].run in publishers:
+            assert started[0].pid == publishers[closed[0].run], detail
+    assert all(len(ids) == 1 for ids in ids_of_run.values()), detail
+    return checkins
+
+
+def published_by(beats: list[BeatProcess]) -> dict[str, int]:
+    """Run label -> pid of the beat that logged it published (the Sentry entries only)."""
+    return {p.label: b.pid for b in beats for p in b.published() if p.entry in ENTRIES}
+
+
+def check_statuses(bed: Bed, checkins: list[CheckIn]) -> None:
+    """Each entry has closed runs; crons-fails' are errors, the others' ok, skips included."""
+    closed = [c for c in checkins if c.status != "in_progress"]
+    for entry in ENTRIES:
+        assert [c for c in closed if c.slug == entry], entry
+    assert {c.status for c in closed if c.slug == "crons-fails"} == {"error"}
+    assert {c.status for c in closed if c.slug != "crons-fails"} == {"ok"}
+    assert "singleton: duplicate skipped: b.crons_held" in bed.worker.log_text()
+
+
+@pytest.mark.slow(seconds=30)
+def test_three_beats_one_dying_before_publishing_one_killed(bed: Bed) -> None:
+    """Active-active. A beat that dies after claiming a run, before publishing it, sent no
+    check-in (Sentry's own wrapper sends it before the publish); the run it claimed, published
+    by a survivor when the claim's lease ended, gets one pair. A second beat is SIGKILLed
+    midway. The beats that lose claims send nothing; every run has one in-progress and one
+    closing check-in with the same id."""
+    first = bed.beats.start(name="first")
+    second = bed.beats.start(name="second")
+    # the survivors must already fire every slot, so they see the victim's claim of its run
+    for beat in (first, second):
+        beat.wait_for_log(r"beat: published run: entry=crons-record ", 30)
+    victim = bed.beats.start(
+        name="victim", env={"SINGLETON_TEST_DIE_ON_PUBLISH": "before:crons-record"}
+    )
+    wait_for(lambda: not victim.is_running(), 40, "the victim to win a claim and die", victim)
+    label = (bed.client.lindex(f"{bed.prefix}died-on", 0) or b"").decode()
+    assert label.startswith("crons-record@"), label
+    time.sleep(2.0)  # a run or so more, then one survivor is killed
+    second.kill()
+    # the victim's claim ends after the 10 s publish lease; the survivor publishes its run then
+    wait_for(
+        lambda: label in published_by([first]),
+        20,
+        "the dead claimer's run published by the survivor",
+        first,
+    )
+    time.sleep(1.0)
+    first.terminate()
+    beats = [first, second, victim]
+    checkins = check_one_checkin_per_run(bed, published_by(beats))
+    assert not [c for c in checkins if c.pid == victim.pid]
+    assert len({c.check_in_id for c in checkins if c.run == label}) == 1  # the survivor's
+    check_statuses(bed, checkins)
+    # every run a surviving log names was closed (its message ran or was skipped)
+    closed_runs = {c.run for c in checkins if c.status != "in_progress"}
+    assert set(published_by([first])) <= closed_runs
+
+
+@pytest.mark.slow(seconds=20)
+def test_leader_mode_only_the_leader_checks_in(bed: Bed) -> None:
+    """Leader mode: the standbys never publish and send nothing; the leader is SIGKILLed, a
+    standby takes over after the lease; every run has one in-progress and one closing
+    check-in, each in-progress from the leader of the moment."""
+    env = {"SINGLETON_TEST_BEAT_MODE": "leader", "SINGLETON_TEST_BEAT_LEASE": "2"}
+    beats = [bed.beats.start(name=f"beat{i}", env=env) for i in range(3)]
+    for beat in beats:
+        beat.wait_ready()
+
+    def leader() -> BeatProcess | None:
+        return next((b for b in beats if b.is_running() and b.published()), None)
+
+    first = wait_for(leader, 20, "a leader to publish", *beats)
+    wait_for(lambda: len(first.published()) >= 4, 20, "the leader's runs", first)
+    first.kill()
+    second = wait_for(leader, 20, "a standby to take over", *beats)
+    wait_for(lambda: len(second.published()) >= 4, 20, "the new leader's runs", second)
+    for beat in beats:
+        beat.terminate()
+    checkins = check_one_checkin_per_run(bed, published_by(beats))
+    pids = {c.pid for c in checkins if c.status == "in_progress"}
+    assert pids <= {first.pid, second.pid}
+    assert second.pid in pids
+    check_statuses(bed, checkins)
