@@ -15,7 +15,9 @@ the in-progress check-in once the message is out (:meth:`BeatCrons.sent`).
 
 On the worker, Sentry closes a check-in at ``task_success``, which a duplicate skipped by the
 library never sends: :func:`close_skipped` (a ``duplicate_skipped`` receiver) closes it as
-``ok``, as Sentry closes a run that succeeded.
+``ok``, as Sentry closes a run that succeeded. Sentry also closes it as ``error`` at every
+``task_retry``, also when the library puts a duplicate back in the queue: :func:`requeued`
+leaves that to the copy, which carries the check-in.
 
 Nothing is imported from sentry_sdk: its modules are looked up in ``sys.modules``, so this does
 something only in a process that set up Sentry's Celery integration.
@@ -33,10 +35,12 @@ from typing import Any
 
 from .. import signals
 
-__all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_skipped"]
+__all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_skipped", "requeued"]
 
 _CELERY = "sentry_sdk.integrations.celery"
 _BEAT = "sentry_sdk.integrations.celery.beat"
+#: the header Sentry's closers look for: a delivery without it closes no check-in
+_SLUG = "sentry-monitor-slug"
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class BeatCrons:
         check_in = CheckIn(entry.name, uuid.uuid4().hex, config)
         labelled.options.setdefault("headers", {}).update(
             {
-                "sentry-monitor-slug": check_in.slug,
+                _SLUG: check_in.slug,
                 "sentry-monitor-config": config,
                 "sentry-monitor-check-in-id": check_in.check_in_id,
                 # what Sentry's apply_async wrapper adds when it monitors: the run's duration
@@ -134,6 +138,21 @@ def close_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> N
         return
     if _integration() is not None:
         sys.modules[_BEAT].crons_task_success(sender)
+
+
+def requeued(request: Any) -> None:
+    """This delivery was put back in the queue (a duplicate waiting for the lock, Redis down)
+    and its copy published: the copy carries the run's check-in and closes it when it ends. The
+    check-in's slug is taken off this delivery's headers, so Sentry's ``task_retry`` closer,
+    which reads them, does not close it as ``error`` now."""
+    if _BEAT not in sys.modules:
+        return
+    for headers in (request.get("headers"), request.get("properties")):
+        if isinstance(headers, dict):
+            headers.pop(_SLUG, None)
+            inner = headers.get("headers")
+            if isinstance(inner, dict):
+                inner.pop(_SLUG, None)
 
 
 signals.duplicate_skipped.connect(close_skipped, weak=False)

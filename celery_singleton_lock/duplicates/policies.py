@@ -20,6 +20,7 @@ from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
+from ..beat.crons import requeued
 from ..core.backend import Acquired, Contended
 from ..core.connection import store_for
 from ..core.keys import LockKeys
@@ -336,6 +337,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 exc,
             )
             raise reason from exc
+        requeued(request)  # Sentry Crons: the copy closes the run's check-in
         raise Retry(f"singleton: requeued: {reason}", exc=reason, when=countdown)
 
 

@@ -212,10 +212,12 @@ if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
 
 
 # SINGLETON_TEST_SENTRY=1: Sentry's Celery integration monitors the beat's runs (Sentry Crons),
-# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is three
+# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is four
 # 2 s entries Sentry reads as one minute: ``crons-record`` (b.record), ``crons-held``
-# (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped;
-# unknown to beats, published with send_task) and ``crons-fails`` (``b.crons_fails``, raises).
+# (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped),
+# ``crons-waits`` (``b.crons_waits``, the same lock, policy "retry": requeued while it is held)
+# and ``crons-fails`` (``b.crons_fails``, raises). The SingletonTasks are unknown to beats,
+# which publish them with send_task.
 if os.environ.get("SINGLETON_TEST_SENTRY"):
     import time as _time
 
@@ -228,6 +230,7 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         for name, task in (
             ("crons-record", "b.record"),
             ("crons-held", "b.crons_held"),
+            ("crons-waits", "b.crons_waits"),
             ("crons-fails", "b.crons_fails"),
         )
     }
@@ -240,14 +243,33 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
 
     if os.environ.get("SINGLETON_TEST_ROLE") != "beat":
 
+        def _crons_key(args: Any, kwargs: Any) -> str:
+            return "crons"
+
         @app.task(
             bind=True,
             base=SingletonTask,
             name="b.crons_held",
             singleton_ttl=5,
+            singleton_scope="crons",
+            singleton_key=_crons_key,
         )
         def crons_held(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run meets it and is skipped."""
             run = _record(self, entry)
             _time.sleep(2.5)
             return run
+
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="b.crons_waits",
+            singleton_ttl=5,
+            singleton_scope="crons",
+            singleton_key=_crons_key,
+            singleton_on_duplicate="retry",
+            singleton_retry_countdown=0.5,
+        )
+        def crons_waits(self: Any, entry: str) -> str:
+            """A scheduled run that meets crons_held's lock and waits in the queue for it."""
+            return _record(self, entry)
