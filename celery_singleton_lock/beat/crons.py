@@ -17,7 +17,8 @@ On the worker, Sentry closes a check-in at ``task_success``, which a duplicate s
 library never sends: :func:`close_skipped` (a ``duplicate_skipped`` receiver) closes it as
 ``ok``, as Sentry closes a run that succeeded. Sentry also closes it as ``error`` at every
 ``task_retry``, also when the library puts a duplicate back in the queue: :func:`requeued`
-leaves that to the copy, which carries the check-in.
+leaves that to the copy, which carries the check-in. A run's second message, which the
+worker's witness drops, is closed as ``ok`` (:func:`close_dropped`).
 
 Nothing is imported from sentry_sdk: its modules are looked up in ``sys.modules``, so this does
 something only in a process that set up Sentry's Celery integration.
@@ -29,18 +30,19 @@ import contextlib
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .. import signals
 
-__all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_skipped", "requeued"]
+__all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_dropped", "close_skipped", "requeued"]
 
 _CELERY = "sentry_sdk.integrations.celery"
 _BEAT = "sentry_sdk.integrations.celery.beat"
 #: the header Sentry's closers look for: a delivery without it closes no check-in
 _SLUG = "sentry-monitor-slug"
+_CHECK_IN_ID = "sentry-monitor-check-in-id"
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class BeatCrons:
             {
                 _SLUG: check_in.slug,
                 "sentry-monitor-config": config,
-                "sentry-monitor-check-in-id": check_in.check_in_id,
+                _CHECK_IN_ID: check_in.check_in_id,
                 # what Sentry's apply_async wrapper adds when it monitors: the run's duration
                 "sentry-monitor-start-timestamp-s": f"{time.time():.9f}",
             }
@@ -138,6 +140,24 @@ def close_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> N
         return
     if _integration() is not None:
         sys.modules[_BEAT].crons_task_success(sender)
+
+
+def close_dropped(headers: Mapping[str, Any]) -> None:
+    """A scheduled run's second message, dropped by the worker's witness (witness.py) before
+    it ran: its check-in (sent by the instance that published the run again) closed as ``ok``,
+    the run having run from its first message, so that Sentry does not report it timed out.
+    ``headers``: the message's."""
+    inner = headers.get("headers")
+    fields = inner if isinstance(inner, Mapping) and _SLUG in inner else headers
+    slug, check_in_id = fields.get(_SLUG), fields.get(_CHECK_IN_ID)
+    if not slug or not check_in_id or _integration() is None:
+        return
+    sys.modules[_BEAT].capture_checkin(
+        monitor_slug=slug,
+        check_in_id=check_in_id,
+        monitor_config=fields.get("sentry-monitor-config") or None,
+        status="ok",
+    )
 
 
 def requeued(request: Any) -> None:

@@ -12,7 +12,9 @@ One worker serves both tests; each starts its own three beats.
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +23,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from celery_singleton_lock.beat.claims import CLAIM_HEADER, RUN_HEADER
+from celery_singleton_lock.core.keys import run_claim_key
 from tests.conftest import private_prefix
-from tests.support.basic_app import BEAT_APP, close_app, make_app
+from tests.support.basic_app import BEAT_APP, close_app, history_key, make_app
 from tests.support.beats import BeatFactory, BeatProcess
+from tests.support.history import load_history
 from tests.support.sentry_crons import CheckIn, load_checkins
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -227,3 +232,45 @@ def test_leader_mode_only_the_leader_checks_in(bed: Bed) -> None:
     assert pids <= {first.pid, second.pid}
     assert second.pid in pids
     check_statuses(bed, checkins)
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(
+    bed: Bed, redis_url: str
+) -> None:
+    """A run published twice (its beat died between publishing and confirming, and no worker
+    had received it within the publish lease): the worker's witness drops the second message
+    before it runs, and closes the check-in that message carries as ok, once."""
+    beat = bed.beats.start(name="only")
+    published = wait_for(
+        lambda: [p for p in beat.published() if p.entry == "crons-record"], 20, "a run", beat
+    )[0]
+    check_one_checkin_per_run(bed, published_by([beat]))
+    check_in_id = uuid.uuid4().hex
+    app = make_app(redis_url, bed.prefix)
+    try:
+        second = app.send_task(  # what the instance that publishes the run again sends
+            "b.record",
+            args=("crons-record",),
+            headers={
+                RUN_HEADER: published.label,
+                CLAIM_HEADER: run_claim_key(f"{bed.prefix}lock:", "crons-record", published.run),
+                "sentry-monitor-slug": "crons-record",
+                "sentry-monitor-check-in-id": check_in_id,
+            },
+        )
+        dropped = f"duplicate scheduled run dropped: run={published.label} task_id={second.id}"
+        bed.worker.wait_for_log(re.escape(dropped), 20)
+        closes = wait_for(
+            lambda: [c for c in bed.checkins() if c.check_in_id == check_in_id],
+            10,
+            "the dropped message's check-in closed",
+            bed.worker,
+        )
+    finally:
+        close_app(app)
+    assert [(c.role, c.slug, c.status) for c in closes] == [("worker", "crons-record", "ok")]
+    executions = [
+        e for e in load_history(bed.client, history_key(bed.prefix)) if e.key == published.label
+    ]
+    assert len(executions) == 1  # the run ran once, from its first message
