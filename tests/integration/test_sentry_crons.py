@@ -7,7 +7,7 @@ beat_app's Sentry schedule (``SINGLETON_TEST_SENTRY``): ``crons-record`` (succee
 ``crons-held`` (a SingletonTask holding its lock longer than its 2 s interval: every other run
 is a skipped duplicate), ``crons-waits`` (the same lock, policy "retry": requeued while it is
 held, it closes its check-in once, when it ran) and ``crons-fails`` (raises), each every 2 s.
-One worker serves both tests; each starts its own three beats.
+One worker serves the module's tests; each starts beats of its own.
 """
 
 from __future__ import annotations
@@ -53,34 +53,29 @@ class Bed:
 
 
 @pytest.fixture(scope="module")
-def module_prefix(redis_url: str) -> Iterator[str]:
-    with private_prefix(redis_url) as prefix:
-        yield prefix
-
-
-@pytest.fixture(scope="module")
 def crons_worker(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
-) -> Iterator[WorkerProcess]:
-    """One prefork worker of beat_app with Sentry on, for both tests."""
-    env = {"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix}
-    factory = WorkerFactory(Path(tmp_path_factory.mktemp("crons")), base_env=env)
-    app = make_app(redis_url, module_prefix)
-    try:
-        worker = factory.start(BEAT_APP, pool="prefork", concurrency=3, env=SENTRY_ENV)
-        worker.wait_ready(app)
-        yield worker
-    finally:
-        close_app(app)
-        factory.close()
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str
+) -> Iterator[tuple[str, WorkerProcess]]:
+    """One prefork worker of beat_app with Sentry on, for the module's tests, on a private
+    prefix of the module's: the prefix and the worker."""
+    with private_prefix(redis_url) as prefix:
+        env = {"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
+        factory = WorkerFactory(Path(tmp_path_factory.mktemp("crons")), base_env=env)
+        app = make_app(redis_url, prefix)
+        try:
+            worker = factory.start(BEAT_APP, pool="prefork", concurrency=3, env=SENTRY_ENV)
+            worker.wait_ready(app)
+            yield prefix, worker
+        finally:
+            close_app(app)
+            factory.close()
 
 
 @pytest.fixture
-def bed(
-    tmp_path: Path, redis_url: str, module_prefix: str, crons_worker: WorkerProcess
-) -> Iterator[Bed]:
+def bed(tmp_path: Path, redis_url: str, crons_worker: tuple[str, WorkerProcess]) -> Iterator[Bed]:
     """The module's worker, beats of its own (Sentry on), and the check-ins recorded so far
     cleared."""
+    module_prefix, worker = crons_worker
     client = redis.Redis.from_url(redis_url)
     beats = BeatFactory(
         tmp_path / "beats",
@@ -93,7 +88,7 @@ def bed(
     )
     client.delete(f"{module_prefix}sentry-checkins")
     try:
-        yield Bed(module_prefix, client, crons_worker, beats)
+        yield Bed(module_prefix, client, worker, beats)
     finally:
         beats.close()
         client.close()
@@ -105,13 +100,13 @@ def check_one_checkin_per_run(bed: Bed, publishers: dict[str, int]) -> list[Chec
     run one id; each in-progress sent by the beat that logged the run as published
     (``publishers``: run label -> beat pid, for the runs logged). The check-ins, returned."""
 
-    def open_ids() -> set[str]:
+    def all_closed() -> list[CheckIn] | None:
         checkins = bed.checkins()
         started = {c.check_in_id for c in checkins if c.status == "in_progress"}
-        return started - {c.check_in_id for c in checkins if c.status != "in_progress"}
+        closed = {c.check_in_id for c in checkins if c.status != "in_progress"}
+        return checkins if started <= closed else None
 
-    wait_for(lambda: not open_ids(), 15, "every check-in closed", bed.worker, *bed.beats.beats)
-    checkins = bed.checkins()
+    checkins = wait_for(all_closed, 15, "every check-in closed", bed.worker, *bed.beats.beats)
     detail = "\n".join(map(str, checkins))
     by_id: dict[str, list[CheckIn]] = defaultdict(list)
     for checkin in checkins:
@@ -245,6 +240,7 @@ def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(
     published = wait_for(
         lambda: [p for p in beat.published() if p.entry == "crons-record"], 20, "a run", beat
     )[0]
+    beat.terminate()
     check_one_checkin_per_run(bed, published_by([beat]))
     check_in_id = uuid.uuid4().hex
     app = make_app(redis_url, bed.prefix)

@@ -246,14 +246,16 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         def _crons_key(args: Any, kwargs: Any) -> str:
             return "crons"
 
-        @app.task(
-            bind=True,
-            base=SingletonTask,
-            name="b.crons_held",
-            singleton_ttl=5,
-            singleton_scope="crons",
-            singleton_key=_crons_key,
-        )
+        #: one lock for both tasks (a scope, one key)
+        _crons_lock: dict[str, Any] = {
+            "bind": True,
+            "base": SingletonTask,
+            "singleton_ttl": 5,
+            "singleton_scope": "crons",
+            "singleton_key": _crons_key,
+        }
+
+        @app.task(name="b.crons_held", **_crons_lock)
         def crons_held(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run meets it and is skipped."""
             run = _record(self, entry)
@@ -261,14 +263,10 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
             return run
 
         @app.task(
-            bind=True,
-            base=SingletonTask,
             name="b.crons_waits",
-            singleton_ttl=5,
-            singleton_scope="crons",
-            singleton_key=_crons_key,
             singleton_on_duplicate="retry",
             singleton_retry_countdown=0.5,
+            **_crons_lock,
         )
         def crons_waits(self: Any, entry: str) -> str:
             """A scheduled run that meets crons_held's lock and waits in the queue for it."""
