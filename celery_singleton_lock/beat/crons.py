@@ -14,7 +14,7 @@ monitor config, a fresh check-in id), holds Sentry's own check-in off for that c
 the in-progress check-in once the message is out (:meth:`BeatCrons.sent`).
 
 On the worker, Sentry closes a check-in at ``task_success``, which a duplicate skipped by the
-library never sends: :func:`close_skipped` (a ``duplicate_skipped`` receiver) closes it as
+library never sends: :func:`close_skipped` (called where a skip is reported) closes it as
 ``ok``, as Sentry closes a run that succeeded. Sentry also closes it as ``error`` at every
 ``task_retry``, also when the library puts a duplicate back in the queue: :func:`requeued`
 leaves that to the copy, which carries the check-in. A run's second message, which the
@@ -33,8 +33,6 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from .. import signals
 
 __all__ = ["BeatCrons", "CheckIn", "beat_crons", "close_dropped", "close_skipped", "requeued"]
 
@@ -129,17 +127,12 @@ class BeatCrons:
         )
 
 
-def close_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """A skipped duplicate of a scheduled run: its check-in closed as ``ok`` (Sentry's own
-    ``task_success`` closer, which reads the skipped message's headers). Only for the run
-    whose request is current: a coalesced follow-up superseded at a release is not."""
-    if _BEAT not in sys.modules:
-        return
-    request = getattr(sender, "request", None)
-    if request is None or task_id is None or request.id != task_id:
-        return
-    if _integration() is not None:
-        sys.modules[_BEAT].crons_task_success(sender)
+def close_skipped(task: Any) -> None:
+    """``task``'s current run is a skipped duplicate (its request current): the check-in its
+    message carries, if any, closed as ``ok`` by Sentry's own ``task_success`` closer, which
+    reads the request's headers."""
+    if _BEAT in sys.modules and _integration() is not None:
+        sys.modules[_BEAT].crons_task_success(task)
 
 
 def close_dropped(headers: Mapping[str, Any]) -> None:
@@ -173,6 +166,3 @@ def requeued(request: Any) -> None:
             inner = headers.get("headers")
             if isinstance(inner, dict):
                 inner.pop(_SLUG, None)
-
-
-signals.duplicate_skipped.connect(close_skipped, weak=False)

@@ -64,6 +64,7 @@ def claim_and_publish(
     crons = beat_crons(sched.app)  # Sentry Crons' check-ins, sent once a chunk went out
     give_up: list[Run] = []
     published: list[tuple[Run, str]] = []
+    out: list[CheckIn] = []  # the check-ins of runs whose message went out, not sent yet
     try:
         for start in range(0, len(runs), PUBLISH_CHUNK):
             sent: list[tuple[Run, str]] = []
@@ -110,12 +111,18 @@ def claim_and_publish(
                 ]
                 raise
             published += sent
-            if crons is not None:
-                for check_in in check_ins:
-                    crons.sent(check_in)
+            out += check_ins
+            _send_check_ins(crons, out)
     finally:
+        _send_check_ins(crons, out)  # also when beat's SIGTERM lands after a chunk went out
         _end_claims(state, give_up, published)
     return results
+
+
+def _send_check_ins(crons: BeatCrons | None, out: list[CheckIn]) -> None:
+    """Send (and take off ``out``) the in-progress check-ins of runs whose message went out."""
+    while crons is not None and out:
+        crons.sent(out.pop(0))
 
 
 def _publish(

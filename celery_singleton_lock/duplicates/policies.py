@@ -20,7 +20,7 @@ from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
-from ..beat.crons import requeued
+from ..beat.crons import close_skipped, requeued
 from ..core.backend import Acquired, Contended
 from ..core.connection import store_for
 from ..core.keys import LockKeys
@@ -264,7 +264,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         return marker
 
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
-        """The skip's one log line and its signal."""
+        """The skip's one log line and its signal (and its Sentry Crons check-in closed)."""
+        close_skipped(self)
         follow_up = getattr(self.request, "_singleton_follow_up", None)
         if follow_up is not None:
             logger.info(

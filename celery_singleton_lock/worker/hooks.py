@@ -56,7 +56,6 @@ from celery.exceptions import TaskRevokedError, TimeLimitExceeded, WorkerLostErr
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
-from ..beat import crons as _crons  # noqa: F401 - a skipped scheduled run closes its check-in
 from ..beat.witness import witness_scheduled_run
 from ..core.arguments import check_key_args
 from ..core.connection import flush_releases
