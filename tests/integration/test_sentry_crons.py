@@ -169,6 +169,8 @@ def check_statuses(bed: Bed, checkins: list[CheckIn]) -> None:
         assert [c for c in closed if c.slug == entry], entry
     assert {c.status for c in closed if c.slug == "crons-fails"} == {"error"}
     assert {c.status for c in closed if c.slug != "crons-fails"} == {"ok"}
+    # the run's start travelled in its headers, as with Sentry's own hook: each has a duration
+    assert all(c.duration is not None and c.duration >= 0 for c in closed)
 
 
 @pytest.mark.slow(seconds=35)

@@ -47,6 +47,7 @@ class CheckIn:
     slug: str
     check_in_id: str
     status: str
+    duration: float | None = None
 
 
 def init_sentry(redis_url: str, prefix: str) -> None:
@@ -82,6 +83,7 @@ def init_sentry(redis_url: str, prefix: str) -> None:
                     "slug": payload["monitor_slug"],
                     "check_in_id": payload["check_in_id"],
                     "status": payload["status"],
+                    "duration": payload.get("duration"),
                 }
                 client.rpush(key, json.dumps(record))
 
