@@ -6,7 +6,8 @@ True)``), its check-ins recorded in Redis instead of sent (tests/support/sentry_
 beat_app's Sentry schedule (``SINGLETON_TEST_SENTRY``): ``crons-record`` (succeeds),
 ``crons-held`` (a SingletonTask holding its lock longer than its 2 s interval: every other run
 is a skipped duplicate), ``crons-waits`` (the same lock, policy "retry": requeued while it is
-held, it closes its check-in once, when it ran) and ``crons-fails`` (raises), each every 2 s.
+held, it closes its check-in once, when it ran), ``crons-coalesce`` (a lock of its own, policy
+"coalesce": every other run is coalesced) and ``crons-fails`` (raises), each every 2 s.
 One worker serves the module's tests; each starts beats of its own.
 """
 
@@ -33,11 +34,12 @@ from tests.support.sentry_crons import CheckIn, load_checkins
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-ENTRIES = ("crons-record", "crons-held", "crons-waits", "crons-fails")
+ENTRIES = ("crons-record", "crons-held", "crons-waits", "crons-coalesce", "crons-fails")
 SENTRY_ENV = {"SINGLETON_TEST_SENTRY": "1"}
 DUPLICATE_LINES = (
     "singleton: duplicate skipped: b.crons_held",
     "singleton: duplicate retried in 0.5s: b.crons_waits",
+    "singleton: duplicate coalesced: b.crons_coalesce",
 )
 
 
@@ -63,7 +65,7 @@ def crons_worker(
         factory = WorkerFactory(Path(tmp_path_factory.mktemp("crons")), base_env=env)
         app = make_app(redis_url, prefix)
         try:
-            worker = factory.start(BEAT_APP, pool="prefork", concurrency=3, env=SENTRY_ENV)
+            worker = factory.start(BEAT_APP, pool="prefork", concurrency=4, env=SENTRY_ENV)
             worker.wait_ready(app)
             yield prefix, worker
         finally:

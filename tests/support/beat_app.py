@@ -212,10 +212,11 @@ if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
 
 
 # SINGLETON_TEST_SENTRY=1: Sentry's Celery integration monitors the beat's runs (Sentry Crons),
-# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is four
+# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is five
 # 2 s entries Sentry reads as one minute: ``crons-record`` (b.record), ``crons-held``
 # (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped),
-# ``crons-waits`` (``b.crons_waits``, the same lock, policy "retry": requeued while it is held)
+# ``crons-waits`` (``b.crons_waits``, the same lock, policy "retry": requeued while it is held),
+# ``crons-coalesce`` (``b.crons_coalesce``, holding a lock of its own 2.5 s, policy "coalesce")
 # and ``crons-fails`` (``b.crons_fails``, raises). The SingletonTasks are unknown to beats,
 # which publish them with send_task.
 if os.environ.get("SINGLETON_TEST_SENTRY"):
@@ -231,6 +232,7 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
             ("crons-record", "b.record"),
             ("crons-held", "b.crons_held"),
             ("crons-waits", "b.crons_waits"),
+            ("crons-coalesce", "b.crons_coalesce"),
             ("crons-fails", "b.crons_fails"),
         )
     }
@@ -271,3 +273,17 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         def crons_waits(self: Any, entry: str) -> str:
             """A scheduled run that meets crons_held's lock and waits in the queue for it."""
             return _record(self, entry)
+
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="b.crons_coalesce",
+            singleton_ttl=5,
+            singleton_on_duplicate="coalesce",
+        )
+        def crons_coalesce(self: Any, entry: str) -> str:
+            """A scheduled run holding its lock 2.5 s: the next run is coalesced (kept as the
+            follow-up published at the release, which carries no check-in)."""
+            run = _record(self, entry)
+            _time.sleep(2.5)
+            return run
