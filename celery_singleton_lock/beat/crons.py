@@ -131,7 +131,7 @@ def close_skipped(task: Any) -> None:
     """``task``'s current run is a skipped duplicate (its request current): the check-in its
     message carries, if any, closed as ``ok`` by Sentry's own ``task_success`` closer, which
     reads the request's headers."""
-    if _BEAT in sys.modules and _integration() is not None:
+    if _integration() is not None:
         sys.modules[_BEAT].crons_task_success(task)
 
 

@@ -135,10 +135,9 @@ def _publish(
     """``publish`` the run labelled with its headers; with Sentry Crons, its check-in's too
     (sent once the message went out: noted in ``check_ins``), Sentry's own held off."""
     labelled = _labelled(entry, run)
-    check_in = crons.label(entry, labelled) if crons is not None else None
-    if check_in is None:
+    if crons is None or (check_in := crons.label(entry, labelled)) is None:
         return publish(labelled)
-    with crons.held():  # type: ignore[union-attr]
+    with crons.held():
         result = publish(labelled)
     check_ins.append(check_in)
     return result
