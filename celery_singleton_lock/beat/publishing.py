@@ -3,7 +3,8 @@
 :func:`claim_and_publish` claims runs in one round trip (:meth:`.claims.Claims.claim_many`),
 publishes each run this instance won, labelled with the run's headers, and confirms those
 published in one more round trip. A run lost to another instance, or that Redis could not
-claim, is looked at again later (the scheduler's rechecks).
+claim, is looked at again later (the scheduler's rechecks). With Sentry Crons on, a run's
+in-progress check-in is sent once its message went out (crons.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from celery.beat import ScheduleEntry
 
 from ..errors import LockUnavailableError
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claim
+from .crons import BeatCrons, CheckIn, beat_crons
 from .leader import ERROR_RETRY_S, BeatState
 from .runs import Run
 
@@ -59,11 +61,14 @@ def claim_and_publish(
         return results
     claimed_at = sched.singleton_monotonic()
     claims = _claim_many(state, [run for _e, run in runs])
+    crons = beat_crons(sched.app)  # Sentry Crons' check-ins, sent once a chunk went out
     give_up: list[Run] = []
     published: list[tuple[Run, str]] = []
+    out: list[CheckIn] = []  # the check-ins of runs whose message went out, not sent yet
     try:
         for start in range(0, len(runs), PUBLISH_CHUNK):
             sent: list[tuple[Run, str]] = []
+            check_ins: list[CheckIn] = []
             stop = min(start + PUBLISH_CHUNK, len(runs))
             index, sending = start, False
             try:
@@ -87,7 +92,7 @@ def claim_and_publish(
                         if not _won(sched, entry, run, claims[index]):
                             continue
                         try:
-                            results[index] = publish(_labelled(entry, run))
+                            results[index] = _publish(publish, entry, run, crons, check_ins)
                         except NotPublished:
                             give_up.append(run)
                             continue
@@ -106,9 +111,36 @@ def claim_and_publish(
                 ]
                 raise
             published += sent
+            out += check_ins
+            _send_check_ins(crons, out)
     finally:
+        _send_check_ins(crons, out)  # also when beat's SIGTERM lands after a chunk went out
         _end_claims(state, give_up, published)
     return results
+
+
+def _send_check_ins(crons: BeatCrons | None, out: list[CheckIn]) -> None:
+    """Send (and take off ``out``) the in-progress check-ins of runs whose message went out."""
+    while crons is not None and out:
+        crons.sent(out.pop(0))
+
+
+def _publish(
+    publish: Callable[[ScheduleEntry], Any],
+    entry: ScheduleEntry,
+    run: Run,
+    crons: BeatCrons | None,
+    check_ins: list[CheckIn],
+) -> Any:
+    """``publish`` the run labelled with its headers; with Sentry Crons, its check-in's too
+    (sent once the message went out: noted in ``check_ins``), Sentry's own held off."""
+    labelled = _labelled(entry, run)
+    if crons is None or (check_in := crons.label(entry, labelled)) is None:
+        return publish(labelled)
+    with crons.held():
+        result = publish(labelled)
+    check_ins.append(check_in)
+    return result
 
 
 def _claim_many(state: BeatState, runs: list[Run]) -> list[Claim | LockUnavailableError]:

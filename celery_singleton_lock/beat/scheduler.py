@@ -242,6 +242,17 @@ class SingletonSchedulerMixin:
 
         return claim_and_publish(self, state, [(entry, run)], publish)[0]
 
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        """Celery's ``apply_entry`` (its log line, its error handling, and what wraps it: Sentry
+        Crons' check-in) for a run this instance claimed. A tick of a scheduler's own that
+        calls it claims the run first, so that nothing around ``apply_entry`` sees a run
+        another instance publishes."""
+        if id(entry) in self._singleton_claimed:  # a run claimed by _publish_many
+            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            return
+        state = self._singleton_state()
+        self._publish_many(state, [(entry, self._run(entry, state.opts))], producer)
+
     # -- the schedule's own editing methods: counted, so a tick notices the change (ticks.py)
 
     #: True when the base scheduler's schedule changes only through its own methods or by
@@ -278,7 +289,9 @@ class SingletonSchedulerMixin:
 
     # -- claims ------------------------------------------------------------------------------
 
-    def _publish_many(self, state: BeatState, runs: list[tuple[ScheduleEntry, Run]]) -> None:
+    def _publish_many(
+        self, state: BeatState, runs: list[tuple[ScheduleEntry, Run]], producer: Any = None
+    ) -> None:
         """Claim ``runs`` in one round trip; publish those won through ``apply_entry`` (Celery's
         log line and error handling, and what hooks it sees them), confirm them in one more."""
         if not runs:
@@ -287,12 +300,12 @@ class SingletonSchedulerMixin:
             for entry, _run in runs:
                 logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
             return
-        producer = self.producer  # type: ignore[attr-defined]
+        producer = producer or self.producer  # type: ignore[attr-defined]
 
         def publish(labelled: ScheduleEntry) -> Any:
             self._singleton_claimed[id(labelled)] = NOT_PUBLISHED
             try:
-                self.apply_entry(labelled, producer=producer)  # type: ignore[attr-defined]
+                self.apply_entry(labelled, producer=producer)
             finally:
                 outcome = self._singleton_claimed.pop(id(labelled))
             if outcome is NOT_PUBLISHED:  # apply_entry logged why

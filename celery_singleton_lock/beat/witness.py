@@ -20,6 +20,7 @@ from ..core._pid import current_pid
 from ..errors import LockUnavailableError, SingletonConfigError
 from ..settings.options import read_options
 from .claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER, Claims
+from .crons import close_dropped
 from .redlock_claims import claims_and_store
 
 __all__ = ["WITNESS_KEEP_MS", "witness_scheduled_run"]
@@ -60,6 +61,7 @@ def witness_scheduled_run(sender: Any = None, request: Any = None, **_: Any) -> 
             first,
         )
         worker_state.revoked.add(request.id)  # Celery discards it as revoked, and acks it
+        close_dropped(headers)  # Sentry Crons: its check-in, if it has one
 
 
 def _witness_claims(url: str) -> Claims:

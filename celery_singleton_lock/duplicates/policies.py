@@ -20,6 +20,7 @@ from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
+from ..beat.crons import close_skipped, requeued
 from ..core.backend import Acquired, Contended, RateLimited
 from ..core.connection import store_for
 from ..core.keys import LockKeys
@@ -273,7 +274,8 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
         return marker
 
     def _singleton_report_skip(self, keys: LockKeys, holder: str, task_id: str) -> None:
-        """The skip's one log line and its signal."""
+        """The skip's one log line and its signal (and its Sentry Crons check-in closed)."""
+        close_skipped(self)
         if getattr(self.request, "_singleton_superseded", None) is not None:  # debounced
             logger.info(
                 "singleton: debounced call superseded: %s[%s] key=%s by=%s",
@@ -361,6 +363,7 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
                 exc,
             )
             raise reason from exc
+        requeued(request)  # Sentry Crons: the copy closes the run's check-in
         raise Retry(f"singleton: requeued: {reason}", exc=reason, when=countdown)
 
 

@@ -140,6 +140,30 @@ def test_interval_run_published_once_by_two_instances(
     assert len(b.sent) == 1
 
 
+def test_apply_entry_claims_first_so_what_wraps_it_sees_only_the_won_run(
+    beat_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick of a scheduler's own that publishes through ``apply_entry`` (as Celery's tick
+    does): the mixin claims before Celery's ``apply_entry``, so a wrapper of it (Sentry Crons
+    sends its in-progress check-in there) runs once per run, on the instance that publishes it,
+    given the entry labelled with the run's headers."""
+    wrapped: list[dict[str, Any]] = []
+    celerys = Scheduler.apply_entry
+
+    def wrapper(self: Any, entry: ScheduleEntry, producer: Any = None) -> None:
+        wrapped.append(dict(entry.options.get("headers") or {}))
+        celerys(self, entry, producer=producer)
+
+    monkeypatch.setattr(Scheduler, "apply_entry", wrapper)  # where Sentry's wrapper goes
+    slot = math.floor(time.time() / 10) * 10
+    a = instance(beat_app, monkeypatch, slot + 0.3)
+    b = instance(beat_app, monkeypatch, slot + 6.8)
+    for scheduler in (a, b, a):
+        scheduler.apply_entry(scheduler.schedule[INTERVAL], producer=None)
+    assert labels(a, b) == [f"{INTERVAL}@{slot * 1000}"]
+    assert [headers.get(RUN_HEADER) for headers in wrapped] == [f"{INTERVAL}@{slot * 1000}"]
+
+
 def test_interval_due_on_the_epoch_grid_whatever_the_start(
     beat_app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:

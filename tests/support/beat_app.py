@@ -209,3 +209,81 @@ if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
     (before_task_publish if _when == "before" else after_task_publish).connect(
         _die_on_publish, weak=False
     )
+
+
+# SINGLETON_TEST_SENTRY=1: Sentry's Celery integration monitors the beat's runs (Sentry Crons),
+# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is five
+# 2 s entries Sentry reads as one minute: ``crons-record`` (b.record), ``crons-held``
+# (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped),
+# ``crons-waits`` (``b.crons_waits``, the same lock, policy "retry": requeued while it is held),
+# ``crons-coalesce`` (``b.crons_coalesce``, holding a lock of its own 2.5 s, policy "coalesce")
+# and ``crons-fails`` (``b.crons_fails``, raises). The SingletonTasks are unknown to beats,
+# which publish them with send_task.
+if os.environ.get("SINGLETON_TEST_SENTRY"):
+    import time as _time
+
+    from celery_singleton_lock import SingletonTask
+    from tests.support.sentry_crons import CronsInterval, init_sentry
+
+    init_sentry(app.conf.singleton_test_redis_url, app.conf.singleton_test_prefix)
+    app.conf.beat_schedule = {
+        name: {"task": task, "schedule": CronsInterval(2.0), "args": (name,)}
+        for name, task in (
+            ("crons-record", "b.record"),
+            ("crons-held", "b.crons_held"),
+            ("crons-waits", "b.crons_waits"),
+            ("crons-coalesce", "b.crons_coalesce"),
+            ("crons-fails", "b.crons_fails"),
+        )
+    }
+
+    @app.task(bind=True, name="b.crons_fails")
+    def crons_fails(self: Any, entry: str) -> None:
+        """A scheduled run that fails (recorded first)."""
+        _record(self, entry)
+        raise ValueError("scheduled run failed")
+
+    if os.environ.get("SINGLETON_TEST_ROLE") != "beat":
+
+        def _crons_key(args: Any, kwargs: Any) -> str:
+            return "crons"
+
+        #: one lock for both tasks (a scope, one key)
+        _crons_lock: dict[str, Any] = {
+            "bind": True,
+            "base": SingletonTask,
+            "singleton_ttl": 5,
+            "singleton_scope": "crons",
+            "singleton_key": _crons_key,
+        }
+
+        @app.task(name="b.crons_held", **_crons_lock)
+        def crons_held(self: Any, entry: str) -> str:
+            """A scheduled run holding its lock 2.5 s: the next run meets it and is skipped."""
+            run = _record(self, entry)
+            _time.sleep(2.5)
+            return run
+
+        @app.task(
+            name="b.crons_waits",
+            singleton_on_duplicate="retry",
+            singleton_retry_countdown=0.5,
+            **_crons_lock,
+        )
+        def crons_waits(self: Any, entry: str) -> str:
+            """A scheduled run that meets crons_held's lock and waits in the queue for it."""
+            return _record(self, entry)
+
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="b.crons_coalesce",
+            singleton_ttl=5,
+            singleton_on_duplicate="coalesce",
+        )
+        def crons_coalesce(self: Any, entry: str) -> str:
+            """A scheduled run holding its lock 2.5 s: the next run is coalesced (kept as the
+            follow-up published at the release, which carries no check-in)."""
+            run = _record(self, entry)
+            _time.sleep(2.5)
+            return run
