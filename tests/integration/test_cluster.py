@@ -484,7 +484,7 @@ def test_worker_locks_on_the_cluster(
         # once: it may land just after the result. Well within the 2 s ttl (renewed every
         # 2/3 s, so more than 1.3 s left when the run ended): gone by a release, not expiry.
         wait_for(
-            lambda: not list(client.scan_iter(match=f"{key_prefix}*:lock")),
+            lambda: not list(client.scan_iter(count=1000, match=f"{key_prefix}*:lock")),
             1.0,
             "the runs' releases",
             worker,

@@ -262,7 +262,7 @@ def test_eager_calls_run_at_once(redis_url: str, redis_client: redis.Redis) -> N
             ran = [debounced.delay("k", f"v{i}").get() for i in range(3)]
             assert [value for value, _ in ran] == ["v0", "v1", "v2"]
             assert all(token > 0 for _, token in ran)
-            assert list(redis_client.scan_iter(match=f"{prefix}*:debounce")) == []
+            assert list(redis_client.scan_iter(count=1000, match=f"{prefix}*:debounce")) == []
     finally:
         app.close()
 

@@ -42,7 +42,7 @@ def test_locks_go_to_the_broker_of_celery_broker_url(
         task_id = task.apply_async(("k", until)).id
 
         wait_for(lambda: locks.exists(lock_key), 30, "the lock in the broker's Redis", worker)
-        assert not list(redis_client.scan_iter(match=f"{key_prefix}*")), (
+        assert not list(redis_client.scan_iter(count=1000, match=f"{key_prefix}*")), (
             "a lock on the shared Redis"
         )
         log = worker.log_text()

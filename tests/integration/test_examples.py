@@ -65,7 +65,9 @@ def wait_for_lock(redis_url: str, prefix: str) -> list[bytes]:
     client = redis.Redis.from_url(redis_url)
     try:
         return wait_for(
-            lambda: list(client.scan_iter(match=f"{prefix}lock:*:lock")), 20, "a run's lock"
+            lambda: list(client.scan_iter(count=1000, match=f"{prefix}lock:*:lock")),
+            20,
+            "a run's lock",
         )
     finally:
         client.close()

@@ -50,7 +50,9 @@ def eager_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
 
 
 def _left(client: redis.Redis, prefix: str) -> dict[str, int]:
-    return {key.decode(): client.pttl(key) for key in client.scan_iter(match=f"{prefix}*")}
+    return {
+        key.decode(): client.pttl(key) for key in client.scan_iter(count=1000, match=f"{prefix}*")
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -286,7 +286,7 @@ def test_a_duplicate_joins_a_run_of_a_green_pool(pools: PoolBed, pool: str) -> N
     holder = pools.run(pool, "t.join", key, -1, {"v": pool})
     worker.wait_for_log(rf"Task t.join\[{holder.id}\] received")
     pattern = f"{pools.prefix}lock:{{t.join:*}}:lock"
-    wait_for(lambda: list(pools.client.scan_iter(pattern)), 10, "the lock")
+    wait_for(lambda: list(pools.client.scan_iter(pattern, count=1000)), 10, "the lock")
     joined = pools.run(pool, "t.join", key, 0, "not run")
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     pools.client.rpush(f"{key}:go", 1)

@@ -545,7 +545,7 @@ class ProtocolModel(RuleBasedStateMachine):
             left = sorted(
                 k.decode()
                 for pattern in ("*:lock", "*:queued")
-                for k in self.client.scan_iter(match=f"{self.prefix}{pattern}")
+                for k in self.client.scan_iter(count=1000, match=f"{self.prefix}{pattern}")
                 if k.decode() not in self.foreign
             )
             assert left == [], f"left behind once every run ended: {left}"
@@ -561,7 +561,7 @@ class ProtocolModel(RuleBasedStateMachine):
         """What every run's end leaves: fencing counters, expiring within ttl + margin of their
         acquire, and the completion records the endings asked for (KEEP_MS); nothing else, and
         nothing without an expiry."""
-        for raw in self.client.scan_iter(match=f"{self.prefix}*"):
+        for raw in self.client.scan_iter(count=1000, match=f"{self.prefix}*"):
             key = raw.decode()
             if key in self.foreign:
                 continue

@@ -260,7 +260,7 @@ def test_group_members_and_failed_publishes(
     assert app.control.purge() == 2
     with pytest.raises(EncodeError):  # a set is keyable, but not JSON
         task.delay({"not", "json"})
-    assert not list(redis_client.scan_iter(match=f"{key_prefix}lock:*:queued"))
+    assert not list(redis_client.scan_iter(count=1000, match=f"{key_prefix}lock:*:queued"))
 
 
 def test_redis_error_at_publish_publishes_without_dedup(

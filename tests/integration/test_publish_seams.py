@@ -141,7 +141,7 @@ def _step_task(app: Celery, lock_on: str) -> Any:
 
 
 def _markers(client: redis.Redis, prefix: str) -> list[bytes]:
-    return sorted(client.scan_iter(match=f"{prefix}lock:*:queued"))
+    return sorted(client.scan_iter(count=1000, match=f"{prefix}lock:*:queued"))
 
 
 @pytest.mark.parametrize("serializer", SERIALIZERS)

@@ -165,7 +165,9 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
             clients = redlock_clients(url)
 
             def first_lock() -> Any:
-                for key in clients[1].scan_iter(match=f"{key_prefix}lock:*", _type="hash"):
+                for key in clients[1].scan_iter(
+                    count=1000, match=f"{key_prefix}lock:*", _type="hash"
+                ):
                     if LockStore(clients[1]).holder(key).get("owner") == first.id:
                         return key
                 return None

@@ -80,7 +80,7 @@ class Bed:
     def locks(self) -> dict[str, dict[str, str]]:
         """Every lock under the prefix: key -> its hash."""
         found = {}
-        for raw in self.client.scan_iter(match=f"{self.prefix}lock:*:lock"):
+        for raw in self.client.scan_iter(count=1000, match=f"{self.prefix}lock:*:lock"):
             fields = self.client.hgetall(raw)
             if fields:
                 found[raw.decode()] = {k.decode(): v.decode() for k, v in fields.items()}
