@@ -43,6 +43,7 @@ from kombu.serialization import loads, prepare_accept_content
 from kombu.utils.encoding import safe_repr
 
 from .. import signals
+from ..beat.crons import close_skipped
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
 from ..publish.dedup import seconds_until
@@ -148,6 +149,7 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
         holder,
     )
     signals.duplicate_joined.send(sender=task, key=lock_key, task_id=request.id, holder=holder)
+    close_skipped(task)  # Sentry Crons: the run it joined closes its own check-in
     send_events = run_sink(task)
     if send_events is not None:  # Flower: JOINED, until its holder's end completes it
         send_events([("task-joined", request.id, {"holder": holder, "key": lock_key})])

@@ -7,7 +7,9 @@ beat_app's Sentry schedule (``SINGLETON_TEST_SENTRY``): ``crons-record`` (succee
 ``crons-held`` (a SingletonTask holding its lock longer than its 2 s interval: every other run
 is a skipped duplicate), ``crons-waits`` (the same lock, policy "retry": requeued while it is
 held, it closes its check-in once, when it ran), ``crons-coalesce`` (a lock of its own, policy
-"coalesce": every other run is coalesced) and ``crons-fails`` (raises), each every 2 s.
+"coalesce": every other run is coalesced), ``crons-joins`` (the same, policy "join": every
+other run joins the one going on, its check-in closed as it joins) and ``crons-fails``
+(raises), each every 2 s.
 One worker serves the module's tests; each starts beats of its own.
 """
 
@@ -34,12 +36,20 @@ from tests.support.sentry_crons import CheckIn, load_checkins
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
-ENTRIES = ("crons-record", "crons-held", "crons-waits", "crons-coalesce", "crons-fails")
+ENTRIES = (
+    "crons-record",
+    "crons-held",
+    "crons-waits",
+    "crons-coalesce",
+    "crons-fails",
+    "crons-joins",
+)
 SENTRY_ENV = {"SINGLETON_TEST_SENTRY": "1"}
 DUPLICATE_LINES = (
     "singleton: duplicate skipped: b.crons_held",
     "singleton: duplicate retried in 0.5s: b.crons_waits",
     "singleton: duplicate coalesced: b.crons_coalesce",
+    "singleton: duplicate joined: b.crons_joins",
 )
 
 
@@ -154,11 +164,12 @@ def runs_of(beat: BeatProcess) -> int:
 
 
 def wait_for_duplicates(bed: Bed) -> None:
-    """Until the worker has skipped a crons_held run and requeued a crons_waits run."""
+    """Until the worker has skipped a crons_held run, requeued a crons_waits run, coalesced a
+    crons_coalesce run and joined a crons_joins run to the one going on."""
     wait_for(
         lambda: all(line in bed.worker.log_text() for line in DUPLICATE_LINES),
         20,
-        "a skipped and a requeued duplicate",
+        "a skipped, a requeued, a coalesced and a joined duplicate",
         bed.worker,
     )
 

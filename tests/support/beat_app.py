@@ -212,13 +212,13 @@ if os.environ.get("SINGLETON_TEST_DIE_ON_PUBLISH"):
 
 
 # SINGLETON_TEST_SENTRY=1: Sentry's Celery integration monitors the beat's runs (Sentry Crons),
-# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is five
+# its check-ins recorded in Redis (tests/support/sentry_crons.py), and the schedule is six
 # 2 s entries Sentry reads as one minute: ``crons-record`` (b.record), ``crons-held``
 # (``b.crons_held``, a SingletonTask holding its lock 2.5 s: the run after each is skipped),
 # ``crons-waits`` (``b.crons_waits``, the same lock, policy "retry": requeued while it is held),
-# ``crons-coalesce`` (``b.crons_coalesce``, holding a lock of its own 2.5 s, policy "coalesce")
-# and ``crons-fails`` (``b.crons_fails``, raises). The SingletonTasks are unknown to beats,
-# which publish them with send_task.
+# ``crons-coalesce`` (``b.crons_coalesce``, holding a lock of its own 2.5 s, policy "coalesce"),
+# ``crons-joins`` (the same with policy "join") and ``crons-fails`` (``b.crons_fails``,
+# raises). The SingletonTasks are unknown to beats, which publish them with send_task.
 if os.environ.get("SINGLETON_TEST_SENTRY"):
     import time as _time
 
@@ -234,6 +234,7 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
             ("crons-waits", "b.crons_waits"),
             ("crons-coalesce", "b.crons_coalesce"),
             ("crons-fails", "b.crons_fails"),
+            ("crons-joins", "b.crons_joins"),
         )
     }
 
@@ -284,6 +285,20 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         def crons_coalesce(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run is coalesced (kept as the
             follow-up published at the release, which carries no check-in)."""
+            run = _record(self, entry)
+            _time.sleep(2.5)
+            return run
+
+        @app.task(
+            bind=True,
+            base=SingletonTask,
+            name="b.crons_joins",
+            singleton_ttl=5,
+            singleton_on_duplicate="join",
+        )
+        def crons_joins(self: Any, entry: str) -> str:
+            """A scheduled run holding its lock 2.5 s: the next run joins it (its check-in
+            closed as it joins; its watch copy carries none)."""
             run = _record(self, entry)
             _time.sleep(2.5)
             return run
