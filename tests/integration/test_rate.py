@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import RateLimitedError, SingletonConfigError, SingletonTask, skip_info
+from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from celery_singleton_lock.core.backend import Acquired, RateLimited
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
@@ -114,6 +115,26 @@ def test_a_flood_across_two_workers_starts_at_most_n_per_window(
     logs = "".join(w.log_text() for w in workers)
     assert not re.search(r"Task t\.rate_skip\[\S+\] ignored", logs)
     assert logs.count("singleton: over the rate limit, skipped: t.rate_skip[") >= len(skipped)
+
+
+def test_beat_messages_are_limited_like_any_other(
+    two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
+) -> None:
+    """Four runs of a beat entry (each message with the headers SingletonScheduler gives a run
+    of its own), rate 3/m: three start, the fourth is skipped for the rate."""
+    app, _ = two_workers
+    tenant = _tenant()
+    sent = []
+    for index in range(4):
+        claim = f"{module_prefix}claim:{uuid.uuid4().hex}"
+        headers = {RUN_HEADER: f"entry@{index}", CLAIM_HEADER: claim, KEEP_HEADER: 60_000}
+        sent.append(app.send_task("t.rate_alone", (tenant,), headers=headers))
+        sent[-1].get(timeout=30)
+    infos = [skip_info(result.get(timeout=30)) for result in sent]
+    assert [info is None for info in infos] == [True, True, True, False]
+    assert infos[3] is not None
+    assert infos[3].reason == "rate"
+    assert len(_starts(client, module_prefix, "t.rate_alone", tenant)) == 3
 
 
 def test_a_chain_step_over_the_rate_stops_its_chain(
