@@ -330,12 +330,12 @@ DRY_RUN = (sys.executable, *PIP, "install", "--dry-run", "--ignore-installed", "
 RUNTIME = ("celery", "kombu", "redis", "hiredis", "billiard", "vine", "amqp")
 
 
-def newest_versions(requirement: str, report: Path) -> dict[str, str]:
-    """The versions of :data:`RUNTIME` that pip would install for ``requirement`` in a new
+def newest_versions(requirements: list[str], report: Path) -> dict[str, str]:
+    """The versions of :data:`RUNTIME` that pip would install for ``requirements`` in a new
     venv today (``pip install --dry-run --ignore-installed --report``)."""
     run(
-        [*DRY_RUN, str(report), requirement],
-        f"pip install --dry-run {requirement}",
+        [*DRY_RUN, str(report), *requirements],
+        f"pip install --dry-run {' '.join(requirements)}",
         timeout=300,
     )
     found = {
@@ -380,7 +380,7 @@ def test_smoke_on_oldest_and_newest_dependencies(
     pins = lower_bounds() if deps == "lowest" else []
     python_path = interpreter(python_version)
     if deps == "newest" and python_path == sys.executable:
-        newest = newest_versions(f"{wheel}[test]", tmp_path / "newest.json")
+        newest = newest_versions([str(wheel), *smoke_requirements()], tmp_path / "newest.json")
         here = {name: metadata.version(name) for name in newest}
         print(f"newest on Python {python_version}: {newest}; this suite's: {here}")
         if here == newest:
