@@ -57,7 +57,10 @@ def celery_worker_pool():
 
 @pytest.fixture(scope="session")
 def celery_worker_parameters():
-    return {"concurrency": 2}
+    # no ping check: start_worker sends celery.ping through the current app, which the worker's
+    # thread may not have made current yet (a race: "No result backend is configured"); the
+    # test's own first call, through this app, waits for the worker instead
+    return {"concurrency": 2, "perform_ping_check": False}
 
 
 @shared_task(base=SingletonTask, bind=True, name="project.hold", singleton_on_duplicate="skip")
