@@ -161,16 +161,7 @@ def report_rate_skip(  # noqa: PLR0917 - the run, and what it met
     """A skip for the rate's one line and its signal."""
     wait = max(next_start - time.time(), 0.0)
     policy = "skip" if follow_up is None else "coalesce"
-    if signals.rate_limited.receivers:
-        signals.rate_limited.send(
-            sender=task,
-            key=keys.lock,
-            task_id=task_id,
-            holder=holder,
-            policy=policy,
-            next_start_in=wait,
-            countdown=None,
-        )
+    _signal(task, keys, task_id, holder, policy, wait, None)
     logger.info(
         "singleton: over the rate limit, skipped: %s[%s] key=%s next_start_in=%ss follow_up=%s",
         task.name,
@@ -184,13 +175,26 @@ def report_rate_skip(  # noqa: PLR0917 - the run, and what it met
 def _report(  # noqa: PLR0917 - the run, and what it met
     task: Any, keys: LockKeys, held: RateLimited, task_id: str, policy: str, countdown: float | None
 ) -> None:
+    _signal(task, keys, task_id, held.holder, policy, held.pttl_ms / 1000, countdown)
+
+
+def _signal(  # noqa: PLR0917 - the signal's fields
+    task: Any,
+    keys: LockKeys,
+    task_id: str,
+    holder: str,
+    policy: str,
+    next_start_in: float,
+    countdown: float | None,
+) -> None:
+    """``rate_limited``, if anyone listens: the one send of every call over the rate."""
     if signals.rate_limited.receivers:
         signals.rate_limited.send(
             sender=task,
             key=keys.lock,
             task_id=task_id,
-            holder=held.holder,
+            holder=holder,
             policy=policy,
-            next_start_in=held.pttl_ms / 1000,
+            next_start_in=next_start_in,
             countdown=countdown,
         )
