@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,7 +25,7 @@ from celery_singleton_lock.core import connection
 from tests.support.basic_app import close_app, make_app
 from tests.support.beats import BeatFactory
 from tests.support.django_db import release_database, use_database
-from tests.support.scheduling import longest_first
+from tests.support.scheduling import ModuleAffineScheduling, longest_first
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.topologies import sentinels_and_cluster
 from tests.support.workers import WorkerFactory
@@ -42,6 +43,15 @@ collect_ignore_glob = ["support/*"]
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``slow(seconds=N)`` first, longest first (see tests/support/scheduling.py)."""
     items[:] = longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent with -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist load`` (the suite's own) keeps a module's tests on one worker where it can
+    (tests/support/scheduling.py :class:`ModuleAffineScheduling`); other modes as xdist has them."""
+    if config.getoption("dist") == "load":
+        return ModuleAffineScheduling(config, log)
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -14,14 +14,22 @@ worker would be handed the two longest tests and run them back to back. After th
 handout every worker is given one test each time it finishes one, so the later long tests go
 back to back: those of one module with equal lengths stay together, and a worker handed two of
 them in a row keeps the module's fixtures (a short test in between tore them down).
+
+Which test a worker gets next (:class:`ModuleAffineScheduling`): the next one of the module it
+was last given, while that module has tests left; else the first one, in the order above, of a
+module that no other worker is in; else the first one left. A module's tests then mostly run on
+one worker, which sets up its module-scoped fixtures (a module's shared Celery workers) once:
+handed out in plain order, consecutive tests went to whichever worker was free, and a module of
+ten tests set its workers up on up to eight xdist workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import pytest
+from xdist.scheduler import LoadScheduling
 
 __test__ = False
 
@@ -66,3 +74,49 @@ def longest_first(items: Sequence[ItemT], interleaved: int = INTERLEAVED) -> lis
         if rest and index < interleaved:
             ordered.append(rest.pop())  # from the end: tests/unit, the shortest ones
     return ordered + rest
+
+
+def pick(
+    pending: Sequence[int], module_of: Callable[[int], str], mine: str | None, taken: set[str]
+) -> int:
+    """The test (an index into ``pending``'s collection) a worker gets next: the first of
+    ``pending`` in the module ``mine`` it was last given; else the first in a module not in
+    ``taken`` (the modules other workers were last given); else the first."""
+    free = None
+    for index in pending:
+        module = module_of(index)
+        if module == mine:
+            return index
+        if free is None and module not in taken:
+            free = index
+    return pending[0] if free is None else free
+
+
+class ModuleAffineScheduling(LoadScheduling):
+    """pytest-xdist's ``load`` scheduling (the same number of tests handed out, at the same
+    moments), but each test chosen by :func:`pick`."""
+
+    def __init__(self, config: pytest.Config, log: Any = None) -> None:
+        super().__init__(config, log)
+        self.last_module: dict[Any, str] = {}
+
+    def _send_tests(self, node: Any, num: int) -> None:
+        chosen: list[int] = []
+        for _ in range(num):
+            if not self.pending:
+                break
+            taken = {module for other, module in self.last_module.items() if other is not node}
+            index = pick(self.pending, self._module_of, self.last_module.get(node), taken)
+            self.pending.remove(index)
+            self.last_module[node] = self._module_of(index)
+            chosen.append(index)
+        if chosen:
+            self.node2pending[node].extend(chosen)
+            node.send_runtest_some(chosen)
+
+    def remove_node(self, node: Any) -> str | None:
+        self.last_module.pop(node, None)
+        return super().remove_node(node)
+
+    def _module_of(self, index: int) -> str:
+        return str(self.collection[index]).split("::", 1)[0]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduling import expected_seconds, longest_first
+from tests.support.scheduling import expected_seconds, longest_first, pick
 
 
 class FakeItem:
@@ -70,3 +70,19 @@ def test_seconds_must_be_given() -> None:
         expected_seconds(FakeItem("bare", reason="no number"))
     with pytest.raises(pytest.UsageError):
         expected_seconds(FakeItem("zero", seconds=0))
+
+
+def test_a_worker_stays_in_its_module_then_takes_one_no_other_worker_is_in() -> None:
+    """pick: the next test of the module the worker was last given; else the first of a module
+    no other worker was last given; else the first left (a module shared at the end)."""
+    modules = ["a", "b", "a", "c", "b", "c"]
+    pending = list(range(len(modules)))
+
+    def module_of(index: int) -> str:
+        return modules[index]
+
+    assert pick(pending, module_of, mine="c", taken={"a"}) == 3
+    assert pick(pending, module_of, mine=None, taken={"a"}) == 1
+    assert pick(pending, module_of, mine="a", taken={"b"}) == 0
+    assert pick(pending, module_of, mine="d", taken={"a", "b", "c"}) == 0
+    assert pick([4, 5], module_of, mine="a", taken={"b"}) == 5
