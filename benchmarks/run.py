@@ -249,7 +249,8 @@ class Runner:
     def work(self) -> None:
         # callgrind needs a fresh interpreter anyway
         extra = ["--instructions"] if self.instructions else []
-        self.show(_in_own_process("benchmarks.work", extra))
+        for table in _in_own_process("benchmarks.work", extra):
+            self.show(table)
 
     def renewal(self) -> None:
         from . import renewal
@@ -303,27 +304,25 @@ class Runner:
         self.show(table)
 
     def child_loss(self) -> None:
-        self.show(_in_own_process("benchmarks.child_loss", ["--kills", str(self.sizes.kills)]))
+        for table in _in_own_process("benchmarks.child_loss", ["--kills", str(self.sizes.kills)]):
+            self.show(table)
 
     def rejections(self) -> None:
         sizes = self.sizes
         args = ["--calls", str(sizes.rejections), "--repeat", str(sizes.task_repeats)]
-        self.show(_in_own_process("benchmarks.rejections", args))
+        for table in _in_own_process("benchmarks.rejections", args):
+            self.show(table)
 
     def memory(self) -> None:
-        from . import memory
-
-        with PrivateRedis() as server:
-            table, sizes, self.results["memory"] = memory.run(
-                server, self.sizes.mem_runs, self.sizes.mem_margin_s
-            )
-        self.show(table)
-        self.show(sizes)
+        args = ["--runs", str(self.sizes.mem_runs), "--margin", f"{self.sizes.mem_margin_s:g}"]
+        for table in _in_own_process("benchmarks.memory", args):
+            self.show(table)
 
 
-def _in_own_process(module: str, args: list[str]) -> Table:
-    """Run a section's module in a process of its own and read back its table (``--json``):
-    bench_app's Celery app keeps the broker connections of section 2's server."""
+def _in_own_process(module: str, args: list[str]) -> list[Table]:
+    """Run a section's module in a process of its own and read back its tables (``--json``: a
+    table, or a list of them). bench_app's Celery app keeps the broker connections of the first
+    server it was configured for (section 2's), which is gone by then."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "table.json"
         subprocess.run(
@@ -333,7 +332,8 @@ def _in_own_process(module: str, args: list[str]) -> Table:
             stdout=subprocess.DEVNULL,
             timeout=3600,
         )
-        return Table(**json.loads(out.read_text()))
+        loaded = json.loads(out.read_text())
+        return [Table(**t) for t in (loaded if isinstance(loaded, list) else [loaded])]
 
 
 def main(argv: list[str] | None = None) -> int:
