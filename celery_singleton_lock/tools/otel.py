@@ -24,8 +24,9 @@ opened here, named as the instrumentation names a run's (``run/<task name>``), a
 once.
 
 Nothing is connected, and nothing imported, unless the ``opentelemetry`` API is installed
-(:func:`install`, at the package's import); OpenTelemetry itself is imported at the first
-signal. Without a span being recorded, a receiver reads the current span and returns.
+(:func:`install`, at the package's import), and a run's receivers only with the Celery
+instrumentation installed as well; OpenTelemetry itself is imported at the first signal.
+Without a span being recorded, a receiver reads the current span and returns.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ OUTCOMES: dict[str, str] = {
     "redelivery_dropped": "redelivery_dropped",
 }
 _COALESCED = "coalesced"
+#: the package that opens a span for each run (found, not imported, by :func:`install`)
+INSTRUMENTATION = "opentelemetry.instrumentation.celery"
 _OWN_SPAN = frozenset({"redelivery_dropped"})
 
 #: the span of each run holding a lock in this process, by task id: where ``lock_lost`` (from
@@ -82,16 +85,22 @@ _installed: list[bool] = []
 
 
 def install() -> bool:
-    """Connect the receivers, once, if the OpenTelemetry API is installed; True if they are."""
+    """Connect the receivers, once, if the OpenTelemetry API is installed; True if they are.
+
+    A run's receivers only where opentelemetry-instrumentation-celery is installed too: it
+    opens the run spans they write on. The API alone comes with many packages, and a receiver
+    costs each run Celery's signal dispatch even when no span is recorded. The publish-time
+    receiver (off the run's path) writes on whatever span the caller has."""
     if _installed:
         return True
     if importlib.util.find_spec("opentelemetry") is None:
         return False
     if importlib.util.find_spec("opentelemetry.trace") is None:
         return False
-    for name, outcome in OUTCOMES.items():
-        getattr(signals, name).connect(_outcome_receiver(outcome), weak=False)
-    signals.lock_lost.connect(_lock_lost, weak=False)
+    if importlib.util.find_spec(INSTRUMENTATION) is not None:
+        for name, outcome in OUTCOMES.items():
+            getattr(signals, name).connect(_outcome_receiver(outcome), weak=False)
+        signals.lock_lost.connect(_lock_lost, weak=False)
     signals.duplicate_not_published.connect(_not_published, weak=False)
     _installed.append(True)
     return True

@@ -248,6 +248,26 @@ def test_without_opentelemetry_nothing_is_imported_or_connected() -> None:
     assert run.returncode == 0, run.stderr
 
 
+def test_with_the_api_alone_a_run_pays_nothing() -> None:
+    """The OpenTelemetry API installed (many packages bring it) without the Celery
+    instrumentation, which opens the run spans: no receiver on a run's signals, so a run sends
+    none; the publish-time receiver only. (redis-py 8 imports OpenTelemetry's SDK itself
+    where it is installed: what is imported is not checked here.)"""
+    code = (
+        "import sys; sys.modules['opentelemetry.instrumentation.celery'] = None\n"
+        "import celery_singleton_lock\n"
+        "from celery_singleton_lock import signals\n"
+        "from celery_singleton_lock.tools import otel\n"
+        "assert otel._installed\n"
+        "connected = [n for n in signals.__all__ if getattr(signals, n).receivers]\n"
+        "assert connected == ['duplicate_not_published'], connected\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+
+
 def test_eager_chain_each_step_on_its_span(
     redis_url: str, key_prefix: str, caller_spans: Any
 ) -> None:
