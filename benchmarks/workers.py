@@ -36,8 +36,11 @@ class BenchWorker(DevProcess):
         self.nodename = f"{name}@{socket.gethostname()}"
         args = [
             sys.executable,
-            "-m",
-            "celery",
+            # `python -m celery`, with this package imported first: the celery command imports
+            # the library (its entry point) before the app, and the library is measured as a
+            # plain install has it (benchmarks/__init__.py)
+            "-c",
+            "import benchmarks, celery.__main__; celery.__main__.main()",
             "-A",
             "benchmarks.bench_app",
             "worker",
