@@ -16,9 +16,10 @@ from typing import Any
 from celery import Task
 from celery.app.task import Context
 
+from ..publish.dedup import seconds_until
 from ..run.callrepr import copy_options
 
-__all__ = ["DEBOUNCE_HEADER", "publish_copy"]
+__all__ = ["DEBOUNCE_HEADER", "publish_copy", "seconds_left"]
 
 #: Message header of a debounced call's waiting copy (duplicates/debounce.py): the call's
 #: retries count when it started to wait. Every copy of that message keeps it.
@@ -39,3 +40,11 @@ def publish_copy(
     if extra:  # else Celery's own copy of the request's headers (x-death filtered out)
         options["headers"] = {**(request.headers or {}), **extra}
     task.signature_from_request(request, **options).apply_async()
+
+
+def seconds_left(expires: Any) -> float | None:
+    """Seconds until a message's ``expires`` (None: none, or not a time this can read)."""
+    try:
+        return seconds_until(expires or None)
+    except ValueError:
+        return None

@@ -46,11 +46,10 @@ from .. import signals
 from ..beat.crons import close_skipped
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
-from ..publish.dedup import seconds_until
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..run.task_events import EventSink, run_sink
 from .coalesce import task_dumps
-from .copies import publish_copy
+from .copies import publish_copy, seconds_left
 
 __all__ = [
     "JOINED_HEADER",
@@ -374,23 +373,15 @@ def _watch_countdown(pttl_ms: int, expires: Any) -> float:
     """When the watch copy is due: just after the lock would expire, or just after the
     message's own ``expires`` if that comes first."""
     countdown = max(pttl_ms, 0) / 1000 + 0.5
-    left = _seconds_left(expires)
+    left = seconds_left(expires)
     if left is not None and left < countdown:  # due just after it expired: Celery ends it
         countdown = max(left, 0.0) + 0.05
     return countdown
 
 
 def _expired(expires: Any) -> bool:
-    left = _seconds_left(expires)
+    left = seconds_left(expires)
     return left is not None and left <= 0
-
-
-def _seconds_left(expires: Any) -> float | None:
-    """Seconds until a message's ``expires`` (None: none, or not a time this can read)."""
-    try:
-        return seconds_until(expires or None)
-    except ValueError:
-        return None
 
 
 def _keep_ms(opts: Any) -> int:

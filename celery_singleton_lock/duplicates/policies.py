@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from kombu.exceptions import EncodeError
 from kombu.utils.uuid import uuid
 
@@ -32,7 +32,7 @@ from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
 from .canvas import store_skip
 from .coalesce import call_record, is_follow_up
-from .copies import publish_copy
+from .copies import publish_copy, seconds_left
 from .join import join_holder
 from .rate import NEXT_START, over_rate, report_rate_skip
 from .skips import Skipped, skip_marker
@@ -364,6 +364,12 @@ class DuplicatePolicies(Task):  # type: ignore[misc]
             )
             raise reason from exc
         requeued(request)  # Sentry Crons: the copy closes the run's check-in
+        left = seconds_left(request.expires)
+        if left is not None and left <= countdown:
+            # the copy comes due after its message expired, and the worker that gets it ends it
+            # REVOKED, as Celery ends an expired task, maybe before this delivery's RETRY would
+            # be stored: stored after, that RETRY would stay for ever
+            raise Ignore()
         raise Retry(f"singleton: requeued: {reason}", exc=reason, when=countdown)
 
 
