@@ -225,6 +225,15 @@ def test_a_skip_the_main_process_ends_has_its_own_span_there(
     assert span["trace_id"] == f"{caller.get_span_context().trace_id:032x}"
 
 
+def _python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (what the package connects at its import); its
+    asserts must hold."""
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+
+
 def test_without_opentelemetry_nothing_is_imported_or_connected() -> None:
     """The package imported where OpenTelemetry cannot be: the module of this integration not
     loaded, no receiver on any signal (a run's hot path sends ``lock_acquired`` only to
@@ -242,10 +251,7 @@ def test_without_opentelemetry_nothing_is_imported_or_connected() -> None:
         "assert not loaded, loaded\n"
         "assert otel.install() is False\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    )
-    assert run.returncode == 0, run.stderr
+    _python(code)
 
 
 def test_with_the_api_alone_a_run_pays_nothing() -> None:
@@ -262,10 +268,7 @@ def test_with_the_api_alone_a_run_pays_nothing() -> None:
         "connected = [n for n in signals.__all__ if getattr(signals, n).receivers]\n"
         "assert connected == ['duplicate_not_published'], connected\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    )
-    assert run.returncode == 0, run.stderr
+    _python(code)
 
 
 def test_eager_chain_each_step_on_its_span(
