@@ -252,8 +252,8 @@ def test_event_receiver_sees_every_duplicate_end(
 
         # debounce: each call waits (task-debounced), then the earlier ends skipped, the later runs
         key = f"deb-{uuid.uuid4().hex[:8]}"
-        early, late = (
-            client_app.send_task("t.debounce", kwargs={"key": key, "value": v}) for v in (1, 2)
+        early, late = (  # a 3 s window: the two reach a loaded worker within it
+            client_app.send_task("t.debounce_long", kwargs={"key": key, "value": v}) for v in (1, 2)
         )
         for call, end in ((early, "'superseded_by': "), (late, "2")):
             (succeeded,) = wait_for(
@@ -261,7 +261,7 @@ def test_event_receiver_sees_every_duplicate_end(
             )
             assert end in succeeded["result"]
             (waited,) = capture.of(call.id, "task-debounced")
-            assert waited["key"] == _keys(key_prefix, "t.debounce", key).lock
+            assert waited["key"] == _keys(key_prefix, "t.debounce_long", key).lock
             assert waited["countdown"] > 0
     finally:
         capture.stop()
