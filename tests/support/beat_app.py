@@ -249,11 +249,19 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         def _crons_key(args: Any, kwargs: Any) -> str:
             return "crons"
 
+        def _record_and_hold(task: Any, entry: str) -> str:
+            """Record the run, then hold its lock 2.5 s: the entry's next run (2 s later) meets
+            it."""
+            run = _record(task, entry)
+            _time.sleep(2.5)
+            return run
+
+        #: a lock of each task's own
+        _own_lock: dict[str, Any] = {"bind": True, "base": SingletonTask, "singleton_ttl": 5}
+
         #: one lock for both tasks (a scope, one key)
         _crons_lock: dict[str, Any] = {
-            "bind": True,
-            "base": SingletonTask,
-            "singleton_ttl": 5,
+            **_own_lock,
             "singleton_scope": "crons",
             "singleton_key": _crons_key,
         }
@@ -261,9 +269,7 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
         @app.task(name="b.crons_held", **_crons_lock)
         def crons_held(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run meets it and is skipped."""
-            run = _record(self, entry)
-            _time.sleep(2.5)
-            return run
+            return _record_and_hold(self, entry)
 
         @app.task(
             name="b.crons_waits",
@@ -275,30 +281,14 @@ if os.environ.get("SINGLETON_TEST_SENTRY"):
             """A scheduled run that meets crons_held's lock and waits in the queue for it."""
             return _record(self, entry)
 
-        @app.task(
-            bind=True,
-            base=SingletonTask,
-            name="b.crons_coalesce",
-            singleton_ttl=5,
-            singleton_on_duplicate="coalesce",
-        )
+        @app.task(name="b.crons_coalesce", singleton_on_duplicate="coalesce", **_own_lock)
         def crons_coalesce(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run is coalesced (kept as the
             follow-up published at the release, which carries no check-in)."""
-            run = _record(self, entry)
-            _time.sleep(2.5)
-            return run
+            return _record_and_hold(self, entry)
 
-        @app.task(
-            bind=True,
-            base=SingletonTask,
-            name="b.crons_joins",
-            singleton_ttl=5,
-            singleton_on_duplicate="join",
-        )
+        @app.task(name="b.crons_joins", singleton_on_duplicate="join", **_own_lock)
         def crons_joins(self: Any, entry: str) -> str:
             """A scheduled run holding its lock 2.5 s: the next run joins it (its check-in
             closed as it joins; its watch copy carries none)."""
-            run = _record(self, entry)
-            _time.sleep(2.5)
-            return run
+            return _record_and_hold(self, entry)
