@@ -287,12 +287,14 @@ class DevProcess:
         none is left (for up to 5 s).
         """
         running = self.is_running()
-        if running and self.killed_at is None:
-            self.killed_at = time.time()
         descendants = children_of(self.pid, recursive=True) if running else []
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         kill_pid(self.pid)
+        if running and self.killed_at is None:
+            # after the signal: a loaded machine can take a third of a second to list the
+            # descendants, and the process ran (a beat published) until the SIGKILL
+            self.killed_at = time.time()
         for pid in descendants:
             kill_pid(pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
