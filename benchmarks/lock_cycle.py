@@ -47,8 +47,10 @@ OURS_PERMITS_10 = "celery-singleton-lock, 10 permits (9 held)"
 #: follow-up is looked for (take_pending.lua), as a coalescing run ends
 OURS_COALESCE = "celery-singleton-lock, coalesce: release + look for a follow-up"
 
-#: the lock ttl every contender uses (seconds)
-TTL_S = 30
+#: the lock ttl every contender uses (seconds): long, because the deferred-release contender
+#: holds its lock from one of its batches to the next, across every other contender's batch
+#: (a round took over 30 s once, on a loaded machine in the test suite)
+TTL_S = 600
 
 
 def _ours(url: str, coalesce: bool = False) -> Cycle:

@@ -21,7 +21,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 try:
     _psutil: Any = importlib.import_module("psutil")
@@ -125,6 +125,17 @@ def cpu_seconds(pid: int) -> float:
 # -- one process -------------------------------------------------------------------------------
 
 
+class ChildProcess(Protocol):
+    """What :class:`DevProcess` uses of :class:`subprocess.Popen`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class DevProcess:
     """One subprocess in its own session (its process group id is its pid), logging to a file.
 
@@ -158,8 +169,13 @@ class DevProcess:
         self.continued_at: float | None = None
         #: log size in bytes when the process was resumed (SIGCONT)
         self.log_size_at_cont: int | None = None
+        self.proc: ChildProcess = self._start(cwd)
+        _LIVE.add(self)
+
+    def _start(self, cwd: Path | str | None) -> ChildProcess:
+        """Start ``self.args`` (a subclass may start it another way, with the same effect)."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            return subprocess.Popen(
                 self.args,
                 cwd=cwd,
                 env=self.env,
@@ -168,7 +184,6 @@ class DevProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _LIVE.add(self)
 
     # -- state -------------------------------------------------------------------------------
 

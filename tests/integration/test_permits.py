@@ -360,7 +360,7 @@ def test_the_main_process_releases_the_slot_of_a_killed_child(
 
 
 @pytest.mark.parametrize("ending", ["fail", "hard time limit", "revoke", "revoke SIGKILL"])
-@pytest.mark.slow(seconds=8)
+@pytest.mark.slow(seconds=12)
 def test_a_run_frees_its_own_slot_on_every_path(
     worker_factory: WorkerFactory,
     client_app: Celery,
@@ -369,14 +369,14 @@ def test_a_run_frees_its_own_slot_on_every_path(
     ending: str,
 ) -> None:
     """Two permits, ttl 30 s: a run that fails, meets its hard time limit, or is revoked
-    (terminated with SIGTERM or SIGKILL) frees its own slot within 3 s, long before its ttl;
+    (terminated with SIGTERM or SIGKILL) frees its own slot within 6 s, long before its ttl;
     the slot of the run beside it stays held until that run ends."""
     worker = worker_factory.start(
         SINGLETON_APP, pool="prefork", concurrency=3, env={"SINGLETON_TEST_TTL": "30"}
     )
     worker.wait_ready(client_app)
     task = "t.permits_outcome"
-    beside = client_app.send_task(task, ("a", "ok"), {"seconds": 6})
+    beside = client_app.send_task(task, ("a", "ok"), {"seconds": 10})
     kind, seconds, limits = "ok", 10.0, {}
     if ending == "fail":
         kind, seconds = "fail", 0.5
@@ -398,7 +398,8 @@ def test_a_run_frees_its_own_slot_on_every_path(
         )
     wait_for(victim.ready, 15, "the run's end", worker)
     assert victim.state == ("REVOKED" if ending.startswith("revoke") else "FAILURE")
-    wait_for(lambda: not redis_client.exists(own), 3, "its slot released", worker)
+    # within 6 s (the ttl is 30 s): a loaded machine once took over 3 s from SIGTERM to release
+    wait_for(lambda: not redis_client.exists(own), 6, "its slot released", worker)
     assert slot_of(beside.id) == other  # the other run's slot is left alone
     assert skip_info(beside.get(timeout=15)) is None
     wait_for(lambda: not _slots_held(redis_client, key_prefix), 5, "every slot released", worker)

@@ -17,7 +17,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_lock._dev.process import DevProcess, children_of, group_members, is_alive
+from celery_singleton_lock._dev.process import (
+    ChildProcess,
+    DevProcess,
+    children_of,
+    group_members,
+    is_alive,
+)
+from tests.support import zygote
 
 __all__ = [
     "REPO_ROOT",
@@ -33,6 +40,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class WorkerProcess(DevProcess):
     """One ``celery worker`` subprocess."""
+
+    def _start(self, cwd: Path | str | None) -> ChildProcess:
+        """A fork of this process's zygote where that starts the same process (zygote.py)."""
+        forked = zygote.launch(self.args, self.env, cwd, self.log_path)
+        return super()._start(cwd) if forked is None else forked
 
     def __init__(  # noqa: PLR0917
         self,
