@@ -13,12 +13,13 @@ waits. In its ``before_start`` it:
    or STARTED with ``track_started``). One ``singleton: duplicate joined`` line and
    ``duplicate_joined``.
 
-When a run of the key ends for good (not a hand-over to its ``retry()``), after its release it
-takes the joiners (core/joiners.py ``take_joiners.lua``) and completes each as Celery's tracer
-completes a run (:func:`complete_joiners`): with its return value, the joiner's links and next
-chain step are sent and its result stored (a chord's header counts it); with its exception,
-its result is that failure and its error links are called. Then each is recorded as a
-completed run (core/completion.py), so its watch copy is dropped when it arrives.
+When a run of the key ends for good (not a hand-over to its ``retry()``), it takes the joiners
+(core/joiners.py ``take_joiners.lua``) before its release, and after it completes each as
+Celery's tracer completes a run (:func:`complete_joiners`): with its return value, the
+joiner's links and next chain step are sent and its result stored (a chord's header counts
+it); with its exception, its result is that failure and its error links are called. Then each
+is recorded as a completed run (core/completion.py), so its watch copy is dropped when it
+arrives.
 
 The watch copy, on arrival: dropped (the joiner was completed); joins again (the run still
 holds the lock: a long run); or runs, when the run it joined died and no redelivery took its
@@ -57,6 +58,7 @@ __all__ = [
     "complete_joiners",
     "join_holder",
     "runs_in_place",
+    "take_ended_joiners",
 ]
 
 #: Message header of a joiner's watch copy: the holder it joined.
@@ -208,18 +210,14 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
     return False
 
 
-def complete_joiners(
-    task: Task, lock_key: str, ended: str, state: str, retval: Any, *, send_events: EventSink | None
-) -> int:
-    """Complete the joiners of ``lock_key`` that the end of run ``ended`` takes; how many.
-    ``state``: SUCCESS with the value ``retval``; FAILURE or REVOKED with the exception
-    ``retval`` (each joiner ends in that state, its error links called). Each completed
-    joiner's task event (``task-succeeded``, ``task-failed``, ``task-revoked``) goes to
-    ``send_events`` (run/task_events.py), unless that is None."""
-    opts = task.singleton_options()
-    run = store_for(opts.redis_url).run_script
+def take_ended_joiners(task: Task, lock_key: str, ended: str) -> list[Joiner]:
+    """The joiners of ``lock_key`` that the end of run ``ended`` takes (``take_joiners.lua``);
+    none when Redis fails (logged: their watch copies run them). A run takes them before it
+    releases its lock: a watch copy that then takes the free lock finds its record gone and
+    waits for its completion (:func:`runs_in_place`) instead of running a second time."""
+    run = store_for(task.singleton_options().redis_url).run_script
     try:
-        joiners = take_joiners(run, lock_key, ended)
+        return take_joiners(run, lock_key, ended)
     except LOGGED_ERRORS as exc:
         logger.warning(
             "singleton: could not take joined duplicates, their watch copies run them: "
@@ -230,7 +228,28 @@ def complete_joiners(
             exc,
             extra=about(task.name, ended),
         )
-        return 0
+        return []
+
+
+def complete_joiners(
+    task: Task,
+    lock_key: str,
+    ended: str,
+    state: str,
+    retval: Any,
+    *,
+    send_events: EventSink | None,
+    taken: list[Joiner] | None = None,
+) -> int:
+    """Complete the joiners of ``lock_key`` that the end of run ``ended`` takes (``taken``:
+    took already, :func:`take_ended_joiners`); how many. ``state``: SUCCESS with the value
+    ``retval``; FAILURE or REVOKED with the exception ``retval`` (each joiner ends in that
+    state, its error links called). Each completed joiner's task event (``task-succeeded``,
+    ``task-failed``, ``task-revoked``) goes to ``send_events`` (run/task_events.py), unless
+    that is None."""
+    opts = task.singleton_options()
+    run = store_for(opts.redis_url).run_script
+    joiners = take_ended_joiners(task, lock_key, ended) if taken is None else taken
     done: list[tuple[str, int]] = []
     for joiner in joiners:
         request = _completed(task, joiner, state, retval, lock_key, ended)

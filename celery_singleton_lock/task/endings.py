@@ -22,7 +22,7 @@ from ..core.backend import ReleaseStatus, release_lost_slot
 from ..core.connection import store_for
 from ..core.keys import LockKeys, keys_of
 from ..duplicates.coalesce import publish_follow_up
-from ..duplicates.join import complete_joiners
+from ..duplicates.join import complete_joiners, take_ended_joiners
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import ending_for
 from ..run.events import on_released
@@ -99,8 +99,8 @@ class RunEndings(Task):  # type: ignore[misc]
     ) -> None:
         """Release the lock of a run that ended in ``state`` (see ``_singleton_after_run``);
         ``delayed``: its message carried an eta or countdown. Under the join policy, the
-        duplicates that joined it are completed with ``state`` and ``retval`` after the release
-        (duplicates/join.py)."""
+        duplicates that joined it are taken before the release and completed with ``state``
+        and ``retval`` after it (duplicates/join.py)."""
         held, renewer = handle._held, handle._renewer
         assert held is not None
         assert renewer is not None
@@ -117,10 +117,20 @@ class RunEndings(Task):  # type: ignore[misc]
             self._singleton_follow_up(keys_of(held.key, opts.permits), state, held.owner)
             return
         if opts.on_duplicate == "join":  # released now: the joiners complete at once
+            # taken while the lock is held: a watch copy that takes the released lock finds
+            # its record gone and waits for its completion, instead of running itself
+            ends = state in (states.SUCCESS, states.FAILURE) and not eager
+            taken = take_ended_joiners(self, held.key, held.owner) if ends else []
             on_released(held, renewer.release_now(held), state)
-            if state in (states.SUCCESS, states.FAILURE) and not eager:
+            if ends:
                 complete_joiners(
-                    self, held.key, held.owner, state, retval, send_events=run_sink(self)
+                    self,
+                    held.key,
+                    held.owner,
+                    state,
+                    retval,
+                    send_events=run_sink(self),
+                    taken=taken,
                 )
             return
         # A completion record must reach Redis before the message's acknowledgement, which

@@ -1,7 +1,7 @@
 """Model-based test (hypothesis stateful) of the join scripts against real Redis: join.lua,
 take_joiners.lua and unjoin.lua beside a lock taken and let go by acquire.lua and release.lua.
 
-Runs take the lock, end (their release, then their end takes the joiners), die (their lock
+Runs take the lock, end (their end takes the joiners, then they release), die (their lock
 expires, nobody takes anything) or are ended by the worker's main process while they still
 hold the lock (a terminate, a hard time limit). Duplicates join the run they met (maybe gone
 by now); a joiner's watch copy arrives (it joins the holder again, or takes the free lock and
@@ -91,14 +91,17 @@ class JoinModel(RuleBasedStateMachine):
     @precondition(lambda self: self.holder is not None)
     @rule(expire=st.booleans())
     def the_holder_lets_go(self, expire: bool) -> None:
-        """Its release and its end's take, or its lock's expiry (its node died)."""
-        holder, self.holder = self.holder, None
+        """Its end's take, then its release (a watch copy that takes the free lock finds its
+        record gone); or its lock's expiry (its node died)."""
+        holder = self.holder
         assert holder is not None
         if expire:
+            self.holder = None
             self.client.delete(self.keys.lock)
             return
-        assert self.store.release(self.keys.lock, holder, 0) is ReleaseStatus.RELEASED
         self._end_takes(holder)
+        self.holder = None
+        assert self.store.release(self.keys.lock, holder, 0) is ReleaseStatus.RELEASED
 
     @precondition(lambda self: self.holder is not None)
     @rule()
