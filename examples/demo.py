@@ -15,7 +15,7 @@ Run it with ``./run demo`` (or ``python -m examples.demo [--seconds N]`` inside 
    two accounts, each spelled differently (``delay(1)``, ``delay(account_id=1)``,
    ``apply_async``, ``send_task``); every five seconds, a double click on the ``long`` job while
    its scheduled run holds the lock. Along the way one beat (half a second after a tick) and one
-   worker are SIGKILLed; the worker's intake is cancelled 0.3 s before, because kombu's Redis
+   worker are SIGKILLed; the worker's intake is cancelled 1.5 s before, because kombu's Redis
    transport loses a message popped from the queue but not yet noted as unacknowledged (a broker
    window, not the lock's); the runs it had started come back to the other workers after the
    visibility timeout (8 s).
@@ -70,6 +70,9 @@ KILL_BEAT_AT = 0.35
 KILL_WORKER_AT = 0.55
 KILLED_BEAT = "beat1"
 KILLED_WORKER = "w3"
+#: seconds from the killed worker's cancelled intake to its SIGKILL: past kombu's BRPOP timeout
+#: (1 s), so a pop sent before the cancel has returned its message (and it was put back)
+INTAKE_DRAIN_S = 1.5
 #: a run counts inside the window when it is due this long after the window opens ...
 RUN_LEAD = 2.0
 #: ... and this long before it closes (a beat ticks every second, and is stopped at the end)
@@ -728,14 +731,15 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
             if not killed_worker and elapsed >= seconds * KILL_WORKER_AT:
                 # stop its intake first: a message the Redis transport has popped but not yet
                 # noted as unacknowledged dies with the process (kombu's window, not the
-                # lock's); the runs it has started come back after the visibility timeout
+                # lock's); the runs it has started come back after the visibility timeout.
+                # A BRPOP sent before the cancel still pops for up to its 1 s timeout.
                 module.app.control.cancel_consumer(
                     module.QUEUE,
                     destination=[f"{KILLED_WORKER}@{socket.gethostname()}"],
                     reply=True,
                     timeout=2,
                 )
-                time.sleep(0.3)
+                time.sleep(INTAKE_DRAIN_S)
                 procs[KILLED_WORKER].kill()
                 kills.append((KILLED_WORKER, server_now_us(conn)))
                 killed_worker = True
@@ -755,9 +759,9 @@ def run(args: argparse.Namespace, workdir: Path) -> int:  # noqa: PLR0915 - one 
             time.sleep(0.25)
         progress.done()
 
+        last = time.time()  # before the stops: a beat's warm shutdown can take seconds
         for beat in beats:  # no new runs from here on
             beat.stop()
-        last = time.time()
         scheduled = expected_runs(module, first_ready, last - 1.5)
         published = published_runs(beats)
         scheduled |= set(published)

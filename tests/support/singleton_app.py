@@ -16,7 +16,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_singleton_lock import SingletonTask
 from tests.support.basic_app import _client, history_key, make_app
-from tests.support.history import record_end, record_start
+from tests.support.history import load_history, record_end, record_start
 
 __test__ = False
 
@@ -1183,9 +1183,19 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
         **PER_TENANT,
     )
     def rate_autoretry(self: Any, tenant: str) -> dict[str, Any]:
-        """Records each start; fails its first try (autoretry_for retries it at once)."""
-        result = _run(self, f"rate:{self.name}:{tenant}", 0.0)
+        """Records each start; fails its first try (autoretry_for retries it at once), once the
+        tenant's two first tries have started (a retry that started before the other first try
+        would fill the rate, and that call, not a retry, is then over it)."""
+        key = f"rate:{self.name}:{tenant}"
+        result = _run(self, key, 0.0)
         if not self.request.retries:
+            client = _client(app.conf.singleton_test_redis_url)
+            hkey = history_key(app.conf.singleton_test_prefix)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if sum(e.key == key for e in load_history(client, hkey)) >= 2:
+                    break
+                time.sleep(0.02)
             raise ValueError("the first try fails")
         return result
 
