@@ -303,13 +303,13 @@ class DevProcess:
         """
         running = self.is_running()
         descendants = children_of(self.pid, recursive=True) if running else []
+        if running and self.killed_at is None:
+            # right at the signal: listing the descendants can take a third of a second on a
+            # loaded machine, and the process runs (a beat publishes) until the SIGKILL
+            self.killed_at = time.time()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         kill_pid(self.pid)
-        if running and self.killed_at is None:
-            # after the signal: a loaded machine can take a third of a second to list the
-            # descendants, and the process ran (a beat published) until the SIGKILL
-            self.killed_at = time.time()
         for pid in descendants:
             kill_pid(pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
