@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from celery import Celery
@@ -16,7 +15,7 @@ from celery import Celery
 from celery_singleton_lock._dev.process import children_of
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.workers import REPO_ROOT, WorkerFactory
-from tests.support.zygote import ForkedProcess, ZygoteClient
+from tests.support.zygote import ForkedProcess, forkable, import_environment, zygote_for
 
 
 def test_a_forked_worker_is_a_new_session_with_its_own_environment_log_and_exit_code(
@@ -57,35 +56,43 @@ def test_a_killed_worker_reports_the_signal(
     assert worker.returncode == -signal.SIGKILL
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[ZygoteClient]:
-    made = ZygoteClient()
-    yield made
-    made.close()
-
-
-def test_only_starts_a_new_interpreter_would_run_the_same_are_forked(client: ZygoteClient) -> None:
+def test_only_starts_a_new_interpreter_would_run_the_same_are_forked() -> None:
     celery = [sys.executable, "-m", "celery", "-A", SINGLETON_APP, "worker", "-P", "prefork"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    assert client.can_fork(celery, env, REPO_ROOT)
-    assert client.can_fork(celery, {**env, "SINGLETON_TEST_TTL": "3"}, REPO_ROOT)
+    assert forkable(celery, REPO_ROOT)
     # another interpreter, another command, another directory
-    assert not client.can_fork(["/usr/bin/python3", *celery[1:]], env, REPO_ROOT)
-    assert not client.can_fork([sys.executable, "-m", "pytest"], env, REPO_ROOT)
-    assert not client.can_fork(celery, env, REPO_ROOT / "examples")
+    assert not forkable(["/usr/bin/python3", *celery[1:]], REPO_ROOT)
+    assert not forkable([sys.executable, "-m", "pytest"], REPO_ROOT)
+    assert not forkable(celery, REPO_ROOT / "examples")
+    assert not forkable(celery, None)
     # a pool that monkeypatches before anything is imported
     for pool in ("gevent", "eventlet"):
-        assert not client.can_fork([*celery[:-1], pool], env, REPO_ROOT)
-    # a variable something may read at import time (celery.platforms reads C_FORCE_ROOT)
-    for key, value in (("C_FORCE_ROOT", "1"), ("PYTHONPATH", "/tmp"), ("CELERY_BROKER_URL", "x")):
-        assert not client.can_fork(celery, {**env, key: value}, REPO_ROOT)
-    assert not client.can_fork(celery, {k: v for k, v in env.items() if k != "PATH"}, REPO_ROOT)
+        assert not forkable([*celery[:-1], pool], REPO_ROOT)
 
 
-def test_a_fork_after_the_zygote_died_is_refused() -> None:
-    zygote = ZygoteClient()
+def test_each_import_environment_has_its_own_zygote() -> None:
+    """The test apps' settings differ between the forks of one zygote; any other variable
+    (celery.platforms reads C_FORCE_ROOT at import) gets a zygote started with it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SINGLETON_TEST_TTL": "3"}
+    zygote = zygote_for(env)
+    assert zygote is not None
+    assert zygote_for({**env, "SINGLETON_TEST_TTL": "4", "PYTEST_CURRENT_TEST": "x"}) is zygote
+    assert "SINGLETON_TEST_TTL" not in zygote.env
+    other = zygote_for({**env, "C_FORCE_ROOT": "1"})
+    assert other is not None
+    assert other is not zygote
+    assert other.env["C_FORCE_ROOT"] == "1"
+    assert import_environment(other.env) == import_environment({**env, "C_FORCE_ROOT": "1"})
+
+
+def test_a_dead_zygotes_children_end_and_it_is_started_again() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SINGLETON_TEST_ZYGOTE_CASE": "dead"}
+    zygote = zygote_for(env)
+    assert zygote is not None
     zygote.close()
-    celery = [sys.executable, "-m", "celery", "-A", SINGLETON_APP, "worker"]
-    assert not zygote.can_fork(celery, {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO_ROOT)
-    with pytest.raises(subprocess.TimeoutExpired):
-        ForkedProcess(zygote, os.getpid(), celery).wait(0.1)  # alive, and nobody to reap it
+    assert not zygote.alive()
+    with pytest.raises(subprocess.TimeoutExpired):  # alive, and nobody to reap it
+        ForkedProcess(zygote, os.getpid(), ["x"]).wait(0.1)
+    again = zygote_for(env)
+    assert again is not None
+    assert again is not zygote
+    assert again.alive()

@@ -11,9 +11,11 @@ interpreter would do: the app module, its settings and the library's hooks are i
 in the child.
 
 A start is forked only where the child cannot tell the difference: this interpreter, the
-repository root as working directory, a pool that does not monkeypatch (not gevent, eventlet),
-and an environment that differs from the zygote's only in variables nothing reads at import time
-(:data:`FREE_PREFIXES`: the test apps' settings). Anything else is started as a new process.
+repository root as working directory, and a pool that does not monkeypatch (not gevent,
+eventlet); anything else is started as a new process. Each environment has its own zygote,
+started with it, so what is read at import time is what a new interpreter would read; the
+variables the test apps read only when the child imports them (:data:`FREE_PREFIXES`) differ
+between the starts of one zygote.
 
 Protocol (lines of text): the client writes one JSON request per start; the zygote answers
 ``pid <pid>`` after the fork, and ``exit <pid> <code>`` when it reaps a child (``code`` as
@@ -56,6 +58,10 @@ PRELOAD = (
     "celery.backends.redis",
     "kombu.transport.redis",
     "celery_singleton_lock",
+    # what the test apps import (none of it reads the environment at import time)
+    "tests.support.basic_app",
+    "tests.support.history",
+    "tests.support.chaos",
 )
 
 #: pools that patch the standard library before anything else is imported
@@ -133,40 +139,55 @@ def main() -> None:
 class ForkedProcess:
     """The part of :class:`subprocess.Popen` that DevProcess uses, for a zygote's child."""
 
-    def __init__(self, client: ZygoteClient, pid: int, args: Sequence[str]) -> None:
-        self._client = client
+    def __init__(self, zygote: Zygote, pid: int, args: Sequence[str]) -> None:
+        self._zygote = zygote
         self.pid = pid
         self.args = list(args)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._client.exit_code(self.pid)
+            self.returncode = self._zygote.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            code = self._client.wait_exit(self.pid, timeout)
+            code = self._zygote.wait_exit(self.pid, timeout)
             if code is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             self.returncode = code
         return self.returncode
 
 
-class ZygoteClient:
-    """One zygote process for this (xdist worker) process, started at the first fork."""
+def import_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What of ``env`` a process may read while it imports: all but :data:`FREE_PREFIXES`."""
+    return {k: v for k, v in env.items() if not k.startswith(FREE_PREFIXES)}
 
-    def __init__(self) -> None:
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+def forkable(args: Sequence[str], cwd: Path | str | None) -> bool:
+    """Whether a fork can run ``args`` as a new interpreter would (the environment aside: each
+    import environment has its own zygote)."""
+    if list(args[:3]) != [sys.executable, "-m", "celery"]:
+        return False
+    if cwd is None or Path(cwd).resolve() != REPO_ROOT:
+        return False
+    return not any(pool in args for pool in PATCHING_POOLS)
+
+
+class Zygote:
+    """One zygote process, started with one import environment (:func:`import_environment`)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.zygote"],
             cwd=REPO_ROOT,
-            env=self._env,
+            env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
-        self._owner = os.getpid()
+        self.owner = os.getpid()
         self._lock = threading.Lock()  # one start at a time
         self._changed = threading.Condition()
         self._pids: list[int] = []
@@ -188,22 +209,11 @@ class ZygoteClient:
             self._changed.notify_all()
 
     def alive(self) -> bool:
-        return self._proc.poll() is None and os.getpid() == self._owner
-
-    def can_fork(self, args: Sequence[str], env: Mapping[str, str], cwd: Path | str | None) -> bool:
-        """Whether a forked child would run ``args`` as a new interpreter would."""
-        if not self.alive() or list(args[:3]) != [sys.executable, "-m", "celery"]:
-            return False
-        if cwd is None or Path(cwd).resolve() != REPO_ROOT:
-            return False
-        if any(pool in args for pool in PATCHING_POOLS):
-            return False
-        keys = set(env) | set(self._env)
-        return all(
-            env.get(key) == self._env.get(key) for key in keys if not key.startswith(FREE_PREFIXES)
-        )
+        return self._proc.poll() is None and os.getpid() == self.owner
 
     def fork(self, args: Sequence[str], env: Mapping[str, str], cwd: Path | str, log: Path) -> Any:
+        """A child running ``args`` with ``env`` (which must import as :attr:`env` does)."""
+        assert import_environment(env) == import_environment(self.env)
         request = {"argv": list(args[3:]), "env": dict(env), "cwd": str(cwd), "log": str(log)}
         assert self._proc.stdin is not None
         with self._lock:
@@ -253,22 +263,42 @@ def _exists(pid: int) -> bool:
     return True
 
 
-_CLIENT: ZygoteClient | None = None
+#: at most this many zygotes per process (one per import environment); more starts are new
+#: processes
+MAX_ZYGOTES = 6
+
+#: this process's zygotes, by import environment
+_ZYGOTES: dict[frozenset[tuple[str, str]], Zygote] = {}
+
+
+def zygote_for(env: Mapping[str, str]) -> Zygote | None:
+    """The zygote of ``env``'s import environment, started at its first use (None: too many, or
+    this is a process forked from the one that started it)."""
+    imports = import_environment(env)
+    key = frozenset(imports.items())
+    zygote = _ZYGOTES.get(key)
+    if zygote is not None:
+        if zygote.alive():
+            return zygote
+        if os.getpid() != zygote.owner:
+            return None  # forked from its owner (a test's multiprocessing child)
+        zygote.close()
+        del _ZYGOTES[key]
+    if len(_ZYGOTES) >= MAX_ZYGOTES:
+        return None
+    zygote = _ZYGOTES[key] = Zygote(imports)
+    atexit.register(zygote.close)
+    return zygote
 
 
 def launch(args: Sequence[str], env: Mapping[str, str], cwd: Path | str | None, log: Path) -> Any:
     """A forked child running ``args`` where that is the same as a new process (else None)."""
-    global _CLIENT  # noqa: PLW0603 - one zygote per process
-    if os.environ.get("SINGLETON_TEST_NO_ZYGOTE"):
+    if os.environ.get("SINGLETON_TEST_NO_ZYGOTE") or not forkable(args, cwd):
         return None
-    if _CLIENT is None or not _CLIENT.alive():
-        if _CLIENT is not None and os.getpid() != _CLIENT._owner:
-            return None
-        _CLIENT = ZygoteClient()
-        atexit.register(_CLIENT.close)
-    if not _CLIENT.can_fork(args, env, cwd):
+    zygote = zygote_for(env)
+    if zygote is None:
         return None
-    return _CLIENT.fork(args, env, cwd or REPO_ROOT, log)
+    return zygote.fork(args, env, cwd or REPO_ROOT, log)
 
 
 if __name__ == "__main__":
