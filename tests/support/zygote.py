@@ -58,11 +58,7 @@ PRELOAD = (
     "celery.backends.redis",
     "kombu.transport.redis",
     "celery_singleton_lock",
-    # what the test apps import (none of it reads the environment at import time)
-    "tests.support.basic_app",
-    "tests.support.history",
-    "tests.support.chaos",
-)
+)  # not the test support modules: tests.support.basic_app makes its app at import
 
 #: pools that patch the standard library before anything else is imported
 PATCHING_POOLS = frozenset({"gevent", "eventlet"})
