@@ -476,7 +476,9 @@ def test_a_terminated_holder_still_gets_its_follow_up_published(
         worker, client_app, redis_client, key_prefix, TASK, key, 30, "after"
     )
     client_app.control.revoke(holder.id, terminate=True, signal=signum)
-    assert AsyncResult(follow_up, app=client_app).get(timeout=15)["payload"] == "after"
+    published = AsyncResult(follow_up, app=client_app)
+    wait_for(published.ready, 30, "the follow-up's run", worker)  # fails with the worker's log
+    assert published.get(timeout=1)["payload"] == "after"
     wait_for(lambda: holder.state == "REVOKED", 10, "the holder revoked", worker)
     log = worker.log_text()
     assert log.count("singleton: coalesced follow-up published after") == 1
