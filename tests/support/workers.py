@@ -25,6 +25,7 @@ from celery_singleton_lock._dev.process import (
     is_alive,
 )
 from tests.support import zygote
+from tests.support.zygote import REPO_ROOT
 
 __all__ = [
     "REPO_ROOT",
@@ -34,8 +35,6 @@ __all__ = [
     "group_members",
     "is_alive",
 ]
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess(DevProcess):
