@@ -417,7 +417,9 @@ def test_leader_keeps_leading_after_its_lock_redis_stalls_once(  # noqa: PLR0917
     # a claim the server ran after the stall whose reply was lost is the leader's own: taken
     # again at its next try, a second later (claim.lua), not after the publish lease
     sleep_until(resumed_at + 4)
-    for beat in beats:
+    # the leader last: it is the one publisher, so the end is its kill (killed first, the
+    # standby's kill a loaded second later was taken as the end, and a slot was required)
+    for beat in (standby, leader):
         beat.kill()
     end = max(b.killed_at or 0 for b in beats)
     time.sleep(DRAIN_S)
