@@ -231,25 +231,23 @@ def take_ended_joiners(task: Task, lock_key: str, ended: str) -> list[Joiner]:
         return []
 
 
-def complete_joiners(
+def complete_joiners(  # noqa: PLR0917 - the run that ended, its joiners, its outcome
     task: Task,
     lock_key: str,
     ended: str,
+    joiners: list[Joiner],
     state: str,
     retval: Any,
     *,
     send_events: EventSink | None,
-    taken: list[Joiner] | None = None,
 ) -> int:
-    """Complete the joiners of ``lock_key`` that the end of run ``ended`` takes (``taken``:
-    took already, :func:`take_ended_joiners`); how many. ``state``: SUCCESS with the value
-    ``retval``; FAILURE or REVOKED with the exception ``retval`` (each joiner ends in that
-    state, its error links called). Each completed joiner's task event (``task-succeeded``,
-    ``task-failed``, ``task-revoked``) goes to ``send_events`` (run/task_events.py), unless
-    that is None."""
+    """Complete ``joiners``, those of ``lock_key`` that the end of run ``ended`` took
+    (:func:`take_ended_joiners`); how many. ``state``: SUCCESS with the value ``retval``;
+    FAILURE or REVOKED with the exception ``retval`` (each joiner ends in that state, its error
+    links called). Each completed joiner's task event (``task-succeeded``, ``task-failed``,
+    ``task-revoked``) goes to ``send_events`` (run/task_events.py), unless that is None."""
     opts = task.singleton_options()
     run = store_for(opts.redis_url).run_script
-    joiners = take_ended_joiners(task, lock_key, ended) if taken is None else taken
     done: list[tuple[str, int]] = []
     for joiner in joiners:
         request = _completed(task, joiner, state, retval, lock_key, ended)

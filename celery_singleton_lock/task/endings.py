@@ -122,15 +122,9 @@ class RunEndings(Task):  # type: ignore[misc]
             ends = state in (states.SUCCESS, states.FAILURE) and not eager
             taken = take_ended_joiners(self, held.key, held.owner) if ends else []
             on_released(held, renewer.release_now(held), state)
-            if ends:
+            if taken:
                 complete_joiners(
-                    self,
-                    held.key,
-                    held.owner,
-                    state,
-                    retval,
-                    send_events=run_sink(self),
-                    taken=taken,
+                    self, held.key, held.owner, taken, state, retval, send_events=run_sink(self)
                 )
             return
         # A completion record must reach Redis before the message's acknowledgement, which
@@ -162,7 +156,8 @@ class RunEndings(Task):  # type: ignore[misc]
             keys = self.singleton_keys(args, kwargs)
         except SingletonKeyError:
             return
-        complete_joiners(self, keys.lock, task_id, state, exc, send_events=send_events)
+        taken = take_ended_joiners(self, keys.lock, task_id)
+        complete_joiners(self, keys.lock, task_id, taken, state, exc, send_events=send_events)
 
     def _singleton_follow_up(
         self, keys: LockKeys, reason: str, releaser: str | None = None

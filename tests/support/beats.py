@@ -20,10 +20,8 @@ from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
 
-from celery_singleton_lock._dev.process import ChildProcess, DevProcess
-from tests.support import zygote
 from tests.support.history import Execution
-from tests.support.workers import REPO_ROOT
+from tests.support.workers import REPO_ROOT, CeleryProcess
 
 _LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): (\w+)/([\w-]+)\] (.*)$")
 _PUBLISHED = re.compile(r"beat: published run: entry=(\S+) run=(\S+) task_id=(\S+)")
@@ -66,13 +64,8 @@ def parse_log(text: str) -> list[LogLine]:
     return lines
 
 
-class BeatProcess(DevProcess):
+class BeatProcess(CeleryProcess):
     """One ``celery beat`` subprocess."""
-
-    def _start(self, cwd: Path | str | None) -> ChildProcess:
-        """A fork of this process's zygote where that starts the same process (zygote.py)."""
-        forked = zygote.launch(self.args, self.env, cwd, self.log_path)
-        return super()._start(cwd) if forked is None else forked
 
     def __init__(  # noqa: PLR0917
         self,

@@ -17,6 +17,7 @@ from celery.exceptions import Ignore, Reject
 from celery_singleton_lock import SingletonTask
 from tests.support.basic_app import _client, history_key, make_app
 from tests.support.history import load_history, record_end, record_start
+from tests.support.waiting import wait_for
 
 __test__ = False
 
@@ -1191,11 +1192,8 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
         if not self.request.retries:
             client = _client(app.conf.singleton_test_redis_url)
             hkey = history_key(app.conf.singleton_test_prefix)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                if sum(e.key == key for e in load_history(client, hkey)) >= 2:
-                    break
-                time.sleep(0.02)
+            both = lambda: sum(e.key == key for e in load_history(client, hkey)) >= 2  # noqa: E731
+            wait_for(both, 10, "both first tries", fail=False)
             raise ValueError("the first try fails")
         return result
 

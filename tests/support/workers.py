@@ -29,6 +29,7 @@ from tests.support.zygote import REPO_ROOT
 
 __all__ = [
     "REPO_ROOT",
+    "CeleryProcess",
     "WorkerFactory",
     "WorkerProcess",
     "children_of",
@@ -37,13 +38,17 @@ __all__ = [
 ]
 
 
-class WorkerProcess(DevProcess):
-    """One ``celery worker`` subprocess."""
+class CeleryProcess(DevProcess):
+    """A ``python -m celery ...`` subprocess: a fork of this process's zygote where that starts
+    the same process (zygote.py), else a new one."""
 
     def _start(self, cwd: Path | str | None) -> ChildProcess:
-        """A fork of this process's zygote where that starts the same process (zygote.py)."""
         forked = zygote.launch(self.args, self.env, cwd, self.log_path)
         return super()._start(cwd) if forked is None else forked
+
+
+class WorkerProcess(CeleryProcess):
+    """One ``celery worker`` subprocess."""
 
     def __init__(  # noqa: PLR0917
         self,
