@@ -118,10 +118,13 @@ class RunEndings(Task):  # type: ignore[misc]
             return
         if opts.on_duplicate == "join":  # released now: the joiners complete at once
             # taken while the lock is held: a watch copy that takes the released lock finds
-            # its record gone and waits for its completion, instead of running itself
+            # its record gone and waits for its completion, instead of running itself; and
+            # again after the release: those that joined in the round trip between
             ends = state in (states.SUCCESS, states.FAILURE) and not eager
             taken = take_ended_joiners(self, held.key, held.owner) if ends else []
             on_released(held, renewer.release_now(held), state)
+            if ends:
+                taken += take_ended_joiners(self, held.key, held.owner)
             if taken:
                 complete_joiners(
                     self, held.key, held.owner, taken, state, retval, send_events=run_sink(self)

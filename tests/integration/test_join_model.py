@@ -1,14 +1,16 @@
 """Model-based test (hypothesis stateful) of the join scripts against real Redis: join.lua,
 take_joiners.lua and unjoin.lua beside a lock taken and let go by acquire.lua and release.lua.
 
-Runs take the lock, end (their end takes the joiners, then they release), die (their lock
-expires, nobody takes anything) or are ended by the worker's main process while they still
+Runs take the lock, end (their end takes the joiners, they release, and take them again:
+duplicates may join in between), die (their lock expires, nobody takes anything; also between
+their end's take and their release) or are ended by the worker's main process while they still
 hold the lock (a terminate, a hard time limit). Duplicates join the run they met (maybe gone
 by now); a joiner's watch copy arrives (it joins the holder again, or takes the free lock and
 runs in a dead holder's place); a joiner whose watch copy could not be published is withdrawn.
 
 After every step Redis holds the joiners the model says, each with the holder it joined last,
-and no joined call has ended twice. At the end every run ends and every watch copy comes: each
+no record names a run that released its lock (its end completed every joiner it had), and no
+joined call has ended twice. At the end every run ends and every watch copy comes: each
 joined call has then ended exactly once (completed by a run's end, or run itself).
 
 ``SINGLETON_MODEL_EXAMPLES`` and ``SINGLETON_MODEL_STEPS`` size the run as for
@@ -49,6 +51,8 @@ class JoinModel(RuleBasedStateMachine):
         self.run = self.store.run_script
         self.keys = lock_keys(self.namespace, "m.join", b"k")
         self.holder: str | None = None
+        self.ending: str | None = None  # the holder between its end's take and its release
+        self.released: set[str] = set()  # runs that released their lock
         self.runs: list[str] = []  # every run that held the lock, gone or not
         self.joined: dict[str, str] = {}  # joiner -> the holder its record names
         self.waiting: set[str] = set()  # joiners whose watch copy is still to come
@@ -88,11 +92,11 @@ class JoinModel(RuleBasedStateMachine):
             del self.joined[joiner.task_id]
         self.joined.pop(ended, None)
 
-    @precondition(lambda self: self.holder is not None)
+    @precondition(lambda self: self.holder is not None and self.ending is None)
     @rule(expire=st.booleans())
     def the_holder_lets_go(self, expire: bool) -> None:
-        """Its end's take, then its release (a watch copy that takes the free lock finds its
-        record gone); or its lock's expiry (its node died)."""
+        """Its end's first take (a watch copy that takes the freed lock finds its record
+        gone), its release coming next; or its lock's expiry (its node died)."""
         holder = self.holder
         assert holder is not None
         if expire:
@@ -100,10 +104,24 @@ class JoinModel(RuleBasedStateMachine):
             self.client.delete(self.keys.lock)
             return
         self._end_takes(holder)
-        self.holder = None
-        assert self.store.release(self.keys.lock, holder, 0) is ReleaseStatus.RELEASED
+        self.ending = holder
 
-    @precondition(lambda self: self.holder is not None)
+    @precondition(lambda self: self.ending is not None)
+    @rule(dies=st.booleans())
+    def the_ending_run_releases(self, dies: bool) -> None:
+        """Its release, then its end's second take (those that joined in between); or its
+        node dies before the release (its lock expires)."""
+        ending = self.ending
+        assert ending is not None
+        self.ending = self.holder = None
+        if dies:
+            self.client.delete(self.keys.lock)
+            return
+        assert self.store.release(self.keys.lock, ending, 0) is ReleaseStatus.RELEASED
+        self.released.add(ending)
+        self._end_takes(ending)
+
+    @precondition(lambda self: self.holder is not None and self.ending is None)
     @rule()
     def the_main_process_ends_the_holder(self) -> None:
         """A terminate or a hard time limit: its joiners end while it still holds the lock."""
@@ -160,11 +178,14 @@ class JoinModel(RuleBasedStateMachine):
             j: f"{met}|r-{j}".encode() for j, met in self.joined.items()
         }
         assert all(count == 1 for count in self.ended.values()), self.ended
+        assert not set(self.joined.values()) & self.released, self.joined
 
     def teardown(self) -> None:
         try:
-            for _ in range(4 * len(self.joiners) + 2):  # every run ends, every copy comes
-                if self.holder is not None:
+            for _ in range(6 * len(self.joiners) + 4):  # every run ends, every copy comes
+                if self.ending is not None:
+                    self.the_ending_run_releases(dies=False)
+                elif self.holder is not None:
                     self.the_holder_lets_go(expire=False)
                 elif self.waiting:
                     self._run_in_place(sorted(self.waiting)[0])
