@@ -280,6 +280,13 @@ def test_join_joins_a_running_run_else_waits_for_the_rate(
     client.rpush(go, "go")
     value = first.get(timeout=30)
     assert joined.get(timeout=30) == value
+    # its result is stored before its lock is released: a call in between would join it
+    wait_for(
+        lambda: not any(client.scan_iter(f"{module_prefix}*{{t.rate_join:*}}:lock")),
+        10,
+        "the first run's lock released",
+        *workers,
+    )
     again = app.send_task("t.rate_join", (tenant,)).get(timeout=30)
     later = app.send_task("t.rate_join", (tenant,)).get(timeout=30)  # within 1 s of again's
     assert skip_info(again) is None
