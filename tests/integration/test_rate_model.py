@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
@@ -56,6 +57,17 @@ class RateModel(_OnRedis):
         outcome = self.store.acquire(self.keys, owner, generation, TTL_MS, {"task": "m"})
         return outcome, before, self._now_ms()
 
+    def _recorded(self, owner: str, generation: int, before: int) -> int:
+        """The start time the rate record holds for ``owner:generation``, written at or after
+        ``before``. If this process was held off the CPU for a period meanwhile (a loaded
+        machine), the record may have expired before this read: the example is discarded."""
+        recorded = starts(self.client, self.keys.lock).get(f"{owner}:{generation}")
+        if recorded is None:
+            assert self._now_ms() - before >= PERIOD_MS - 1, (owner, generation, before)
+            assume(False)
+        assert recorded is not None
+        return recorded
+
     def _check_start(
         self, owner: str, generation: int, outcome: Any, before: int, after: int
     ) -> None:
@@ -72,7 +84,7 @@ class RateModel(_OnRedis):
             return
         assert isinstance(outcome, Acquired), outcome
         assert min(_in_window(times, before), _in_window(times, after)) < LIMIT, outcome
-        score = starts(self.client, self.keys.lock)[f"{owner}:{generation}"]
+        score = self._recorded(owner, generation, before)
         assert before <= score <= after
         self.history.append((owner, generation, score))
         if self.permits:
@@ -112,7 +124,7 @@ class RateModel(_OnRedis):
         if self._lock_refuses(owner, generation, outcome):
             return
         if latest is not None and isinstance(outcome, Acquired):
-            score = starts(self.client, self.keys.lock)[f"{owner}:{generation}"]
+            score = self._recorded(owner, generation, before)
             if score == latest:  # its start was still in the window: not counted again
                 assert latest > before - PERIOD_MS, (latest, before)
                 if self.permits:
