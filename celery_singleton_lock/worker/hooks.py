@@ -58,6 +58,7 @@ from kombu.utils.imports import symbol_by_name
 
 from ..beat.witness import witness_scheduled_run
 from ..core.arguments import check_key_args
+from ..core.backend import ReleaseStatus
 from ..core.connection import flush_releases
 from ..duplicates.rate import rate_text
 from ..errors import SingletonConfigError
@@ -189,20 +190,30 @@ def _release_after_child_loss(
         # else: the executing process reports its own run (its task_postrun releases)
         return
     generation = int(request.request_dict.get("retries") or 0)
-    if isinstance(exception, TimeLimitExceeded):  # its joiners fail as its own caller sees it
-        sender.singleton_end_joiners_for(
-            task_id,
-            args,
-            kwargs,
-            states.FAILURE,
-            exception,
-            send_events=run_sink(sender, request.request_dict),
-        )
     release = partial(sender.singleton_release_for, task_id, args, kwargs, generation, reason)
     if reason == "worker lost":
         release()
-    else:
-        _after_grace(release)
+        return
+    end_joiners = partial(  # its joiners fail as its own caller sees it
+        sender.singleton_end_joiners_for,
+        task_id,
+        args,
+        kwargs,
+        states.FAILURE,
+        exception,
+        send_events=run_sink(sender, request.request_dict),
+    )
+    end_joiners()
+    _after_grace(partial(_release_then_end_joiners, release, end_joiners))
+
+
+def _release_then_end_joiners(
+    release: Callable[[], ReleaseStatus | None], end_joiners: Callable[[], object]
+) -> None:
+    """``release`` a lost run's lock after the grace; if that freed it, ``end_joiners`` once
+    more: the duplicates that joined the run during the grace end as the others did."""
+    if release() is ReleaseStatus.RELEASED:
+        end_joiners()
 
 
 def _release_after_retried_loss(
@@ -241,7 +252,8 @@ def _release_after_terminate(
 ) -> None:
     if not (terminated and isinstance(sender, SingletonTask) and request is not None):
         return
-    sender.singleton_end_joiners_for(  # as its own caller sees it: REVOKED, terminated
+    end_joiners = partial(  # as its own caller sees it: REVOKED, terminated
+        sender.singleton_end_joiners_for,
         request.id,
         request.args,
         request.kwargs,
@@ -249,21 +261,21 @@ def _release_after_terminate(
         TaskRevokedError("terminated"),
         send_events=run_sink(sender, request),
     )
+    end_joiners()
     try:
         fatal = int(signum) in _FATAL_SIGNALS
     except (TypeError, ValueError):
         fatal = str(signum).upper() in {s.name for s in _FATAL_SIGNALS}
     if fatal:  # other signals leave the child alive; its own postrun releases
-        _after_grace(
-            partial(
-                sender.singleton_release_for,
-                request.id,
-                request.args,
-                request.kwargs,
-                request.retries,
-                "terminate",
-            )
+        release = partial(
+            sender.singleton_release_for,
+            request.id,
+            request.args,
+            request.kwargs,
+            request.retries,
+            "terminate",
         )
+        _after_grace(partial(_release_then_end_joiners, release, end_joiners))
 
 
 def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:

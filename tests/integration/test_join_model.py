@@ -4,7 +4,8 @@ take_joiners.lua and unjoin.lua beside a lock taken and let go by acquire.lua an
 Runs take the lock, end (their end takes the joiners, they release, and take them again:
 duplicates may join in between), die (their lock expires, nobody takes anything; also between
 their end's take and their release) or are ended by the worker's main process while they still
-hold the lock (a terminate, a hard time limit). Duplicates join the run they met (maybe gone
+hold the lock (a terminate, a hard time limit), which releases the lock after a grace and takes
+the joiners again. Duplicates join the run they met (maybe gone
 by now); a joiner's watch copy arrives (it joins the holder again, or takes the free lock and
 runs in a dead holder's place); a joiner whose watch copy could not be published is withdrawn.
 
@@ -53,6 +54,7 @@ class JoinModel(RuleBasedStateMachine):
         self.holder: str | None = None
         self.ending: str | None = None  # the holder between its end's take and its release
         self.released: set[str] = set()  # runs that released their lock
+        self.lost: set[str] = set()  # runs the main process ended (terminated, timed out)
         self.runs: list[str] = []  # every run that held the lock, gone or not
         self.joined: dict[str, str] = {}  # joiner -> the holder its record names
         self.waiting: set[str] = set()  # joiners whose watch copy is still to come
@@ -127,6 +129,20 @@ class JoinModel(RuleBasedStateMachine):
         """A terminate or a hard time limit: its joiners end while it still holds the lock."""
         assert self.holder is not None
         self._end_takes(self.holder)
+        self.lost.add(self.holder)
+
+    @precondition(lambda self: self.holder in self.lost and self.ending is None)
+    @rule()
+    def the_main_process_releases_the_lost_run(self) -> None:
+        """After the grace: it releases the lost run's lock, then takes the joiners once more
+        (those that joined during the grace)."""
+        holder = self.holder
+        assert holder is not None
+        self.holder = None
+        status = self.store.release_lost(self.keys.lock, holder, 0)
+        assert status is ReleaseStatus.RELEASED
+        self.released.add(holder)
+        self._end_takes(holder)
 
     # -- joiners ---------------------------------------------------------------------------
 
