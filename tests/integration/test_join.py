@@ -389,6 +389,42 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
         capture.stop()
 
 
+@pytest.mark.slow(seconds=7)
+def test_a_duplicate_that_joins_a_killed_holder_during_the_grace_ends_with_it(
+    worker_factory: WorkerFactory,
+    client_app: Celery,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """``revoke(terminate=True, signal="SIGKILL")``: the main process ends the holder's joiners
+    at once (REVOKED), and releases its lock after a grace (3 s here) for the child to die. A
+    duplicate that joins the dead run during the grace ends REVOKED too: the release takes the
+    joiners once more. It does not run itself when its watch copy finds the lock free, up to
+    one ttl (10 s) later."""
+    worker = worker_factory.start(
+        SINGLETON_APP,
+        concurrency=2,
+        env={"SINGLETON_TEST_CHILD_GRACE_S": "3", "SINGLETON_TEST_TTL": "10"},
+    )
+    worker.wait_ready(client_app)
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    join = client_app.signature("t.join")
+    holder = join.clone((key, -1, "never")).apply_async()
+    lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
+    client_app.control.revoke(
+        holder.id, terminate=True, signal="SIGKILL", destination=[worker.nodename]
+    )
+    wait_for(lambda: holder.state == "REVOKED", 20, "the holder REVOKED", worker)
+    assert redis_client.exists(lock), "released before the grace"
+    late = join.clone((key, 0, "not run")).apply_async()
+    worker.wait_for_log(rf"duplicate joined: t\.join\[{late.id}\]")
+    wait_for(lambda: late.state in ("REVOKED", "SUCCESS"), 20, "the late joiner's end", worker)
+    assert late.state == "REVOKED", (late.state, late.result, worker.log_tail())
+    assert type(late.result) is type(holder.result), (late.result, holder.result)
+    assert _runs(redis_client, key_prefix, key) == 1
+    assert not redis_client.exists(joiners_key(lock))
+
+
 @pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("completed", [False, True])
 def test_a_watch_copy_whose_joiner_is_being_completed_checks_again_before_running(
