@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,17 +106,34 @@ def bed(tmp_path: Path, redis_url: str, crons_worker: tuple[str, WorkerProcess])
         client.close()
 
 
+def killed(beat: BeatProcess) -> tuple[float, float]:
+    """The moment ``beat`` was SIGKILLed, as a stop window for :func:`check_one_checkin_per_run`."""
+    assert beat.killed_at is not None, beat
+    return beat.killed_at, beat.killed_at
+
+
+def terminate(*beats: BeatProcess) -> tuple[float, float]:
+    """SIGTERM each of ``beats`` and wait for its exit: from the first SIGTERM to the last exit,
+    a stop window for :func:`check_one_checkin_per_run`."""
+    told = time.time()
+    for beat in beats:
+        beat.terminate()
+    return told, time.time()
+
+
 def check_one_checkin_per_run(
-    bed: Bed, publishers: dict[str, int], killed: BeatProcess | None = None
+    bed: Bed, publishers: dict[str, int], stops: Sequence[tuple[float, float]] = ()
 ) -> list[CheckIn]:
     """Wait until every in-progress check-in is closed, then check: per check-in id one
     in-progress (from a beat) and one closing check-in (from the worker, naming its run); per
     run one id; each in-progress sent by the beat that logged the run as published
     (``publishers``: run label -> beat pid, for the runs logged). The check-ins, returned.
 
-    A beat SIGKILLed (``killed``) right after a batch went out, before the batch's check-ins,
-    leaves those runs with their closing check-in alone: allowed for runs of the last slot
-    before the kill."""
+    A beat that stops right after a batch went out, before the batch's check-ins, leaves those
+    runs with their closing check-in alone (docs/beat.md): a SIGKILL, and also a SIGTERM, whose
+    SystemExit (Celery beat's warm shutdown) may come between the two. Allowed for runs of the
+    last slot before a stop: ``stops`` are (from, to) windows in which beats were killed or
+    told to stop (:func:`killed`, :func:`terminate`)."""
 
     def all_closed() -> list[CheckIn] | None:
         checkins = bed.checkins()
@@ -133,11 +150,11 @@ def check_one_checkin_per_run(
     for check_in_id, its in by_id.items():
         started = [c for c in its if c.status == "in_progress"]
         closed = [c for c in its if c.status != "in_progress"]
-        if not started and killed is not None and killed.killed_at is not None:
+        if not started and stops:
             assert len(closed) == 1, detail
             assert closed[0].run is not None, detail
             nominal = int(closed[0].run.rsplit("@", 1)[1]) / 1000
-            assert killed.killed_at - 2.5 < nominal <= killed.killed_at, detail
+            assert any(begin - 2.5 < nominal <= end for begin, end in stops), (stops, detail)
             continue
         assert len(started) == 1, detail
         assert started[0].role == "beat", detail
@@ -214,9 +231,9 @@ def test_three_beats_one_dying_before_publishing_one_killed(bed: Bed) -> None:
         first,
     )
     wait_for_duplicates(bed)
-    first.terminate()
+    stops = [killed(second), terminate(first)]
     beats = [first, second, victim]
-    checkins = check_one_checkin_per_run(bed, published_by(beats), killed=second)
+    checkins = check_one_checkin_per_run(bed, published_by(beats), stops)
     # the victim's check-ins: the runs it published before the fatal one, none for that one
     from_victim = [c for c in checkins if c.pid == victim.pid]
     assert len(from_victim) == len([p for p in victim.published() if p.entry in ENTRIES])
@@ -247,9 +264,8 @@ def test_leader_mode_only_the_leader_checks_in(bed: Bed) -> None:
     second = wait_for(leader, 20, "a standby to take over", *beats)
     wait_for(lambda: runs_of(second) >= 2, 20, "the new leader's runs", second)
     wait_for_duplicates(bed)
-    for beat in beats:
-        beat.terminate()
-    checkins = check_one_checkin_per_run(bed, published_by(beats), killed=first)
+    stops = [killed(first), terminate(*beats)]
+    checkins = check_one_checkin_per_run(bed, published_by(beats), stops)
     pids = {c.pid for c in checkins if c.status == "in_progress"}
     assert pids <= {first.pid, second.pid}
     assert second.pid in pids
@@ -267,8 +283,7 @@ def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(
     published = wait_for(
         lambda: [p for p in beat.published() if p.entry == "crons-record"], 20, "a run", beat
     )[0]
-    beat.terminate()
-    check_one_checkin_per_run(bed, published_by([beat]))
+    check_one_checkin_per_run(bed, published_by([beat]), [terminate(beat)])
     check_in_id = uuid.uuid4().hex
     app = make_app(redis_url, bed.prefix)
     try:
