@@ -229,8 +229,8 @@ from tests.support.chaos import configure_visibility, deliveries_key  # noqa: E4
 if os.environ.get("SINGLETON_TEST_VISIBILITY"):
     configure_visibility(app, float(os.environ["SINGLETON_TEST_VISIBILITY"]))
 
-# SINGLETON_TEST_CHILD_GRACE_S=<s>: the worker's main process waits <s> seconds (0.5 s by
-# default), not 0.5, before it releases the lock of a run whose child it killed or timed out.
+# SINGLETON_TEST_CHILD_GRACE_S=<s>: the worker's main process waits <s> seconds, not the
+# default 0.5 s, before it releases the lock of a run whose child it killed or timed out.
 if os.environ.get("SINGLETON_TEST_CHILD_GRACE_S"):
     from celery_singleton_lock.worker import hooks as _hooks
 
