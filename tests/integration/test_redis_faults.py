@@ -345,13 +345,13 @@ def test_slow_lock_redis_delays_but_keeps_the_lock(stall: str, bed: Bed) -> None
         # the first renewal comes 2 s after the acquire; stall from 1.5 s before the next one
         wait_for(lambda: renewed_after_ms(lock_client, key) > 1000, 5, "renewal 1", worker)
         time.sleep(1.5)
-        ended, duplicate, other = _stall(stall, server, lock_client, bed.app, seconds=2.0)
+        woken_after, duplicate, other = _stall(stall, server, lock_client, bed.app, seconds=2.0)
 
         assert skip_info(get(duplicate, worker)).holder == holder.id  # type: ignore[union-attr]
         other_value = get(other, worker)
         assert isinstance(other_value["token"], int)
         (other_run,) = bed.runs("slow-other")
-        assert other_run.start_us / 1e6 >= ended - 0.05  # it waited for the stall
+        assert other_run.start_us / 1e6 >= woken_after - 0.05  # it waited for the stall
 
         # renewal 1 landed 2 s after the acquire; the late one 4 s or more after it
         wait_for(lambda: renewed_after_ms(lock_client, key) > 3000, 5, "the late one", worker)
@@ -372,23 +372,46 @@ def _stall(
 ) -> tuple[float, AsyncResult, AsyncResult]:
     """Stall ``server`` for ``seconds``, sending a duplicate and a run of another key meanwhile.
 
-    Returns when the stall ended (epoch seconds), the duplicate and the other run.
+    Returns a time the stall cannot have ended before (epoch seconds: when the stall was asked
+    for, plus ``seconds``; a test process held off the CPU reads it late, never early), the
+    duplicate and the other run.
     """
     if how == "debug-sleep":
-        thread = threading.Thread(
-            target=client.execute_command, args=("DEBUG", "SLEEP", seconds), daemon=True
-        )
+        asked = threading.Event()
+        began = 0.0
+
+        def sleep() -> None:
+            nonlocal began
+            began = time.time()
+            asked.set()
+            client.execute_command("DEBUG", "SLEEP", seconds)
+
+        thread = threading.Thread(target=sleep, daemon=True)
         thread.start()
-        time.sleep(0.2)  # the server is asleep now
+        asked.wait(5)
+        wait_for(lambda: _asleep(server), seconds / 2, "the server asleep")
         sent = hold(app, "slow", 0.0), hold(app, "slow-other", 0.2)
         thread.join()
-    else:
-        server.pause()
-        time.sleep(0.2)
-        sent = hold(app, "slow", 0.0), hold(app, "slow-other", 0.2)
-        time.sleep(seconds - 0.2)
-        server.resume()
-    return time.time(), *sent
+        return began + seconds, *sent
+    server.pause()
+    time.sleep(0.2)
+    sent = hold(app, "slow", 0.0), hold(app, "slow-other", 0.2)
+    time.sleep(seconds - 0.2)
+    resumed = time.time()  # before SIGCONT: the server wakes after it
+    server.resume()
+    return resumed, *sent
+
+
+def _asleep(server: RedisServer) -> bool:
+    """Whether ``server`` leaves a PING unanswered for 0.1 s (its kernel still accepts)."""
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.1)
+    try:
+        probe.ping()
+    except redis.TimeoutError:
+        return True
+    finally:
+        probe.close()
+    return False
 
 
 # -- 6. authentication and TLS errors hide the password --------------------------------------
