@@ -26,8 +26,6 @@ from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler, Service
 from celery.schedules import crontab
 from celery.utils.imports import symbol_by_name
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 import celery_singleton_lock
 from celery_singleton_lock.beat.claims import RUN_HEADER
@@ -38,7 +36,7 @@ from celery_singleton_lock.beat.scheduler import (
 )
 from celery_singleton_lock.core._wire import script
 from celery_singleton_lock.core.keys import leader_keys
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, server_busy
 from tests.support.waiting import wait_for
 
 INTERVAL = "remote-every-10s"
@@ -411,18 +409,6 @@ local stop = t[1] * 1000000 + t[2] + ARGV[1] * 1000
 repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] >= stop
 return 1
 """
-
-
-def server_busy(url: str) -> bool:
-    """True if the server at ``url`` does not answer a PING within 50 ms."""
-    probe = redis.Redis.from_url(url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
-    try:
-        probe.ping()
-    except redis.TimeoutError:
-        return True
-    finally:
-        probe.close()
-    return False
 
 
 def test_leader_whose_acquire_reply_was_lost_takes_its_lease(

@@ -30,7 +30,7 @@ from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
 from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import Execution, assert_no_overlap, check_history, load_history
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, server_busy
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -389,7 +389,8 @@ def _stall(
         thread = threading.Thread(target=sleep, daemon=True)
         thread.start()
         asked.wait(5)
-        wait_for(lambda: _asleep(server), seconds / 2, "the server asleep")
+        # a PING unanswered for 0.2 s: asleep, not merely slow on a loaded machine
+        wait_for(lambda: server_busy(server.url, 0.2), seconds / 2, "the server asleep")
         sent = hold(app, "slow", 0.0), hold(app, "slow-other", 0.2)
         thread.join()
         return began + seconds, *sent
@@ -400,18 +401,6 @@ def _stall(
     resumed = time.time()  # before SIGCONT: the server wakes after it
     server.resume()
     return resumed, *sent
-
-
-def _asleep(server: RedisServer) -> bool:
-    """Whether ``server`` leaves a PING unanswered for 0.1 s (its kernel still accepts)."""
-    probe = redis.Redis.from_url(server.url, socket_timeout=0.1)
-    try:
-        probe.ping()
-    except redis.TimeoutError:
-        return True
-    finally:
-        probe.close()
-    return False
 
 
 # -- 6. authentication and TLS errors hide the password --------------------------------------

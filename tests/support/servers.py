@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 import signal
 
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from celery_singleton_lock._dev.server import (
     DEFAULT_ORDER,
     DevServer,
@@ -140,3 +144,16 @@ class RedisServer(DevServer):
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
         return f"<RedisServer {self.url} pid={self.pid} {state}>"
+
+
+def server_busy(url: str, timeout_s: float = 0.05) -> bool:
+    """True if the server at ``url`` does not answer a PING within ``timeout_s`` (asleep,
+    stopped or in a long script: its kernel still accepts the connection)."""
+    probe = redis.Redis.from_url(url, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    try:
+        probe.ping()
+    except redis.TimeoutError:
+        return True
+    finally:
+        probe.close()
+    return False
