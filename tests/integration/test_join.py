@@ -331,6 +331,7 @@ def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     first = join.clone((key, 0, "first")).apply_async()
     second = join.clone((key, 0, "second")).apply_async()
     _joined(redis_client, lock, 2, survivor)
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", doomed)
     doomed.kill()
 
     values = {first.get(timeout=30), second.get(timeout=30)}
@@ -372,6 +373,8 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
         joined = join.clone((key, 0, "not run")).apply_async()
         _joined(redis_client, lock, 1, worker)
         if how == "revoke":
+            # the lock is taken before the body starts: a run ended before it would record none
+            wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
             client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
         expected = "REVOKED" if how == "revoke" else "FAILURE"
         wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
@@ -411,6 +414,8 @@ def test_a_duplicate_that_joins_a_killed_holder_during_the_grace_ends_with_it(
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "never")).apply_async()
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
+    # the lock is taken before the body starts: a child killed before it records no run
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
     client_app.control.revoke(
         holder.id, terminate=True, signal="SIGKILL", destination=[worker.nodename]
     )
