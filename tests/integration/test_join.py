@@ -61,6 +61,14 @@ def _runs(redis_client: redis.Redis, key_prefix: str, key: str) -> int:
     return len([e for e in history if e.key == key])
 
 
+def _wait_started(
+    redis_client: redis.Redis, key_prefix: str, key: str, worker: WorkerProcess
+) -> None:
+    """Wait for the holder's body to record its start. Its lock is no proof: it is taken
+    before the body starts, and a holder killed in between records no run."""
+    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+
+
 @pytest.mark.slow(seconds=8)
 @pytest.mark.parametrize("pool", POOLS)
 def test_joined_duplicates_end_with_the_holders_value_and_their_canvas_goes_on(
@@ -331,7 +339,7 @@ def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     first = join.clone((key, 0, "first")).apply_async()
     second = join.clone((key, 0, "second")).apply_async()
     _joined(redis_client, lock, 2, survivor)
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", doomed)
+    _wait_started(redis_client, key_prefix, key, doomed)
     doomed.kill()
 
     values = {first.get(timeout=30), second.get(timeout=30)}
@@ -373,8 +381,7 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
         joined = join.clone((key, 0, "not run")).apply_async()
         _joined(redis_client, lock, 1, worker)
         if how == "revoke":
-            # the lock is taken before the body starts: a run ended before it would record none
-            wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+            _wait_started(redis_client, key_prefix, key, worker)
             client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
         expected = "REVOKED" if how == "revoke" else "FAILURE"
         wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
@@ -414,8 +421,7 @@ def test_a_duplicate_that_joins_a_killed_holder_during_the_grace_ends_with_it(
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "never")).apply_async()
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
-    # the lock is taken before the body starts: a child killed before it records no run
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    _wait_started(redis_client, key_prefix, key, worker)
     client_app.control.revoke(
         holder.id, terminate=True, signal="SIGKILL", destination=[worker.nodename]
     )
@@ -488,7 +494,7 @@ def test_a_duplicate_joins_over_every_store(  # noqa: PLR0917 - fixtures
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, store)).apply_async()
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    _wait_started(redis_client, key_prefix, key, worker)
     joined = join.clone((key, 0, "not run")).apply_async()
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     redis_client.rpush(f"{key}:go", 1)
@@ -510,7 +516,7 @@ def test_a_joined_call_that_expires_while_it_waits_ends_revoked(
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "late")).apply_async()
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    _wait_started(redis_client, key_prefix, key, worker)
     joined = join.clone((key, 0, "not run")).apply_async(expires=2.0)
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     wait_for(lambda: joined.state == "REVOKED", 20, "the joined call to expire", worker)
@@ -543,7 +549,7 @@ def test_a_call_refused_at_publish_and_one_joined_on_the_worker_agree(
     key = f"k-{uuid.uuid4().hex[:8]}"
     after = client_app.signature("t.join_next")
     holder = join_both.delay(key, -1, "v")
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
+    _wait_started(redis_client, key_prefix, key, worker)
     refused = join_both.delay(key, 0, "not run")
     linked = join_both.apply_async((key, 0, "not run"), link=after.clone(kwargs={"tag": "link"}))
     chained = chain(join_both.s(key, 0, "not run"), after.clone(kwargs={"tag": "chain"}))()

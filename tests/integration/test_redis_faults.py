@@ -377,18 +377,15 @@ def _stall(
     duplicate and the other run.
     """
     if how == "debug-sleep":
-        asked = threading.Event()
         began = 0.0
 
         def sleep() -> None:
             nonlocal began
-            began = time.time()
-            asked.set()
+            began = time.time()  # read after the join below
             client.execute_command("DEBUG", "SLEEP", seconds)
 
         thread = threading.Thread(target=sleep, daemon=True)
         thread.start()
-        asked.wait(5)
         # a PING unanswered for 0.2 s: asleep, not merely slow on a loaded machine
         wait_for(lambda: server_busy(server.url, 0.2), seconds / 2, "the server asleep")
         sent = hold(app, "slow", 0.0), hold(app, "slow-other", 0.2)

@@ -180,14 +180,13 @@ def test_worker_runs_over_redlock_and_survives_a_dead_master(
             # the takes run side by side: master 1 may show it before the others do. A majority
             # comes to hold it; a master slower than the fan-out's bounded wait (a busy machine)
             # may not, and the run goes on on the others
-            wait_for(
-                lambda: holders().count(first.id) >= 2,
+            held = wait_for(
+                lambda: (h := holders()).count(first.id) >= 2 and h,
                 30,
                 "the first run's lock on a majority of the masters",
                 worker,
                 details=lambda: f"holders: {holders()}",
             )
-            held = holders()
             assert set(held) <= {first.id, None}, held
             duplicate = app.send_task("t.hold", kwargs={"key": "rl", "seconds": 0})
             info = skip_info(duplicate.get(timeout=30))
