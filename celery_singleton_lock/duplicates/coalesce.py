@@ -31,16 +31,29 @@ from celery import Task
 from celery.app.task import Context
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
+from kombu.utils.uuid import uuid
 
 from .. import signals
-from ..core.keys import LockKeys
-from ..core.pending import Run, put_back, superseded_by, take_pending
+from ..core._wire import as_text
+from ..core.backend import Contended, RateLimited
+from ..core.connection import store_for
+from ..core.keys import LockKeys, beside, keys_of
+from ..core.pending import Run, leave_pending, put_back, superseded_by, take_pending
+from ..core.renewer import HeldLock, Renewer
 from ..run.callrepr import REPR_OPTIONS, reprs_of, request_field
+from ..run.events import on_released
+from ..run.log import LOGGED_ERRORS, about
+from ..run.log import logger as task_logger
+from ..settings.options import Options
 from .canvas import store_skip
+from .copies import FOLLOW_UP_HEADER, is_follow_up
+from .policy import Action, Call, Fate, Policy, Why
+from .retry import RetryPolicy
 from .skips import skip_marker
 
 __all__ = [
     "FOLLOW_UP_HEADER",
+    "CoalescePolicy",
     "Taken",
     "call_record",
     "is_follow_up",
@@ -48,15 +61,175 @@ __all__ = [
     "task_dumps",
 ]
 
-#: Message header of a published follow-up. A follow-up that meets a run holding its lock (with
-#: permits: a full set of slots) is not coalesced again: that run (one of them) took its slot
-#: after the follow-up's call was taken (only a release that left a slot free takes it), so
-#: after every duplicate the follow-up carries; it is newer, and the follow-up ends like a skip
-#: naming it. Coalesced again, its older call would overwrite a newer one left beside that run,
-#: or run after it.
-FOLLOW_UP_HEADER = "singleton_follow_up"
-
 logger = logging.getLogger(__name__)
+
+#: What a duplicate that cannot be coalesced meets: Redis down, or no serializer the app accepts
+#: keeps its call's key; it is requeued instead.
+_COALESCE_ERRORS: tuple[type[Exception], ...] = (*LOGGED_ERRORS, EncodeError)
+
+
+class CoalescePolicy(Policy):
+    """Duplicates met while a run holds the key collapse into one follow-up run."""
+
+    name = "coalesce"
+    ends_in_front = True
+    owes_waiting_calls = True
+
+    def refuse(self, opts: Options) -> str | None:
+        if opts.lock_on != "execute":
+            return (
+                "singleton_on_duplicate 'coalesce' needs singleton_lock_on 'execute' (a "
+                "duplicate is coalesced where it runs)"
+            )
+        if opts.lock_at_least > 0:
+            return (
+                "singleton_on_duplicate 'coalesce' does not go with singleton_lock_at_least (a "
+                "burst met in the window would give two runs after it, not one follow-up); use "
+                "'skip' or 'retry' with a window, or coalesce without one"
+            )
+        return None
+
+    def on_contended(self, call: Call, held: Contended, opts: Options) -> Action:
+        if call.follow_up:  # never coalesced again: a newer run holds the key, it ends a skip
+            return Action(Fate.SKIP, Why.DUPLICATE, holder=held.holder, policy=self.name)
+        return Action(Fate.POLICY, Why.DUPLICATE, holder=held.holder, policy=self.name)
+
+    def over_rate(self, call: Call, held: RateLimited, opts: Options) -> Action:
+        wait = held.pttl_ms / 1000
+        if call.eager:
+            return Action(Fate.RAISE, Why.RATE, wait, held.holder, policy=self.name)
+        if call.requeued or call.follow_up:  # the key's follow-up already: never dropped
+            return Action(Fate.REQUEUE, Why.RATE, wait, held.holder, policy=RetryPolicy.name)
+        return Action(Fate.POLICY, Why.RATE, wait, held.holder, policy=self.name)
+
+    def carry_out(
+        self, task: Any, action: Action, keys: LockKeys, held: Contended, request: Any
+    ) -> Action:
+        """Leave the call as the key's one follow-up (over the rate: the first call is the
+        follow-up, requeued to the next allowed start; the others name it); skipped when left,
+        requeued when it could not be (never dropped)."""
+        if action.why is Why.RATE:
+            return self._over_rate(task, action, keys, held, request)
+        left = leave_call(task, keys, held.holder, request)
+        if isinstance(left, str):
+            return Action(Fate.SKIP, Why.DUPLICATE, 0.0, held.holder, left, self.name)
+        return Action(Fate.REQUEUE, Why.DUPLICATE, left, held.holder, policy=self.name)
+
+    def _over_rate(
+        self, task: Any, action: Action, keys: LockKeys, held: Contended, request: Any
+    ) -> Action:
+        task_id = str(request_field(request, "id"))
+        follow_up = _rate_follow_up(task, keys, held, task_id)
+        if follow_up == task_id:  # this call is the key's one follow-up: at the next start
+            return Action(
+                Fate.REQUEUE, Why.RATE, action.countdown, held.holder, policy=RetryPolicy.name
+            )
+        return Action(Fate.SKIP, Why.RATE, action.countdown, held.holder, follow_up, self.name)
+
+    def release(
+        self,
+        task: Any,
+        held: HeldLock,
+        renewer: Renewer,
+        state: str,
+        *,
+        eager: bool,
+        retval: Any = None,
+    ) -> None:
+        """Released now, not written ahead: the follow-up goes out at once."""
+        on_released(held, renewer.release_now(held), state)
+        opts = task.singleton_options()
+        self.after_release(task, keys_of(held.key, opts.permits), state, held.owner)
+
+    def after_release(
+        self, task: Any, keys: LockKeys, reason: str, releaser: str | None = None
+    ) -> None:
+        """Publish the key's pending follow-up, if it has one and a slot is free."""
+        try:
+            publish_follow_up(
+                task,
+                store_for(task.singleton_options().redis_url).run_script,
+                keys,
+                reason,
+                releaser,
+            )
+        except LOGGED_ERRORS as exc:
+            task_logger.warning(
+                "singleton: could not take coalesced follow-up, it waits for the next release "
+                "or purge: %s key=%s: %s",
+                task.name,
+                keys.lock,
+                exc,
+                extra=about(task.name, ""),
+            )
+
+
+def leave_call(task: Any, keys: LockKeys, holder: str, request: Any) -> str | float:
+    """Leave the call of ``request`` (a Context, or the dict a worker's tracer gets) as the
+    follow-up of ``keys`` while ``holder`` still holds it: the follow-up's task id when left.
+
+    Else the countdown to requeue the call after, never dropping it: the holder let go meanwhile
+    (at once, or after an at-least window's end: it then takes the lock or meets its new
+    holder), or Redis failed, or no serializer the app accepts keeps the call's key
+    (``retry_countdown``). Left, the call's message is recorded as completed (as a run's
+    release records it): the follow-up carries its call, so a broker's copy of it is dropped."""
+    opts: Options = task.singleton_options()
+    task_id = str(request_field(request, "id"))
+    args = request_field(request, "args") or ()
+    kwargs = request_field(request, "kwargs") or {}
+    retries = int(request_field(request, "retries") or 0)
+    completion_ms = round(opts.completion_ttl_of(bool(request_field(request, "eta"))) * 1000)
+    try:
+        left = leave_pending(
+            store_for(opts.redis_url).run_script,
+            keys,
+            holder,
+            uuid(),
+            call_record(task, request, args, kwargs, keys.lock),
+            (task_id, retries, completion_ms),
+        )
+    except _COALESCE_ERRORS as exc:
+        task_logger.warning(
+            "singleton: could not coalesce duplicate, requeued: %s[%s] key=%s: %s",
+            task.name,
+            task_id,
+            keys.lock,
+            exc,
+            extra=about(task.name, task_id),  # called in front of Celery's tracer too
+        )
+        return float(opts.retry_countdown)
+    if left.follow_up is None:
+        task_logger.info(
+            "singleton: holder let go before coalescing, requeued: %s[%s] key=%s holder=%s",
+            task.name,
+            task_id,
+            keys.lock,
+            holder,
+            extra=about(task.name, task_id),
+        )
+        return max(left.pttl_ms, 0) / 1000 if left.finished else 0.0
+    return left.follow_up
+
+
+def _rate_follow_up(task: Any, keys: LockKeys, held: Contended, task_id: str) -> str:
+    """The key's follow-up at its next allowed start: this call's task id when there is none
+    yet (it is one now, until that moment), else the one there is. This call's when Redis
+    cannot be asked: requeued, never dropped."""
+    key = beside(keys.lock, "rate_next")
+    try:
+        found = store_for(task.singleton_options().redis_url).client.set(
+            key, task_id, nx=True, px=max(held.pttl_ms, 1), get=True
+        )
+    except LOGGED_ERRORS as exc:
+        task_logger.warning(
+            "singleton: could not coalesce a run over the rate limit, retried: %s[%s] key=%s: %s",
+            task.name,
+            task_id,
+            keys.lock,
+            exc,
+        )
+        return task_id
+    return task_id if found is None else as_text(found)  # type: ignore[arg-type]
 
 
 def call_record(
@@ -291,13 +464,3 @@ def _put_back(
 
 #: The delivery fields a follow-up is sent by (the latest duplicate's)
 _ROUTE = ("exchange", "routing_key")
-
-
-def is_follow_up(request: Any) -> bool:
-    """Whether the message of ``request`` (a Context, or the dict a worker's tracer gets) is a
-    published follow-up (:data:`FOLLOW_UP_HEADER`: a field of a worker's request, in the
-    ``headers`` of an eager one)."""
-    if request_field(request, FOLLOW_UP_HEADER) is True:
-        return True
-    headers = request_field(request, "headers")
-    return isinstance(headers, Mapping) and headers.get(FOLLOW_UP_HEADER) is True

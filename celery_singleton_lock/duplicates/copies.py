@@ -1,5 +1,5 @@
 """A copy of a message the library publishes again: a requeued duplicate, a joiner's watch
-copy, a debounced call's wait.
+copy, a debounced call's wait; and the headers by which the library knows its own messages.
 
 Each is the message of a request published again as ``retry()`` would (the same task id,
 retries count and canvas; ``argsrepr``/``kwargsrepr`` as its caller had Celery show them, in
@@ -10,6 +10,7 @@ a debounced call waiting for the lock is still that call) and any given added.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,13 +18,35 @@ from celery import Task
 from celery.app.task import Context
 
 from ..publish.dedup import seconds_until
-from ..run.callrepr import copy_options
+from ..run.callrepr import copy_options, request_field
 
-__all__ = ["DEBOUNCE_HEADER", "publish_copy", "seconds_left"]
+__all__ = [
+    "DEBOUNCE_HEADER",
+    "FOLLOW_UP_HEADER",
+    "WAITING_HEADER",
+    "is_follow_up",
+    "publish_copy",
+    "seconds_left",
+    "waited",
+    "waiting_since",
+]
 
 #: Message header of a debounced call's waiting copy (duplicates/debounce.py): the call's
 #: retries count when it started to wait. Every copy of that message keeps it.
 DEBOUNCE_HEADER = "singleton_debounced"
+
+#: Message header of a coalesced follow-up (duplicates/coalesce.py). A follow-up that meets a
+#: run holding its lock (with permits: a full set of slots) is not coalesced again: that run
+#: took its slot after the follow-up's call was taken (only a release that left a slot free
+#: takes it), so after every duplicate the follow-up carries; it is newer, and the follow-up
+#: ends like a skip naming it. Coalesced again, its older call would overwrite a newer one left
+#: beside that run, or run after it.
+FOLLOW_UP_HEADER = "singleton_follow_up"
+
+#: Message header of a duplicate requeued to wait for its lock: ``[first requeue, retries]``,
+#: the wall clock (epoch s) of its first requeue and its retries count then. The run that
+#: finally takes the lock reports the wait (``lock_acquired``'s ``waited``).
+WAITING_HEADER = "singleton_waiting_since"
 
 #: The headers of the library that a copy of a message keeps.
 _CARRIED = (DEBOUNCE_HEADER,)
@@ -48,3 +71,33 @@ def seconds_left(expires: Any) -> float | None:
         return seconds_until(expires or None)
     except ValueError:
         return None
+
+
+def is_follow_up(request: Any) -> bool:
+    """Whether the message of ``request`` (a Context, or the dict a worker's tracer gets) is a
+    published follow-up (:data:`FOLLOW_UP_HEADER`: a field of a worker's request, in the
+    ``headers`` of an eager one)."""
+    if request_field(request, FOLLOW_UP_HEADER) is True:
+        return True
+    headers = request_field(request, "headers")
+    return isinstance(headers, Mapping) and headers.get(FOLLOW_UP_HEADER) is True
+
+
+def waiting_since(request: Any) -> list[float] | None:
+    """This delivery's :data:`WAITING_HEADER`, if it is a requeued duplicate of this retry."""
+    value = request_field(request, WAITING_HEADER)
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    try:
+        since, retries = float(value[0]), int(value[1])
+    except (TypeError, ValueError):  # not ours: never fail a run over a header
+        return None
+    if retries != int(request_field(request, "retries") or 0):  # a later self.retry() carried it
+        return None
+    return [since, retries]
+
+
+def waited(request: Any) -> float | None:
+    """Seconds since this message was first requeued to wait for its lock, or None."""
+    since = waiting_since(request)
+    return None if since is None else max(0.0, time.time() - since[0])

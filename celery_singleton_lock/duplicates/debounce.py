@@ -32,10 +32,47 @@ from ..core.debounce import Verdict, debounce
 from ..core.keys import LockKeys
 from ..run.log import LOGGED_ERRORS, logger
 from ..run.task_events import run_sink
-from .coalesce import is_follow_up
-from .copies import DEBOUNCE_HEADER, publish_copy
+from ..settings.options import Options
+from .copies import DEBOUNCE_HEADER, is_follow_up, publish_copy
+from .policy import WAIT, Action, Fate, Part, Why, modifier
 
-__all__ = ["DEBOUNCE_HEADER", "debounced"]
+__all__ = ["DEBOUNCE_HEADER", "Debounce", "debounced"]
+
+
+class Debounce(Part):
+    """A burst of calls of a key runs once, after its last call."""
+
+    setting = "singleton_debounce"
+
+    def applies(self, opts: Options) -> bool:
+        return opts.debounce is not None or opts.debounce_max is not None
+
+    def refuse(self, opts: Options) -> str | None:
+        window, cap = opts.debounce, opts.debounce_max
+        if cap is not None and (window is None or cap < window):
+            return (
+                f"singleton_debounce_max ({cap:g}) needs a singleton_debounce no longer than "
+                f"it, got {window!r}"
+            )
+        if opts.lock_on != "execute":
+            return (
+                "singleton_debounce needs singleton_lock_on 'execute' (the latest call of a "
+                f"burst must reach a worker), got {opts.lock_on!r}"
+            )
+        return None
+
+    def before_lock(self, task: Any, keys: LockKeys, request: Any) -> Action | None:
+        """Debounce the call: it waits as a copy of its message, or ends superseded by a later
+        call of its burst (a skip naming it), or goes on to its lock (None)."""
+        verdict = debounced(task, keys, request)
+        if verdict is None or verdict.action == "run":
+            return None
+        if verdict.action == "wait":
+            return WAIT
+        return Action(Fate.SKIP, Why.SUPERSEDED, holder=str(verdict.by))
+
+
+modifier(Debounce())
 
 
 def debounced(task: Any, keys: LockKeys, request: Context) -> Verdict | None:

@@ -45,15 +45,22 @@ from kombu.utils.encoding import safe_repr
 
 from .. import signals
 from ..beat.crons import close_skipped
+from ..core.backend import Contended
 from ..core.connection import store_for
 from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
+from ..core.keys import LockKeys
+from ..core.renewer import HeldLock, Renewer
+from ..run.events import on_released
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..run.task_events import EventSink, run_sink
+from ..settings.options import Options
 from .coalesce import task_dumps
 from .copies import publish_copy, seconds_left
+from .policy import Action, Call, Fate, Policy, Why
 
 __all__ = [
     "JOINED_HEADER",
+    "JoinPolicy",
     "Joined",
     "complete_joiners",
     "join_holder",
@@ -403,3 +410,78 @@ def _expired(expires: Any) -> bool:
 
 def _keep_ms(opts: Any) -> int:
     return int(opts.ttl_ms) + _KEEP_PAST_LOCK_MS
+
+
+class JoinPolicy(Policy):
+    """A duplicate ends with the outcome of the run it met."""
+
+    name = "join"
+    publishes_canvas = True
+    owes_waiting_calls = True
+
+    def refuse(self, opts: Options) -> str | None:
+        if opts.permits > 1 or opts.lock_at_least > 0:
+            return (
+                "singleton_on_duplicate 'join' does not go with singleton_permits > 1 or "
+                "singleton_lock_at_least (a duplicate joins the one run that holds its key; with "
+                "several, or after a window, there is no such run)"
+            )
+        if opts.permits == 0 and opts.rate_limit is not None:
+            return (
+                "singleton_rate_limit with singleton_on_duplicate 'join' needs a limit on runs "
+                "at once (singleton_permits 1): with singleton_permits None no run holds a lock "
+                "to join"
+            )
+        return None
+
+    def on_contended(self, call: Call, held: Contended, opts: Options) -> Action:
+        if call.eager:  # nothing can wait beside an eager call
+            return Action(Fate.RAISE, Why.DUPLICATE, holder=held.holder, policy=self.name)
+        return Action(Fate.POLICY, Why.DUPLICATE, holder=held.holder, policy=self.name)
+
+    def carry_out(
+        self, task: Any, action: Action, keys: LockKeys, held: Contended, request: Any
+    ) -> Action:
+        """Join the holder's run (raises :class:`Joined`); requeued when it could not."""
+        countdown = join_holder(task, keys.lock, held.holder, held.pttl_ms)
+        return Action(Fate.REQUEUE, Why.DUPLICATE, countdown, held.holder, policy=self.name)
+
+    def on_acquired(self, task: Any, key: str, request: Any) -> bool:
+        return runs_in_place(task, key, request)
+
+    def release(
+        self,
+        task: Any,
+        held: HeldLock,
+        renewer: Renewer,
+        state: str,
+        *,
+        eager: bool,
+        retval: Any = None,
+    ) -> None:
+        """Released now, and the joiners completed at once with the run's outcome: taken while
+        the lock is held (a watch copy that takes the released lock finds its record gone and
+        waits for its completion, instead of running itself), and again after the release
+        (those that joined in the round trip between)."""
+        ends = state in (states.SUCCESS, states.FAILURE) and not eager
+        taken = take_ended_joiners(task, held.key, held.owner) if ends else []
+        on_released(held, renewer.release_now(held), state)
+        if ends:
+            taken += take_ended_joiners(task, held.key, held.owner)
+        if taken:
+            complete_joiners(
+                task, held.key, held.owner, taken, state, retval, send_events=run_sink(task)
+            )
+
+    def on_lost(  # noqa: PLR0917 - as Policy's
+        self,
+        task: Any,
+        task_id: str,
+        keys: LockKeys,
+        state: str,
+        exc: BaseException,
+        send_events: EventSink | None,
+    ) -> None:
+        """The duplicates that joined the run end as its own caller sees it."""
+        taken = take_ended_joiners(task, keys.lock, task_id)
+        complete_joiners(task, keys.lock, task_id, taken, state, exc, send_events=send_events)

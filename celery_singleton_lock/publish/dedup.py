@@ -19,9 +19,8 @@ The marker never outlives its message for long:
 - otherwise (a purged queue, a message lost by the broker) it expires after
   ``singleton_publish_ttl`` seconds, counted from the message's countdown or eta.
 
-The task (task/singleton_task.py) decides when to mark, publish and forget; this module does it
-over plain
-values (the keys, the store's script call, the ttl) and never imports the task.
+The publish-time dedup part (duplicates/publish_dedup.py) says when to mark, publish and forget;
+this module does it with the task's settings and keys, and never imports the task's class.
 
 Every delete is compare-and-delete on the task id. The lock on the worker still guards every
 run, so a lapsed or lost marker can at worst let a second message through, which the worker
@@ -47,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Task, states
 from celery.backends.base import DisabledBackend
@@ -68,16 +67,18 @@ from ..settings.options import Options
 
 __all__ = [
     "UNFINISHED",
-    "PublishDedup",
     "Queued",
     "Unfinished",
     "always_published",
     "delivered_arguments",
     "finished",
+    "forget",
+    "forget_for",
     "forget_queued",
     "mark_queued",
     "marker_ttl_ms",
     "not_published",
+    "publish",
     "seconds_until",
 ]
 
@@ -263,10 +264,11 @@ def _unchanged_by_any_serializer(args: Sequence[Any], kwargs: Mapping[str, Any])
 
 
 def not_published(  # noqa: PLR0917 - who, what, and what was found
-    sender: Any, name: str, policy: str, key: str, task_id: str, found: Queued
+    sender: Any, name: str, refuses: bool, key: str, task_id: str, found: Queued
 ) -> str:
-    """Log and signal a message not published; raise under policy "raise", else return the
-    holder's task id (the caller returns its AsyncResult)."""
+    """Log and signal a message not published; raise ``DuplicateTaskError`` when the task's
+    policy ``refuses`` a duplicate (``"raise"``), else return the holder's task id (the caller
+    returns its AsyncResult)."""
     holder, state = found.holder, found.state
     logger.info(
         "singleton: duplicate not published: %s[%s] key=%s holder=%s (%s)",
@@ -279,7 +281,7 @@ def not_published(  # noqa: PLR0917 - who, what, and what was found
     signals.duplicate_not_published.send(
         sender=sender, key=key, task_id=task_id, holder=holder, state=state
     )
-    if policy == "raise":
+    if refuses:
         raise DuplicateTaskError(
             f"{name}[{task_id}] is a duplicate: {key} is {state} as {holder}",
             key=key,
@@ -289,101 +291,92 @@ def not_published(  # noqa: PLR0917 - who, what, and what was found
     return holder
 
 
-class PublishDedup(Task):  # type: ignore[misc]
-    """The task's side of publish-time dedup, a base of
-    :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`: when to mark, publish and
-    forget."""
-
-    if TYPE_CHECKING:  # given by SingletonTask
-
-        def singleton_options(self) -> Options: ...
-
-        def singleton_keys(
-            self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
-        ) -> LockKeys: ...
-
-    def _singleton_publish(
-        self,
-        args: Sequence[Any] | None,
-        kwargs: Mapping[str, Any] | None,
-        task_id: str | None,
-        options: dict[str, Any],
-        send: Callable[..., Any],
-    ) -> Any:
-        """Publish unless the lock is held or the same call is queued (publish/dedup.py); return the
-        AsyncResult. ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async."""
-        if (
-            self.app.conf.task_always_eager
-            or (task_id is not None and task_id == self.request.id)
-            or always_published(options)
-        ):
-            # eager: the run is the call, the lock guards it; the current message published
-            # again (retry(), a requeued duplicate) is never its own duplicate; canvas members
-            return send(args, kwargs, task_id, **options)
-        opts = self.singleton_options()
-        if opts.on_duplicate == "join" and _carries_canvas(options):
-            # a duplicate joins on the worker, where its links and chain go on with the
-            # holder's value; refused here, they would not run at all
-            return send(args, kwargs, task_id, **options)
-        task_id = task_id or uuid()
-        serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
-        try:
-            delivered = delivered_arguments(
-                args, kwargs, serializer, getattr(self, "_dump_pydantic_arguments", None)
-            )
-            keys = self.singleton_keys(*delivered)
-        except SingletonKeyError as exc:
-            raise SingletonKeyError(f"{self.name}[{task_id}]: {exc}", task_id=task_id) from exc
-        ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
-        try:
-            run = store_for(opts.redis_url).run_script
-            found = mark_queued(run, keys, task_id, ttl_ms, partial(finished, self.backend))
-        except REDIS_ERRORS as exc:
-            task_logger.warning(
-                "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
-                self.name,
-                task_id,
-                keys.lock,
-                exc,
-                extra=about(self.name, task_id),
-            )
-            return send(args, kwargs, task_id, **options)
-        if found is None:
-            try:
-                return send(args, kwargs, task_id, **options)
-            except BaseException:
-                self._singleton_forget_queued(task_id, keys, "publish failed")
-                raise
-        holder = not_published(self, self.name, opts.on_duplicate, keys.lock, task_id, found)
-        return self.AsyncResult(holder)
-
-    def _singleton_forget_queued(self, task_id: str, keys: LockKeys, reason: str) -> None:
-        """Drop this call's queued marker if it still names ``task_id``; on failure log (the
-        marker then expires in its ttl)."""
-        try:
-            forget_queued(
-                store_for(self.singleton_options().redis_url).run_script, keys.lock, task_id
-            )
-        except LOGGED_ERRORS as exc:
-            self._singleton_marker_left(reason, task_id, exc)
-
-    def _singleton_marker_left(self, reason: str, task_id: str, exc: Exception) -> None:
-        task_logger.warning(
-            "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",
-            reason,
-            self.name,
-            task_id,
-            exc,
-            extra=about(self.name, task_id),
+def publish(  # noqa: PLR0917 - the task, its call, and Celery's own publish
+    task: Task,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    task_id: str | None,
+    options: dict[str, Any],
+    send: Callable[..., Any],
+    *,
+    refuses: bool,
+    publishes_canvas: bool,
+) -> Any:
+    """Publish unless the lock is held or the same call is queued; return the AsyncResult.
+    ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async. ``refuses``: a
+    duplicate raises (the policy's ``refuses_at_publish``); ``publishes_canvas``: a call that
+    starts a canvas of its own is always published (its ``publishes_canvas``)."""
+    if (
+        task.app.conf.task_always_eager
+        or (task_id is not None and task_id == task.request.id)
+        or always_published(options)
+        or (publishes_canvas and _carries_canvas(options))
+    ):
+        # eager: the run is the call, the lock guards it; the current message published
+        # again (retry(), a requeued duplicate) is never its own duplicate; canvas members;
+        # a call whose own canvas goes on with the holder's outcome on the worker (join)
+        return send(args, kwargs, task_id, **options)
+    opts: Options = task.singleton_options()
+    task_id = task_id or uuid()
+    serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
+    try:
+        delivered = delivered_arguments(
+            args, kwargs, serializer, getattr(task, "_dump_pydantic_arguments", None)
         )
-
-    def singleton_forget_for(
-        self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
-    ) -> None:
-        """Drop the queued marker of a message that will not run (revoked, expired)."""
+        keys: LockKeys = task.singleton_keys(*delivered)
+    except SingletonKeyError as exc:
+        raise SingletonKeyError(f"{task.name}[{task_id}]: {exc}", task_id=task_id) from exc
+    ttl_ms = marker_ttl_ms(opts.publish_ttl, options)
+    try:
+        run = store_for(opts.redis_url).run_script
+        found = mark_queued(run, keys, task_id, ttl_ms, partial(finished, task.backend))
+    except REDIS_ERRORS as exc:
+        task_logger.warning(
+            "singleton: redis error at publish, publishing without dedup: %s[%s] key=%s: %s",
+            task.name,
+            task_id,
+            keys.lock,
+            exc,
+            extra=about(task.name, task_id),
+        )
+        return send(args, kwargs, task_id, **options)
+    if found is None:
         try:
-            keys = self.singleton_keys(args, kwargs)
-        except SingletonKeyError as exc:
-            self._singleton_marker_left("revoke", task_id, exc)
-            return
-        self._singleton_forget_queued(task_id, keys, "revoke")
+            return send(args, kwargs, task_id, **options)
+        except BaseException:
+            forget(task, task_id, keys, "publish failed")
+            raise
+    holder = not_published(task, task.name, refuses, keys.lock, task_id, found)
+    return task.AsyncResult(holder)
+
+
+def forget(task: Task, task_id: str, keys: LockKeys, reason: str) -> None:
+    """Drop the queued marker of ``task_id``'s call if it still names it; on failure log (the
+    marker then expires in its ttl). ``reason``: what ends the marker's use, for that line."""
+    try:
+        forget_queued(store_for(task.singleton_options().redis_url).run_script, keys.lock, task_id)
+    except LOGGED_ERRORS as exc:
+        _marker_left(task, reason, task_id, exc)
+
+
+def forget_for(
+    task: Task, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> None:
+    """Drop the queued marker of a message that will not run (revoked, expired)."""
+    try:
+        keys: LockKeys = task.singleton_keys(args, kwargs)
+    except SingletonKeyError as exc:
+        _marker_left(task, "revoke", task_id, exc)
+        return
+    forget(task, task_id, keys, "revoke")
+
+
+def _marker_left(task: Task, reason: str, task_id: str, exc: Exception) -> None:
+    task_logger.warning(
+        "singleton: could not clear queued marker after %s, it expires in its ttl: %s[%s]: %s",
+        reason,
+        task.name,
+        task_id,
+        exc,
+        extra=about(task.name, task_id),
+    )

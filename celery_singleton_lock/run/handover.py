@@ -1,8 +1,7 @@
 """The retry hand-over: ``self.retry()`` hands the run's lock to the retried message, once
 Celery has published it.
 
-:class:`RetryHandOver` is a base of
-:class:`~celery_singleton_lock.task.singleton_task.SingletonTask`. Its
+``SingletonTask.retry`` is :func:`retry_handing_over`. The lock's
 owner is the task id and its generation the retries count, so the retried message (the same
 id, one more retry) takes the lock over when it comes (``acquire.lua``); until then the lock is
 stretched over the countdown, so nothing slips in between. A retry Celery refuses
@@ -12,89 +11,79 @@ the run still holds its lock, and its end releases it (docs/design.md, "self.ret
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from celery import Task
 from celery.exceptions import Retry
 
 from ..errors import LockUnavailableError
 from .callrepr import copy_options
-from .handle import LockHandle
+from .handle import LockHandle, handle_of
 from .log import logger
 
-__all__ = ["RetryHandOver"]
+__all__ = ["hand_over", "retry_handing_over"]
 
 
-class RetryHandOver(Task):  # type: ignore[misc]
-    """The retry hand-over of :class:`~celery_singleton_lock.task.singleton_task.SingletonTask`."""
-
-    if TYPE_CHECKING:  # given by SingletonTask
-        from ..settings.options import Options
-
-        @property
-        def singleton(self) -> LockHandle: ...
-
-        def singleton_options(self) -> Options: ...
-
-    def retry(  # noqa: PLR0917 - Celery's signature
-        self,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-        exc: BaseException | None = None,
-        throw: bool = True,
-        eta: datetime | None = None,
-        countdown: float | None = None,
-        max_retries: int | None = None,
-        **options: Any,
-    ) -> Any:
-        """Celery's retry; once Celery has published the retried message, the lock is handed
-        over to it. A retry Celery refuses (``max_retries`` used up) or cannot publish hands
-        nothing over: the run still holds its lock, and its end releases it. The same call is
-        published shown as its caller had Celery show it (Celery's own retry drops
-        ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
-        if args is None and kwargs is None:
-            options = {**copy_options(self.request), **options}
-        handle = self.singleton
-        held, renewer = handle._held, handle._renewer
-        if not handle.held or held is None or renewer is None or self.request.is_eager:
-            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        renewer.remove(held)  # once published, the retried message may take the lock over
-        try:
-            ret = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        except Retry as published:
-            if published.sig is None:  # not published (called directly): nothing to hand over
-                renewer.add(held)
-            else:
-                self._singleton_hand_over(handle, published.when)
-            raise
-        except BaseException:  # refused, or the publish failed: the run still holds its lock
+def retry_handing_over(  # noqa: PLR0917 - Celery's signature, after the task and its retry
+    task: Any,
+    celery_retry: Callable[..., Any],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    exc: BaseException | None = None,
+    throw: bool = True,
+    eta: datetime | None = None,
+    countdown: float | None = None,
+    max_retries: int | None = None,
+    **options: Any,
+) -> Any:
+    """Celery's retry (``celery_retry``, the task's own); once Celery has published the retried
+    message, the lock is handed over to it. A retry Celery refuses (``max_retries`` used up) or
+    cannot publish hands nothing over: the run still holds its lock, and its end releases it.
+    The same call is published shown as its caller had Celery show it (Celery's own retry drops
+    ``argsrepr``/``kwargsrepr``; not for new arguments, which they would not describe)."""
+    if args is None and kwargs is None:
+        options = {**copy_options(task.request), **options}
+    handle = handle_of(task.request)
+    held, renewer = handle._held, handle._renewer
+    if not handle.held or held is None or renewer is None or task.request.is_eager:
+        return celery_retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+    renewer.remove(held)  # once published, the retried message may take the lock over
+    try:
+        ret = celery_retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+    except Retry as published:
+        if published.sig is None:  # not published (called directly): nothing to hand over
             renewer.add(held)
-            raise
-        self._singleton_hand_over(handle, ret.when)  # throw=False: published, the body goes on
-        return ret
+        else:
+            hand_over(task, handle, published.when)
+        raise
+    except BaseException:  # refused, or the publish failed: the run still holds its lock
+        renewer.add(held)
+        raise
+    hand_over(task, handle, ret.when)  # throw=False: published, the body goes on
+    return ret
 
-    def _singleton_hand_over(self, handle: LockHandle, when: datetime | float | None) -> None:
-        """Stop renewing and stretch the lock over the countdown of the retry Celery
-        published (``when``: its eta or countdown)."""
-        held, renewer = handle._held, handle._renewer
-        assert held is not None
-        assert renewer is not None
-        delay = _seconds_until(when)
-        ttl_ms = round((max(delay, 0.0) + self.singleton_options().ttl) * 1000)
-        handle._handed_over = True  # the run's end (retry(throw=False)) must not release it
-        try:
-            renewer.hand_over(held, ttl_ms)
-        except LockUnavailableError as exc:
-            logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
-        logger.debug(
-            "singleton: handing over to retry in %ss: %s[%s] key=%s",
-            delay,
-            self.name,
-            held.owner,
-            held.key,
-        )
+
+def hand_over(task: Any, handle: LockHandle, when: datetime | float | None) -> None:
+    """Stop renewing and stretch the lock over the countdown of the retry Celery published
+    (``when``: its eta or countdown)."""
+    held, renewer = handle._held, handle._renewer
+    assert held is not None
+    assert renewer is not None
+    delay = _seconds_until(when)
+    ttl_ms = round((max(delay, 0.0) + task.singleton_options().ttl) * 1000)
+    handle._handed_over = True  # the run's end (retry(throw=False)) must not release it
+    try:
+        renewer.hand_over(held, ttl_ms)
+    except LockUnavailableError as exc:
+        logger.warning("singleton: could not extend lock for retry: key=%s: %s", held.key, exc)
+    logger.debug(
+        "singleton: handing over to retry in %ss: %s[%s] key=%s",
+        delay,
+        task.name,
+        held.owner,
+        held.key,
+    )
 
 
 def _seconds_until(when: datetime | float | None) -> float:

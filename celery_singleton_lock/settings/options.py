@@ -43,6 +43,7 @@ __all__ = [
     "failure_is_final",
     "read_beat_options",
     "read_options",
+    "refuse_with",
     "resolve_redis_url",
 ]
 
@@ -146,6 +147,12 @@ class Options:
     def ttl_ms(self) -> int:
         return max(1, round(self.ttl * 1000))
 
+    @property
+    def store_kind(self) -> str | None:
+        """The lock store's kind, by the URL's scheme: ``"single"``, ``"sentinel"``,
+        ``"cluster"`` or ``"redlock"`` (core/urls.py)."""
+        return URL_KINDS.get(url_scheme(self.redis_url).lower())
+
 
 _TASK_SETTINGS = frozenset(Options.__dataclass_fields__)
 
@@ -225,29 +232,12 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
         raise SingletonConfigError(
             f"task {task_name}: set singleton_key_args or singleton_key, not both"
         )
-    if values["on_duplicate"] == "coalesce" and values["lock_on"] != "execute":
-        raise SingletonConfigError(
-            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' needs "
-            "singleton_lock_on 'execute' (a duplicate is coalesced where it runs)"
-        )
-    if values["on_duplicate"] == "coalesce" and values["lock_at_least"] > 0:
-        raise SingletonConfigError(
-            f"{_where_policy(task_name)}: singleton_on_duplicate 'coalesce' does not go with "
-            "singleton_lock_at_least (a burst met in the window would give two runs after it, "
-            "not one follow-up); use 'skip' or 'retry' with a window, or coalesce without one"
-        )
-    if values["on_duplicate"] == "join" and (values["permits"] > 1 or values["lock_at_least"] > 0):
-        raise SingletonConfigError(
-            f"{_where_policy(task_name)}: singleton_on_duplicate 'join' does not go with "
-            "singleton_permits > 1 or singleton_lock_at_least (a duplicate joins the one run "
-            "that holds its key; with several, or after a window, there is no such run)"
-        )
-    if values["rate_limit"] is not None:
-        _check_rate(task_name, values)
-    _check_debounce(task_name, values)
-    if values["permits"] != 1:
-        _check_permits(task_name, values)
-    return Options(**values)
+    opts = Options(**values)
+    for refusal in _REFUSALS:  # what spans several settings: each part's own (duplicates/)
+        reason = refusal(opts)
+        if reason is not None:
+            raise SingletonConfigError(f"{_where_policy(task_name)}: {reason}")
+    return opts
 
 
 _LIBRARY = __name__.split(".", 1)[0] + "."
@@ -266,74 +256,23 @@ def _given_none(task: object | None, name: str) -> bool:
     return False
 
 
-def _check_rate(task_name: str | None, values: Mapping[str, Any]) -> None:
-    """Refuse what a rate limit does not support: Redlock, publish-time dedup; and ``join``
-    without a run to join (no limit on runs at once)."""
-    where = (
-        "singleton_rate_limit" if task_name is None else f"task {task_name}: singleton_rate_limit"
-    )
-    if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
-        raise SingletonConfigError(
-            f"{where} is not supported with a redis+redlock:// URL (the starts of a key would "
-            "need a majority of their own on every master); use one server, Sentinel or Cluster"
-        )
-    if values["lock_on"] != "execute":
-        raise SingletonConfigError(
-            f'{where} needs singleton_lock_on "execute" (the rate is counted where a run '
-            f"starts), got lock_on {values['lock_on']!r}"
-        )
-    if values["on_duplicate"] == "join" and values["permits"] == 0:
-        raise SingletonConfigError(
-            f"{where} with singleton_on_duplicate 'join' needs a limit on runs at once "
-            "(singleton_permits 1): with singleton_permits None no run holds a lock to join"
-        )
-
-
 def _where_policy(task_name: str | None) -> str:
     return "app settings" if task_name is None else f"task {task_name}"
 
 
-def _check_debounce(task_name: str | None, values: Mapping[str, Any]) -> None:
-    """Refuse a cap without a window, a cap shorter than the window, and publish-time dedup
-    (a duplicate not published could not supersede the call before it)."""
-    window, cap, where = values["debounce"], values["debounce_max"], _where_policy(task_name)
-    if cap is not None and (window is None or cap < window):
-        raise SingletonConfigError(
-            f"{where}: singleton_debounce_max ({cap:g}) needs a singleton_debounce no longer "
-            f"than it, got {window!r}"
-        )
-    if window is not None and values["lock_on"] != "execute":
-        raise SingletonConfigError(
-            f"{where}: singleton_debounce needs singleton_lock_on 'execute' (the latest call "
-            "of a burst must reach a worker), got " + repr(values["lock_on"])
-        )
+#: Why a task's settings cannot go together: one line naming both settings, or None.
+Refusal = Callable[[Options], "str | None"]
+
+#: The checks that span several settings, each given by the wing that knows them (the parts a
+#: task's settings select: duplicates/policy.py); :func:`read_options` asks each in turn.
+_REFUSALS: list[Refusal] = []
 
 
-def _check_permits(task_name: str | None, values: Mapping[str, Any]) -> None:
-    """Refuse what permits > 1 (or None) does not support: Redlock, publish-time dedup; and
-    None without a rate limit (it would limit nothing)."""
-    where = "singleton_permits" if task_name is None else f"task {task_name}: singleton_permits"
-    if values["permits"] == 0 and values["rate_limit"] is None:
-        raise SingletonConfigError(
-            f"{where} None (no limit on runs at once) needs singleton_rate_limit: without a "
-            "rate it would limit nothing"
-        )
-    if values["permits"] == 0 and values["lock_at_least"] > 0:
-        raise SingletonConfigError(
-            f"{where} None does not go with singleton_lock_at_least (a run holds no lock to "
-            "keep the key blocked with); the rate limits the starts"
-        )
-    if URL_KINDS.get(url_scheme(values["redis_url"]).lower()) == "redlock":
-        raise SingletonConfigError(
-            f"{where} > 1 is not supported with a redis+redlock:// URL (a permit slot would "
-            "need a majority of its own on every master); use 1 permit, or one server, "
-            "Sentinel or Cluster"
-        )
-    if values["lock_on"] != "execute":
-        raise SingletonConfigError(
-            f'{where} > 1 needs singleton_lock_on "execute": a queued marker stands for one '
-            f"run, got lock_on {values['lock_on']!r}"
-        )
+def refuse_with(refusal: Refusal) -> Refusal:
+    """Ask ``refusal`` of every task's settings read from now on (once per process)."""
+    if refusal not in _REFUSALS:
+        _REFUSALS.append(refusal)
+    return refusal
 
 
 def describe(options: Options, conf: ConfLike | None = None) -> Mapping[str, str]:

@@ -29,8 +29,8 @@ whole node killed                             nobody: the lock expires after its
 
 Scheduled runs: ``task_received`` hands every message to beat's witness (beat/witness.py),
 which drops a scheduled run's second message.
-Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
-of a message revoked or expired before it ran (publish/dedup.py).
+``task_revoked`` also tells the task's parts of a message revoked or expired before it ran
+(task/endings.py ``withdraw``: under publish-time dedup its queued marker is dropped).
 
 The main process releases with the task id as owner and the run's retries count as
 generation (``release_lost.lua``), so it never deletes a lock another run holds, nor one
@@ -67,6 +67,7 @@ from ..run.log import about
 from ..run.log import logger as task_logger
 from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
 from ..settings.options import describe, read_options
+from ..task.endings import after_run, end_lost, release_lost, withdraw
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
 from .pools import check_pool, worker_pool_of
@@ -98,7 +99,7 @@ def _release_after_run(
     task: Any = None, state: str | None = None, retval: Any = None, **_: Any
 ) -> None:
     if isinstance(task, SingletonTask):
-        task._singleton_after_run(state or "", retval)
+        after_run(task, state or "", retval)
 
 
 #: The request whose failure the worker's main process reports right now (SingletonRequest
@@ -190,12 +191,13 @@ def _release_after_child_loss(
         # else: the executing process reports its own run (its task_postrun releases)
         return
     generation = int(request.request_dict.get("retries") or 0)
-    release = partial(sender.singleton_release_for, task_id, args, kwargs, generation, reason)
+    release = partial(release_lost, sender, task_id, args, kwargs, generation, reason)
     if reason == "worker lost":
         release()
         return
-    end_joiners = partial(  # its joiners fail as its own caller sees it
-        sender.singleton_end_joiners_for,
+    end_waiting = partial(  # the calls waiting on it fail as its own caller sees it
+        end_lost,
+        sender,
         task_id,
         args,
         kwargs,
@@ -203,17 +205,17 @@ def _release_after_child_loss(
         exception,
         send_events=run_sink(sender, request.request_dict),
     )
-    end_joiners()
-    _after_grace(partial(_release_then_end_joiners, release, end_joiners))
+    end_waiting()
+    _after_grace(partial(_release_then_end_waiting, release, end_waiting))
 
 
-def _release_then_end_joiners(
-    release: Callable[[], ReleaseStatus | None], end_joiners: Callable[[], object]
+def _release_then_end_waiting(
+    release: Callable[[], ReleaseStatus | None], end_waiting: Callable[[], object]
 ) -> None:
-    """``release`` a lost run's lock after the grace; if that freed it, ``end_joiners`` once
-    more: the duplicates that joined the run during the grace end as the others did."""
+    """``release`` a lost run's lock after the grace; if that freed it, ``end_waiting`` once
+    more: the calls that joined the run during the grace end as the others did."""
     if release() is ReleaseStatus.RELEASED:
-        end_joiners()
+        end_waiting()
 
 
 def _release_after_retried_loss(
@@ -228,8 +230,8 @@ def _release_after_retried_loss(
         and getattr(request, "id", None)
     ):
         return
-    sender.singleton_release_for(
-        request.id, request.args, request.kwargs, int(request.retries or 0), "worker lost"
+    release_lost(
+        sender, request.id, request.args, request.kwargs, int(request.retries or 0), "worker lost"
     )
 
 
@@ -252,8 +254,9 @@ def _release_after_terminate(
 ) -> None:
     if not (terminated and isinstance(sender, SingletonTask) and request is not None):
         return
-    end_joiners = partial(  # as its own caller sees it: REVOKED, terminated
-        sender.singleton_end_joiners_for,
+    end_waiting = partial(  # as its own caller sees it: REVOKED, terminated
+        end_lost,
+        sender,
         request.id,
         request.args,
         request.kwargs,
@@ -261,29 +264,29 @@ def _release_after_terminate(
         TaskRevokedError("terminated"),
         send_events=run_sink(sender, request),
     )
-    end_joiners()
+    end_waiting()
     try:
         fatal = int(signum) in _FATAL_SIGNALS
     except (TypeError, ValueError):
         fatal = str(signum).upper() in {s.name for s in _FATAL_SIGNALS}
     if fatal:  # other signals leave the child alive; its own postrun releases
         release = partial(
-            sender.singleton_release_for,
+            release_lost,
+            sender,
             request.id,
             request.args,
             request.kwargs,
             request.retries,
             "terminate",
         )
-        _after_grace(partial(_release_then_end_joiners, release, end_joiners))
+        _after_grace(partial(_release_then_end_waiting, release, end_waiting))
 
 
-def _forget_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """A revoked or expired message will not run: drop its queued marker (publish/dedup.py)."""
-    if not (isinstance(sender, SingletonTask) and request is not None and request.id):
-        return
-    if sender.singleton_options().lock_on != "execute":
-        sender.singleton_forget_for(request.id, request.args, request.kwargs)
+def _withdraw_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A revoked or expired message will not run: its parts let go of what stood for it (its
+    queued marker: publish/dedup.py)."""
+    if isinstance(sender, SingletonTask) and request is not None and request.id:
+        withdraw(sender, request)
 
 
 def _flush_releases(**_: Any) -> None:
@@ -361,7 +364,7 @@ celery_signals.task_postrun.connect(_release_after_run, weak=False)
 celery_signals.task_failure.connect(_release_after_child_loss, weak=False)
 celery_signals.task_retry.connect(_release_after_retried_loss, weak=False)
 celery_signals.task_revoked.connect(_release_after_terminate, weak=False)
-celery_signals.task_revoked.connect(_forget_revoked, weak=False)
+celery_signals.task_revoked.connect(_withdraw_revoked, weak=False)
 celery_signals.celeryd_init.connect(_check_and_announce, weak=False)
 celery_signals.task_received.connect(witness_scheduled_run, weak=False)
 celery_signals.worker_process_shutdown.connect(_flush_releases, weak=False)  # prefork child

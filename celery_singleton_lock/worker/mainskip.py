@@ -21,8 +21,9 @@ Only in the solo and threads pools (:data:`MAIN_PROCESS_POOLS`); under prefork e
 goes to Celery's handler, and the pool's child skips as before. Celery's handler also takes,
 untouched: a message with an ETA or countdown, or an expiry; one
 revoked (by id, or while any stamped revoke is in force); a scheduled run's (beat's witness
-sees it); protocol 1; every message of a rate-limited task, or of a policy other than "skip"
-(the strategy is then Celery's own); every message when the lock store is a cluster or
+sees it); protocol 1; every message of a rate-limited task, or of a policy whose skips do not
+end in the main process, or with a part decided before the lock (debounce) (the strategy is
+then Celery's own); every message when the lock store is a cluster or
 Redlock. A failed probe (Redis down, or slower than
 :data:`~.core.connection.PROBE_TIMEOUT_S`) or a failed result store forgets every hot key of
 the task: the message and the next ones go to Celery's handler until a skip in the executing
@@ -42,6 +43,8 @@ from ..beat.claims import CLAIM_HEADER
 from ..core.connection import prober_for
 from ..core.hotkeys import HotKeys
 from ..core.probe import probe
+from ..duplicates.gate import decide
+from ..duplicates.policy import Call, Fate
 from ..duplicates.skips import SKIP_MARKER
 from ..errors import LockUnavailableError
 from ..run.log import about, logger
@@ -83,9 +86,10 @@ def singleton_strategy(task: SingletonTask, app: Any, consumer: Any, **options: 
     pools of :data:`MAIN_PROCESS_POOLS`."""
     handler: Handler = default(task, app, consumer, **options)
     opts = task.singleton_options()
+    parts = task._singleton_parts()
     if (
-        opts.on_duplicate != "skip"
-        or opts.debounce is not None  # a call is debounced before its lock (task/tracer.py)
+        not parts.policy.ends_in_main_process
+        or parts.before_lock  # a call is decided before its lock (debounce: task/tracer.py)
         or type(getattr(consumer, "pool", None)).__module__ not in MAIN_PROCESS_POOLS
         or prober_for(opts.redis_url) is None
     ):
@@ -185,13 +189,15 @@ class _MainSkip:
                 extra=about(task.name, task_id),
             )
             return False
-        if held is None or not task._singleton_skips(held, task_id, headers.get("parent_id")):
+        call = Call(task_id, headers.get("parent_id"), generation)
+        action = None if held is None else decide(held, call, opts, task._singleton_parts().policy)
+        if held is None or action is None or action.fate is not Fate.SKIP:
             hot.forget(keys.lock)  # free, or this message's own delivery or parent: not a skip
             return False
         hot.mark(keys.lock, held.pttl_ms)
         request = self._request(message, headers, args, kwargs, embed)
         try:
-            marker, runtime = end_skip(task, keys, held.holder, task_id, args, kwargs, request)
+            marker, runtime = end_skip(task, keys, action, task_id, args, kwargs, request)
         except Exception as exc:  # storing failed: nothing was sent yet
             self.hot.clear()
             logger.warning(

@@ -17,9 +17,10 @@ __all__ = ["check_scopes"]
 
 def check_scopes(tasks: Iterable[SingletonTask]) -> None:
     """Raise :class:`SingletonConfigError` unless the tasks sharing a scope all key on the same
-    argument names (or all on a ``singleton_key`` callable), take the same number of permits,
-    and all coalesce or none does, and no scope has the name of a task outside any scope (its
-    keys would be that task's); checked at worker start."""
+    argument names (or all on a ``singleton_key`` callable), take the same number of permits
+    and the same rate limit, and all use a policy that owes its waiting calls (coalesce, join)
+    or none does; and no scope has the name of a task outside any scope (its keys would be that
+    task's); checked at worker start."""
     scopes: dict[str, dict[str, SingletonTask]] = {}
     unscoped: set[str] = set()
     for task in tasks:
@@ -56,12 +57,14 @@ def check_scopes(tasks: Iterable[SingletonTask]) -> None:
                 f"the tasks of scope {scope!r} must take the same singleton_rate_limit (they "
                 f"count their starts together): {_listed(shown)}"
             )
-        policies = {name: task.singleton_options().on_duplicate for name, task in members.items()}
-        if len({p == "coalesce" for p in policies.values()}) > 1:
+        policies = {name: task._singleton_parts().policy for name, task in members.items()}
+        owing = {p.name for p in policies.values() if p.owes_waiting_calls}
+        if owing and len({p.name for p in policies.values()}) > 1:
             raise SingletonConfigError(
-                f"the tasks of scope {scope!r} must all use singleton_on_duplicate 'coalesce' or "
-                "none of them (only a coalescing run's release publishes the follow-up left "
-                f"beside it): {_listed(policies)}"
+                f"the tasks of scope {scope!r} must all use singleton_on_duplicate "
+                f"{' or '.join(repr(n) for n in sorted(owing))} or none of them (only a run of "
+                "that policy serves the calls waiting beside the key: a follow-up, joiners): "
+                f"{_listed({n: p.name for n, p in policies.items()})}"
             )
 
 

@@ -16,6 +16,7 @@ from celery_singleton_lock.core.backend import Acquired
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.duplicates.coalesce import FOLLOW_UP_HEADER
+from celery_singleton_lock.duplicates.gate import abandon
 from celery_singleton_lock.testing import held_locks, isolated_locks
 
 
@@ -238,7 +239,7 @@ def test_a_run_ended_before_its_body_publishes_the_follow_up_left_meanwhile(
     info = skip_info(coalesce.delay("k", "left"))
     assert info is not None
     assert info.holder == "other-run"
-    coalesce._singleton_abandon(keys, "other-run", 0)
+    _abandon(coalesce, keys, "other-run", 1)
     assert eager_app.eager_runs == ["left"]  # type: ignore[attr-defined]
     assert not redis_client.exists(pending_key(lock))
     assert held_locks(eager_app, singleton_locks) == []
@@ -285,10 +286,10 @@ def test_eager_coalesce_with_permits_collapses_into_one_follow_up_for_the_key(
     assert redis_client.hget(pending_key(keys.lock), "count") == b"3"
     assert runs == ["in-the-free-slot"]
 
-    coalesce._singleton_abandon(keys, "third-run", 0, slot=2)
+    _abandon(coalesce, keys, "third-run", 2)
     assert runs == ["in-the-free-slot", "call-2"]  # the latest call, once
     assert not redis_client.exists(pending_key(keys.lock))
-    coalesce._singleton_abandon(keys, "other-run", 0, slot=1)  # nothing pending: runs nothing
+    _abandon(coalesce, keys, "other-run", 1)  # nothing pending: runs nothing
     assert runs == ["in-the-free-slot", "call-2"]
     assert held_locks(eager_app, singleton_locks) == []
 
@@ -317,7 +318,7 @@ def test_a_coalesced_call_goes_through_the_tasks_serializer(
         info = skip_info(coalesce.delay("k", payload))
         assert info is not None
         assert info.follow_up is not None
-        coalesce._singleton_abandon(coalesce.singleton_keys(("k",), {}), "other-run", 0)
+        _abandon(coalesce, coalesce.singleton_keys(("k",), {}), "other-run", 1)
         assert runs == [payload]  # published by the holder's release: runs in place
 
         _hold_elsewhere(coalesce, "k")
@@ -478,6 +479,11 @@ def test_a_coalesced_call_is_kept_so_that_it_keys_the_same(
         info = skip_info(coalesce.apply((key, "follow")))
         assert info is not None
         assert info.follow_up is not None
-        coalesce._singleton_abandon(coalesce.singleton_keys((key,), {}), "other-run", 0)
+        _abandon(coalesce, coalesce.singleton_keys((key,), {}), "other-run", 1)
         assert runs == ["follow"]  # published by the holder's release, in the same key
     app.close()
+
+
+def _abandon(task: Any, keys: Any, owner: str, slot: int = 1) -> None:
+    """Give back ``owner``'s slot as a run that never started does (duplicates/gate.py)."""
+    abandon(task, keys, owner, 0, slot, task.singleton_options())

@@ -21,7 +21,8 @@ from celery.app.trace import build_tracer
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.connection import flush_releases
-from celery_singleton_lock.task import singleton_task
+from celery_singleton_lock.duplicates.gate import renewer_of
+from celery_singleton_lock.task import start, tracer
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_a_system_exit_while_the_acquire_reply_is_on_its_way_releases_the_lock(
     app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     task = app.tasks[name]
-    store = task._singleton_renewer(task.singleton_options()).store
+    store = renewer_of(task.singleton_options()).store
     real_acquire = store.acquire
     written: list[list[str]] = []
 
@@ -95,7 +96,7 @@ def test_a_system_exit_in_before_start_before_the_handle_holds_the_lock_releases
         assert _held(redis_client, task, "k") != []  # taken by the tracer hook, not yet handled
         raise SystemExit(15)
 
-    monkeypatch.setattr(singleton_task, "HeldLock", interrupted)
+    monkeypatch.setattr(start, "HeldLock", interrupted)
     with pytest.raises(SystemExit):
         _run(task, "k")
     assert _held(redis_client, task, "k") == []
@@ -108,9 +109,7 @@ def test_a_system_exit_in_the_body_is_released_once_by_the_runs_own_postrun(
     and the tracer hook leaves it alone (no second release, no warning)."""
     task = app.tasks["i.exit"]
     abandoned: list[str] = []
-    monkeypatch.setattr(
-        task, "_singleton_abandon", lambda *args, **kwargs: abandoned.append("abandon")
-    )
+    monkeypatch.setattr(tracer, "abandon", lambda *args, **kwargs: abandoned.append("abandon"))
     with pytest.raises(SystemExit):
         _run(task, "k")
     flush_releases()  # what the child's exit does with a release its renewer has not sent yet

@@ -4,10 +4,10 @@ For each state a lock can be in (absent, held, in an at-least window, every perm
 one slot free, held by the asking owner, its completion record), the probe's answer is the
 acquire's own: the same holder, generation, token and window flag (the remaining time within
 the moments between the two calls), or None where the acquire takes the lock; and the probe
-changes no key. The main process's decision on top of it (worker/mainskip.py) goes through the
-task's ``_singleton_skips``, as the executing process's does: a skip only when another run
-holds it, not the asking message's earlier delivery nor its parent. A probe of a server that
-answers nothing fails within the prober's timeout.
+changes no key. The main process's decision on top of it (worker/mainskip.py) goes through
+the gate's ``decide`` (duplicates/gate.py), as the executing process's does: a skip only when
+another run holds it, not the asking message's earlier delivery nor its parent. A probe of a
+server that answers nothing fails within the prober's timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.probe import probe
 from celery_singleton_lock.core.sendahead import SendAhead
 from celery_singleton_lock.core.store import LockStore
+from celery_singleton_lock.duplicates.gate import decide
+from celery_singleton_lock.duplicates.policy import Call, Fate
 from tests.support.servers import RedisServer
 
 TTL_MS = 60_000
@@ -185,7 +187,7 @@ def test_only_another_runs_lock_is_a_skip(  # noqa: PLR0917 - parameters and fix
     assert isinstance(store.acquire(keys, holder, 0, TTL_MS), Acquired)
     probed = probe(prober, keys, ME, 0)
     assert probed is not None
-    assert task._singleton_skips(probed, ME, parent) is skip
+    assert _skips(task, probed, parent) is skip
 
 
 def test_a_completion_record_is_no_skip(task: Any, store: LockStore, prober: SendAhead) -> None:
@@ -195,7 +197,7 @@ def test_a_completion_record_is_no_skip(task: Any, store: LockStore, prober: Sen
     _held_by_other(store, keys)  # another run holds the lock now: the record still wins
     probed = probe(prober, keys, ME, 0)
     assert type(probed) is Completed
-    assert task._singleton_skips(probed, ME, None) is False
+    assert _skips(task, probed, None) is False
 
 
 def test_probe_of_a_silent_server_fails_within_its_timeout(
@@ -225,3 +227,10 @@ def test_probe_of_a_silent_server_fails_within_its_timeout(
 )
 def test_no_prober_where_a_probe_is_not_one_bounded_round_trip(url: str) -> None:
     assert prober_for(url) is None
+
+
+def _skips(task: Any, probed: Contended, parent: str | None) -> bool:
+    """Whether the gate skips a call of ``ME`` that found ``probed``."""
+    opts = task.singleton_options()
+    action = decide(probed, Call(ME, parent), opts, task._singleton_parts().policy)
+    return action.fate is Fate.SKIP

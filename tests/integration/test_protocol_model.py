@@ -3,11 +3,11 @@
 A few keys and owners; hypothesis interleaves the protocol's operations, the way a worker, its
 main process, publishers and an operator would:
 
-- publish a call (the queued marker, ``SingletonTask._singleton_publish``), a chain step or
+- publish a call (the queued marker, publish/dedup.py ``publish``), a chain step or
   callback (published by a running run, with its ``parent_id``), a retried message, a
   redelivered copy;
 - start a message: ``Renewer.acquire``, then the queued marker handed over
-  (``SingletonTask._singleton_forget_queued``);
+  (publish/dedup.py ``forget``);
 - renew (``Renewer.run_due``), and a renewal that was on the wire when the lock was handed over;
 - end a run: release now, release deferred (written ahead on one server, queued for the
   renewer thread on a store that cannot write ahead), the retry hand-over, the loss of its pool
@@ -69,6 +69,7 @@ from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
+from celery_singleton_lock.publish.dedup import forget, publish
 from tests.conftest import delete_prefix
 
 TTL_MS = 30_000
@@ -196,7 +197,9 @@ class ProtocolModel(RuleBasedStateMachine):
             self.sent.append(sent)
             return sent
 
-        return self.task._singleton_publish((key,), {}, task_id, options, send)
+        return publish(
+            self.task, (key,), {}, task_id, options, send, refuses=False, publishes_canvas=False
+        )
 
     def settle_all(self) -> None:
         """What a round trip on the acquire connection or a flush makes certain."""
@@ -281,7 +284,7 @@ class ProtocolModel(RuleBasedStateMachine):
             keys, message.task_id, message.generation, TTL_MS, {"task": "m.job"}
         )
         self.settle_all()  # the acquire went after every release this process made
-        self.task._singleton_forget_queued(message.task_id, keys, "start")
+        forget(self.task, message.task_id, keys, "start")
         if self.marker[key] == message.task_id:
             self.marker[key] = None
         if self.done.get(message.task_id, -1) >= message.generation:
@@ -596,7 +599,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for message in list(self.queue):
                 keys = self.task.singleton_keys((message.key,), {})
                 outcome = self.renewer.acquire(keys, message.task_id, message.generation, TTL_MS)
-                self.task._singleton_forget_queued(message.task_id, keys, "start")
+                forget(self.task, message.task_id, keys, "start")
                 if isinstance(outcome, Acquired):
                     self.store.release(keys.lock, message.task_id, message.generation, None)
                     self.queue.remove(message)

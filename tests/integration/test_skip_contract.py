@@ -22,6 +22,8 @@ from celery.app.trace import build_tracer
 from celery_singleton_lock import SingletonTask, SkipInfo, skip_info
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.duplicates import fates
+from celery_singleton_lock.task import tracer
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.mainskip import reached_celery, turn_hot
 from tests.support.singleton_app import signals_key
@@ -237,7 +239,8 @@ def test_skip_whose_result_cannot_be_stored_is_left_to_celery(
         calls.append("store")
         raise redis.ConnectionError("result backend down")
 
-    monkeypatch.setattr(task, "_singleton_store_skip", failing_store)
+    monkeypatch.setattr(tracer, "store_skip", failing_store)  # in front of the tracer
+    monkeypatch.setattr(fates, "store_skip", failing_store)  # in before_start
     task.__trace__ = build_tracer(task.name, task, app=task.app, eager=False)
     task_id = uuid.uuid4().hex
     with caplog.at_level(logging.WARNING, logger="celery_singleton_lock.task"):

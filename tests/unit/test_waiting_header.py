@@ -6,7 +6,8 @@ import time
 
 from celery.app.task import Context
 
-from celery_singleton_lock.duplicates.policies import WAITING_HEADER, _waiting_since, waited
+from celery_singleton_lock.duplicates.copies import WAITING_HEADER, waited
+from celery_singleton_lock.duplicates.copies import waiting_since as _waiting_since
 
 
 def test_no_header_no_wait() -> None:
