@@ -28,7 +28,7 @@ from ..core.urls import (
 )
 from ..errors import SingletonConfigError
 from .broker import ConfLike, redis_broker_url, visibility_timeout
-from .legacy import legacy_options
+from .legacy import legacy_options, renamed
 from .table import (
     COMPLETION_MARGIN_S,
     DEFAULT_COMPLETION_TTL_S,
@@ -70,6 +70,7 @@ class BeatOptions:
     key_prefix: str
     mode: str
     skew: float
+    #: ``singleton_beat_lock_at_least``: the least time a run's claim is kept
     lock_at_least: float
     lease: float
 
@@ -78,16 +79,33 @@ def read_beat_options(conf: ConfLike) -> BeatOptions:
     """Check the settings SingletonScheduler uses."""
     values = {
         name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
-        for name in ("key_prefix", "beat_mode", "beat_skew", "lock_at_least", "beat_lease")
+        for name in ("key_prefix", "beat_mode", "beat_skew", "beat_lease")
     }
     return BeatOptions(
         redis_url=resolve_redis_url(conf),
         key_prefix=values["key_prefix"],
         mode=values["beat_mode"],
         skew=values["beat_skew"],
-        lock_at_least=values["lock_at_least"],
+        lock_at_least=_beat_lock_at_least(conf),
         lease=values["beat_lease"],
     )
+
+
+def _beat_lock_at_least(conf: ConfLike) -> float:
+    """``singleton_beat_lock_at_least``, or its old spelling, an app-wide
+    ``singleton_lock_at_least`` (checked, then a DeprecationWarning); both: refused."""
+    new, old = SETTINGS["beat_lock_at_least"].conf_key, SETTINGS["lock_at_least"].conf_key
+    value = conf.get(old)
+    if value is None:
+        return float(_conf_checked(conf, "beat_lock_at_least"))
+    if conf.get(new) is not None:
+        raise SingletonConfigError(
+            f"app settings: {old} and {new} are both set; keep {new} (beat reads an app-wide "
+            f"{old} as its old spelling)"
+        )
+    checked = float(SETTINGS["beat_lock_at_least"].check(old, value))
+    renamed("app settings", f"{old} (beat's claims)", f"{new}={value!r}")
+    return checked
 
 
 def _conf_value(conf: ConfLike, name: str) -> Any:

@@ -213,7 +213,7 @@ class Setting:
     doc: str
     task_option: bool = True
     #: False: a task reads the option from its own attribute only, never from ``app.conf``
-    #: (whose key means something else there: ``lock_at_least`` is beat's app-wide)
+    #: (whose ``singleton_lock_at_least`` is beat's old spelling of ``beat_lock_at_least``)
     app_fallback: bool = True
 
     @property
@@ -353,6 +353,15 @@ SETTINGS: dict[str, Setting] = {
             "before the run, so it is not redelivered after it).",
         ),
         Setting(
+            "lock_at_least",
+            0,
+            _non_negative,
+            "Keep the task's key blocked until this many seconds after each run took its lock, "
+            "on the Redis server's clock. A task option read from the task only: the app-wide "
+            "`singleton_lock_at_least` is beat's old spelling of `beat_lock_at_least`.",
+            app_fallback=False,
+        ),
+        Setting(
             "lock_on",
             "execute",
             _choice(LOCK_ON),
@@ -403,14 +412,14 @@ SETTINGS: dict[str, Setting] = {
             task_option=False,
         ),
         Setting(
-            "lock_at_least",
+            "beat_lock_at_least",
             0,
             _non_negative,
-            "App-wide: keep each scheduled run's claim at least this many seconds after it was "
-            "published (the claim is otherwise kept for two schedule periods). As a task "
-            "option (read from the task only): keep the task's key blocked until this many "
-            "seconds after each run took its lock, on the Redis server's clock.",
-            app_fallback=False,
+            "Keep each scheduled run's claim at least this many seconds after it was published "
+            "(the claim is otherwise kept for two schedule periods + 2 x beat_skew + 60 s). "
+            "Formerly the app-wide `singleton_lock_at_least`, still read as this with a "
+            "DeprecationWarning.",
+            task_option=False,
         ),
         Setting(
             "beat_lease",

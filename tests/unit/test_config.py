@@ -488,6 +488,7 @@ def test_the_numeric_settings_are_found() -> None:
         "publish_ttl",
         "beat_skew",
         "lock_at_least",
+        "beat_lock_at_least",
         "beat_lease",
     }
     assert {s.name for s in _numeric_settings() if _integer(s)} == {
@@ -655,8 +656,8 @@ def test_permits_go_with_coalesce_but_not_with_a_window() -> None:
 
 def test_coalesce_is_refused_with_an_at_least_window() -> None:
     """A burst met in an at-least window would give two runs after it, not one follow-up:
-    the task option singleton_lock_at_least and coalesce are refused together. The app-wide
-    singleton_lock_at_least is beat's and never refuses an app-wide coalesce."""
+    the task option singleton_lock_at_least and coalesce are refused together. An app-wide
+    singleton_lock_at_least is beat's (old spelling) and never refuses an app-wide coalesce."""
     task = SimpleNamespace(
         name="t.resync", singleton_on_duplicate="coalesce", singleton_lock_at_least=600
     )
