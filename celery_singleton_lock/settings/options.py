@@ -34,6 +34,7 @@ from .table import (
     DEFAULT_COMPLETION_TTL_S,
     DEFAULT_REDIS_URL,
     SETTINGS,
+    UNLIMITED,
 )
 
 __all__ = [
@@ -133,7 +134,8 @@ class Options:
     lock_on: str = "execute"
     publish_ttl: float = 300.0
     scope: str | None = None
-    #: 0: ``singleton_permits=None`` given on the task: no limit on runs at once (a rate only)
+    #: 0: ``singleton_permits="unlimited"`` (or None given on the task, its deprecated
+    #: spelling): no limit on runs at once (a rate only)
     permits: int = 1
     #: ``(limit, period_ms)``: at most ``limit`` runs of a key start within any ``period_ms``
     rate_limit: tuple[int, int] | None = None
@@ -223,8 +225,10 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
                     )
                 value = legacy[setting.name]
         if value is None and setting.name == "permits" and _given_none(task, setting.conf_key):
-            values["permits"] = 0  # None given on the task: no limit on runs at once
-            continue
+            renamed(
+                f"task {task_name}", "singleton_permits=None", f"singleton_permits={UNLIMITED!r}"
+            )
+            value = UNLIMITED  # None given on the task: its old spelling
         if value is None and setting.app_fallback:
             value = conf.get(setting.conf_key)
             where = setting.conf_key

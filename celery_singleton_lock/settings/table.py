@@ -37,7 +37,9 @@ __all__ = [
     "LOCK_ON",
     "POLICIES",
     "SETTINGS",
+    "UNLIMITED",
     "Setting",
+    "permits_text",
 ]
 
 POLICIES = ("skip", "retry", "raise", "coalesce", "join")
@@ -45,6 +47,8 @@ LOCK_ON = ("execute", "publish", "both")
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: ``singleton_permits``: no limit on runs at once (a rate alone); read as 0 permits
+UNLIMITED = "unlimited"
 
 #: Added to the broker's visibility timeout: a message left unacked is restored by a sweep
 #: that runs every few seconds, then waits in the queue behind others.
@@ -168,11 +172,20 @@ def _non_negative_int(name: str, value: Any) -> int:
 
 
 def _permits(name: str, value: Any) -> int:
+    """1 to :data:`MAX_PERMITS` runs of a key at once, or :data:`UNLIMITED` (read as 0)."""
+    if isinstance(value, str) and value == UNLIMITED:
+        return 0
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERMITS:
         raise SingletonConfigError(
-            f"{name} must be an integer from 1 to {MAX_PERMITS}, got {_shown(value)}"
+            f"{name} must be an integer from 1 to {MAX_PERMITS} or {UNLIMITED!r}, "
+            f"got {_shown(value)}"
         )
     return value
+
+
+def permits_text(permits: int) -> str:
+    """A checked ``permits`` as the settings spell it: 0 is :data:`UNLIMITED`."""
+    return UNLIMITED if permits == 0 else str(permits)
 
 
 def _rate(name: str, value: Any) -> tuple[int, int] | None:
@@ -315,8 +328,9 @@ SETTINGS: dict[str, Setting] = {
             "How many runs of one key may run at once (each holds a permit slot of its own: "
             "renewed, released and fenced like a single lock); the next one meets "
             '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both". '
-            "None, given on the task with `rate_limit`: no limit on runs at once (only the rate "
-            "applies; a run holds no lock).",
+            '"unlimited", with `rate_limit`: no limit on runs at once (only the rate applies; a '
+            "run holds no lock). None given on a task is the deprecated spelling of "
+            '"unlimited".',
         ),
         Setting(
             "rate_limit",

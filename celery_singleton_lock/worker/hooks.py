@@ -67,6 +67,7 @@ from ..run.log import about
 from ..run.log import logger as task_logger
 from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
 from ..settings.options import describe, read_options
+from ..settings.table import permits_text
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
 from .pools import check_pool, worker_pool_of
@@ -345,7 +346,7 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
     ]
     if windows:
         settings["lock_at_least"] = ", ".join(windows)
-    permits = [f"{t.name}={t.singleton_options().permits or 'none'}" for t in tasks]
+    permits = [f"{t.name}={permits_text(t.singleton_options().permits)}" for t in tasks]
     if any(t.singleton_options().permits != 1 for t in tasks):
         settings["permits"] = ", ".join(p for p in permits if not p.endswith("=1"))
     rates = [(t.name, t.singleton_options().rate_limit) for t in tasks]

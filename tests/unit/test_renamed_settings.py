@@ -5,6 +5,8 @@ DeprecationWarning that names the new one; both given is one SingletonConfigErro
 
 - beat's app-wide ``singleton_lock_at_least`` is ``singleton_beat_lock_at_least`` (the task
   option ``singleton_lock_at_least`` keeps its name and meaning).
+- ``singleton_permits=None`` given on a task (no limit on runs at once) is
+  ``singleton_permits="unlimited"``. One attribute takes one value: there is no "both".
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from celery import Celery
 from celery.beat import Scheduler
 from celery.schedules import schedule
 
-from celery_singleton_lock import SingletonConfigError
+from celery_singleton_lock import SingletonConfigError, SingletonTask
 from celery_singleton_lock.beat.runs import run_at
 from celery_singleton_lock.beat.scheduler import SingletonSchedulerMixin
 from celery_singleton_lock.settings.options import read_beat_options, read_options
+from celery_singleton_lock.worker.hooks import banner_lines
+from celery_singleton_lock.worker.scopes import check_scopes
 
 # -- singleton_beat_lock_at_least (app-wide singleton_lock_at_least) --------------------------
 
@@ -100,5 +104,64 @@ def test_beat_with_both_spellings_stops_at_its_banner() -> None:
         scheduler = _Memory(app=app, max_interval=1)
         with pytest.raises(SystemExit, match=f"invalid setting: .*{OLD_BEAT} and {NEW_BEAT}"):
             scheduler.info  # noqa: B018 - the banner reads the settings
+    finally:
+        app.close()
+
+
+# -- singleton_permits="unlimited" (None given on the task) -----------------------------------
+
+
+def _task(**options: Any) -> Any:
+    """A task object as ``@app.task(base=SingletonTask, **options)`` makes one."""
+    attrs = {"name": "t.api", "__module__": "app.tasks", **options}
+    return type("Made", (SingletonTask,), attrs)()
+
+
+def test_unlimited_permits_with_a_rate() -> None:
+    opts = read_options({}, _task(singleton_permits="unlimited", singleton_rate_limit="5/s"))
+    assert (opts.permits, opts.rate_limit) == (0, (5, 1000))
+    app_wide = {"singleton_permits": "unlimited", "singleton_rate_limit": "5/s"}
+    assert read_options(app_wide, _task()).permits == 0  # a spelling of its own: app-wide too
+    assert read_options(app_wide, _task(singleton_permits=2)).permits == 2
+
+
+def test_unlimited_permits_need_a_rate() -> None:
+    with pytest.raises(SingletonConfigError, match="needs singleton_rate_limit"):
+        read_options({}, _task(singleton_permits="unlimited"))
+
+
+def test_permits_none_on_the_task_is_read_as_unlimited() -> None:
+    with pytest.warns(DeprecationWarning, match="unlimited") as caught:
+        opts = read_options({}, _task(singleton_permits=None, singleton_rate_limit="5/s"))
+    assert opts.permits == 0
+    assert [str(w.message) for w in caught] == [
+        "task t.api: singleton_permits=None is deprecated, use singleton_permits='unlimited'"
+    ]
+
+
+@pytest.mark.parametrize("value", ["Unlimited", "none", "inf", "", 0])
+def test_other_spellings_of_no_limit_are_refused(value: Any) -> None:
+    """Only "unlimited" says no limit: the refusal names it, in one line."""
+    with pytest.raises(SingletonConfigError, match=r"or 'unlimited', got") as e:
+        read_options({}, _task(singleton_permits=value, singleton_rate_limit="5/s"))
+    assert "\n" not in str(e.value)
+    assert "singleton_permits (task t.api)" in str(e.value)
+
+
+def test_the_banner_and_the_scope_check_say_unlimited() -> None:
+    app = Celery("renamed-permits", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:6379/0"
+    scoped = {"base": SingletonTask, "shared": False, "singleton_scope": "api"}
+
+    @app.task(name="t.read", singleton_permits="unlimited", singleton_rate_limit="5/s", **scoped)
+    def read(customer: str) -> None: ...
+
+    @app.task(name="t.write", singleton_rate_limit="5/s", **scoped)
+    def write(customer: str) -> None: ...
+
+    try:
+        assert ".> permits:         t.read=unlimited\n" in banner_lines(app.conf, [read, write])
+        with pytest.raises(SingletonConfigError, match=r"t\.read unlimited; t\.write 1"):
+            check_scopes([read, write])
     finally:
         app.close()
