@@ -30,11 +30,13 @@ from ..core.urls import (
     url_scheme,
 )
 from ..errors import SingletonConfigError
+from .legacy import renamed
 
 __all__ = [
     "COMPLETION_MARGIN_S",
     "DEFAULT_COMPLETION_TTL_S",
     "LOCK_ON",
+    "LOCK_ON_RENAMED",
     "POLICIES",
     "SETTINGS",
     "UNLIMITED",
@@ -43,7 +45,10 @@ __all__ = [
 ]
 
 POLICIES = ("skip", "retry", "raise", "coalesce", "join")
-LOCK_ON = ("execute", "publish", "both")
+LOCK_ON = ("execute", "publish")
+#: Old values of ``lock_on`` -> the value each is read as (with a DeprecationWarning): "both"
+#: never differed from "publish" (the run takes its lock on the worker under both)
+LOCK_ON_RENAMED = {"both": "publish"}
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -109,6 +114,14 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         return str(value)
 
     return check
+
+
+def _lock_on(name: str, value: Any) -> str:
+    """One of :data:`LOCK_ON`; an old value of :data:`LOCK_ON_RENAMED` is read as its new one."""
+    if isinstance(value, str) and value in LOCK_ON_RENAMED:
+        renamed(name, repr(value), repr(LOCK_ON_RENAMED[value]))
+        value = LOCK_ON_RENAMED[value]
+    return _choice(LOCK_ON)(name, value)
 
 
 def _prefix(name: str, value: Any) -> str:
@@ -327,7 +340,7 @@ SETTINGS: dict[str, Setting] = {
             _permits,
             "How many runs of one key may run at once (each holds a permit slot of its own: "
             "renewed, released and fenced like a single lock); the next one meets "
-            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both". '
+            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish". '
             '"unlimited", with `rate_limit`: no limit on runs at once (only the rate applies; a '
             "run holds no lock). None given on a task is the deprecated spelling of "
             '"unlimited".',
@@ -339,7 +352,7 @@ SETTINGS: dict[str, Setting] = {
             'At most N runs of one key start within any window of a second, minute or hour ("N/s", '
             '"N/m", "N/h"; a sliding window, counted across the whole cluster); a run over it '
             "meets `on_duplicate`. None: no rate limit. Not with redis+redlock:// URLs, nor with "
-            'lock_on "publish"/"both".',
+            'lock_on "publish".',
         ),
         Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
         Setting(
@@ -378,17 +391,18 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "lock_on",
             "execute",
-            _choice(LOCK_ON),
+            _lock_on,
             'Where duplicates are stopped: "execute" (on the worker, right before the body '
-            'runs) or "publish"/"both" (also when the task is published: a duplicate '
+            'runs) or "publish" (also when the task is published: a duplicate '
             "`delay()`/`apply_async()` returns the AsyncResult of the queued or running "
-            "holder; the run still takes its lock on the worker).",
+            'holder; the run still takes its lock on the worker). "both" is the deprecated '
+            'spelling of "publish".',
         ),
         Setting(
             "publish_ttl",
             300,
             _positive,
-            'Under lock_on "publish"/"both": seconds a queued marker lives (after its '
+            'Under lock_on "publish": seconds a queued marker lives (after its '
             "countdown or eta) if its message never starts (purged, lost). Past it a new "
             "call is published again; the lock on the worker still guards the run.",
         ),

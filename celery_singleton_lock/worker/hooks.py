@@ -29,7 +29,7 @@ whole node killed                             nobody: the lock expires after its
 
 Scheduled runs: ``task_received`` hands every message to beat's witness (beat/witness.py),
 which drops a scheduled run's second message.
-Under ``singleton_lock_on`` "publish"/"both", ``task_revoked`` also drops the queued marker
+Under ``singleton_lock_on`` "publish", ``task_revoked`` also drops the queued marker
 of a message revoked or expired before it ran (publish/dedup.py).
 
 The main process releases with the task id as owner and the run's retries count as
@@ -317,16 +317,19 @@ def _check_and_announce(
                 check_key_args(task.run, task.singleton_options().key_args)
             check_scopes(tasks)
             check_pool(worker_pool_of(app.conf, options or {}))
+            banner = banner_lines(app.conf, tasks)  # reads the app-wide settings too
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
+    logged: set[str] = set()  # an app-wide old spelling warns once per task that reads it
     for warning in caught:  # Python hides DeprecationWarnings in a worker: log them
         if issubclass(warning.category, DeprecationWarning):
-            logger.warning("singleton: deprecated option: %s", warning.message)
+            if str(warning.message) not in logged:
+                logged.add(str(warning.message))
+                logger.warning("singleton: deprecated option: %s", warning.message)
         else:
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
-    banner = banner_lines(app.conf, tasks)
     original = instance.extra_info
 
     def extra_info() -> str:

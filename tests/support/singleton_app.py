@@ -1073,7 +1073,7 @@ def join_hold(
     name="t.join_both",
     singleton_key_args=("key",),
     singleton_on_duplicate="join",
-    singleton_lock_on="both",
+    singleton_lock_on="publish",
 )
 def join_both(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> Any:
     """t.join, deduplicated at publish too."""

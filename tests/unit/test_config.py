@@ -631,10 +631,9 @@ def test_permits_are_refused_with_redlock(url: str) -> None:
     assert read_options({"singleton_redis_url": url}, SimpleNamespace(name="t.x")).permits == 1
 
 
-@pytest.mark.parametrize("lock_on", ["publish", "both"])
-def test_permits_are_refused_with_publish_time_dedup(lock_on: str) -> None:
+def test_permits_are_refused_with_publish_time_dedup() -> None:
     with pytest.raises(SingletonConfigError, match=r'singleton_permits > 1 needs.*"execute"'):
-        read_options({"singleton_permits": 2, "singleton_lock_on": lock_on})
+        read_options({"singleton_permits": 2, "singleton_lock_on": "publish"})
 
 
 def test_permits_go_with_coalesce_but_not_with_a_window() -> None:

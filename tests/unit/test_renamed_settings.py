@@ -6,7 +6,11 @@ DeprecationWarning that names the new one; both given is one SingletonConfigErro
 - beat's app-wide ``singleton_lock_at_least`` is ``singleton_beat_lock_at_least`` (the task
   option ``singleton_lock_at_least`` keeps its name and meaning).
 - ``singleton_permits=None`` given on a task (no limit on runs at once) is
-  ``singleton_permits="unlimited"``. One attribute takes one value: there is no "both".
+  ``singleton_permits="unlimited"``.
+- ``singleton_lock_on="both"`` is ``"publish"`` (they never differed).
+
+The last two are values of one setting, so old and new cannot be given together; a task's
+value still overrides the app's, whichever spelling each uses.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from celery_singleton_lock import SingletonConfigError, SingletonTask
 from celery_singleton_lock.beat.runs import run_at
 from celery_singleton_lock.beat.scheduler import SingletonSchedulerMixin
 from celery_singleton_lock.settings.options import read_beat_options, read_options
-from celery_singleton_lock.worker.hooks import banner_lines
+from celery_singleton_lock.worker.hooks import _check_and_announce, banner_lines
 from celery_singleton_lock.worker.scopes import check_scopes
 
 # -- singleton_beat_lock_at_least (app-wide singleton_lock_at_least) --------------------------
@@ -163,5 +167,74 @@ def test_the_banner_and_the_scope_check_say_unlimited() -> None:
         assert ".> permits:         t.read=unlimited\n" in banner_lines(app.conf, [read, write])
         with pytest.raises(SingletonConfigError, match=r"t\.read unlimited; t\.write 1"):
             check_scopes([read, write])
+    finally:
+        app.close()
+
+
+# -- singleton_lock_on="publish" ("both") --------------------------------------------------------
+
+
+def test_lock_on_publish() -> None:
+    assert read_options({"singleton_lock_on": "publish"}).lock_on == "publish"
+    assert read_options({}, _task(singleton_lock_on="publish")).lock_on == "publish"
+
+
+def test_lock_on_both_is_read_as_publish() -> None:
+    app_wide, on_task = {"singleton_lock_on": "both"}, _task(singleton_lock_on="both")
+    with pytest.warns(
+        DeprecationWarning, match=r"^singleton_lock_on: 'both' is deprecated, use 'publish'$"
+    ):
+        opts = read_options(app_wide)
+    assert opts.lock_on == "publish"
+    with pytest.warns(
+        DeprecationWarning, match=r"^singleton_lock_on \(task t\.api\): 'both' .*'publish'$"
+    ):
+        opts = read_options({}, on_task)
+    assert opts.lock_on == "publish"
+
+
+def test_a_task_overrides_an_app_wide_both() -> None:
+    """The task's own value wins; the app's old one is not even read."""
+    task = _task(singleton_lock_on="execute")
+    assert read_options({"singleton_lock_on": "both"}, task).lock_on == "execute"
+
+
+def test_a_bad_lock_on_names_only_the_current_values() -> None:
+    with pytest.raises(
+        SingletonConfigError,
+        match=r"^singleton_lock_on must be one of 'execute', 'publish', got 'queue'$",
+    ):
+        read_options({"singleton_lock_on": "queue"})
+
+
+def test_the_worker_logs_an_app_wide_old_spelling_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Every task reads the app-wide "both": the worker's start logs it once, and the banner
+    shows what it is read as."""
+    app = Celery("renamed-lock-on", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:6379/0"
+    app.conf.singleton_lock_on = "both"
+
+    @app.task(base=SingletonTask, name="t.one", shared=False)
+    def one(x: int) -> None: ...
+
+    @app.task(base=SingletonTask, name="t.two", shared=False)
+    def two(x: int) -> None: ...
+
+    class Worker:
+        app: Celery
+
+        def extra_info(self) -> str:
+            return ""
+
+    worker = Worker()
+    worker.app = app
+    try:
+        with caplog.at_level(logging.WARNING):
+            _check_and_announce(instance=worker)
+        shown = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+        assert shown == [
+            "singleton: deprecated option: singleton_lock_on: 'both' is deprecated, use 'publish'"
+        ]
+        assert ".> lock_on:         publish\n" in worker.extra_info()
     finally:
         app.close()
