@@ -2,11 +2,12 @@
 acquire it rides in, and celery-heimdall's global rate limit.
 
 Ours decides the rate in the acquire's own script call (acquire_permit.lua): a lock cycle under a
-rate is the same two round trips as one without, and a rate alone (``singleton_permits=None``)
-one. celery-heimdall's check (``rate_limited_countdown``, what its task's ``__call__`` runs
-before the body) is GET then SET or INCR under the limit (a fixed window: a counter expiring
-after the period), GET, GET, TTL and SET over it. Round trips are counted, not read from the
-code: every write a contender's connections make is counted, in a pass of its own.
+rate is the same two round trips as one without, and a rate alone
+(``singleton_permits="unlimited"``) one. celery-heimdall's check (``rate_limited_countdown``, what
+its task's ``__call__`` runs before the body) is GET then SET or INCR under the limit (a fixed
+window: a counter expiring after the period), GET, GET, TTL and SET over it. Round trips are
+counted, not read from the code: every write a contender's connections make is counted, in a pass
+of its own.
 
 Under the limit each of ours runs over 100 keys in turn, 1000/s each (a window of a few hundred
 starts per key), so the key is never full; over it, one key whose window is full (5/h).
@@ -33,7 +34,7 @@ from .server import PrivateRedis
 
 OURS_LOCK = "ours: lock cycle, no rate"
 OURS_LOCK_RATE = "ours: lock cycle under a rate (1000/s)"
-OURS_RATE = "ours: rate alone (permits=None), a start"
+OURS_RATE = 'ours: rate alone (permits="unlimited"), a start'
 OURS_OVER = "ours: over the rate (5/h), refused"
 HEIMDALL = "celery-heimdall: rate check, under the limit"
 HEIMDALL_OVER = "celery-heimdall: rate check, over the limit"

@@ -3,8 +3,8 @@
 Every beat instance must name a run alike: by its nominal instant (:mod:`.schedules`), a
 schedule that runs once by its one instant, one that cannot be placed by a bucket of the skew
 bound. A claim is kept two periods of its schedule past the run (plus the skew bound and a
-minute; at least ``lock_at_least``), so an instance that learns late that the run happened
-still finds it claimed.
+minute; at least ``singleton_beat_lock_at_least``), so an instance that learns late that the
+run happened still finds it claimed.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import logging
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any, SupportsIndex
@@ -84,13 +85,28 @@ class SingletonSchedulerMixin:
         self._singleton_watch = ScheduleWatch()
         #: labelled entries of claimed runs being published through apply_entry: their outcome
         self._singleton_claimed: dict[int, Any] = {}
+        #: the DeprecationWarnings of the settings this scheduler logged
+        self._singleton_deprecations: set[str] = set()
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
 
     @property
     def singleton_options(self) -> BeatOptions:
-        return read_beat_options(self.app.conf)
+        """The beat settings. An old spelling's DeprecationWarning is logged, once per
+        scheduler: Python hides DeprecationWarnings in beat, as in a worker."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            opts = read_beat_options(self.app.conf)
+        for warning in caught:
+            if not issubclass(warning.category, DeprecationWarning):
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
+            elif str(warning.message) not in self._singleton_deprecations:
+                self._singleton_deprecations.add(str(warning.message))
+                logger.warning("beat: deprecated setting: %s", warning.message)
+        return opts
 
     def _singleton_state(self) -> BeatState:
         state = self._singleton

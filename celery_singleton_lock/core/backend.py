@@ -64,12 +64,12 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterExcep
 #: (``fence_margin=`` in the URL, ``singleton_fence_margin``). The counter expires
 #: :func:`fence_ttl_ms` after its token (on the server's clock), so once it is gone the clock
 #: has passed the last token by that much, and the next token, taken from the clock, is larger
-#: unless the clock stepped back by more: docs/design.md, "Fencing tokens".
+#: unless the clock stepped back by more: docs/internals.md, "Fencing tokens".
 FENCE_MARGIN_MS = 60_000
 
 #: The metadata a lock hash keeps, whatever the call (a huge argument preview, hostname or task
 #: name): at most this many fields, each name and value cut to these many bytes (UTF-8, a cut
-#: value ending in "..."). docs/design.md, "The lock in Redis", states the hash's size.
+#: value ending in "..."). docs/internals.md, "The lock in Redis", states the hash's size.
 MAX_META_FIELDS = 8
 MAX_META_NAME_BYTES = 32
 MAX_META_VALUE_BYTES = 200
@@ -344,7 +344,7 @@ def check_fence_margin(margin_ms: int) -> None:
 def fence_ttl_ms(ttl_ms: int, margin_ms: int) -> int:
     """How long the fencing counter lives after an acquire with ``ttl_ms`` (the scripts add how
     far the token is ahead of the server's clock, after a backward step): the lock's ttl and
-    the margin. The one bound a finished run's keys stay within (docs/design.md)."""
+    the margin. The one bound a finished run's keys stay within (docs/internals.md)."""
     return ttl_ms + margin_ms
 
 

@@ -5,7 +5,7 @@ token (``self.singleton.fencing_token``) is strictly increasing per lock key, so
 that remembers the largest token it accepted can refuse writes that carry a smaller one.
 
 :func:`fenced_set` does that for a value kept in Redis. For SQL, guard the UPDATE with
-the token column (see docs/design.md, "Fencing tokens")::
+the token column (see docs/internals.md, "Fencing tokens")::
 
     UPDATE accounts SET balance = :balance, fence_token = :token
      WHERE id = :id AND fence_token < :token

@@ -10,7 +10,7 @@ tag::
 
     {prefix}{<safe task name>:<32 hex digest>}:lock
     {prefix}{<safe task name>:<32 hex digest>}:fence
-    {prefix}{<safe task name>:<32 hex digest>}:queued   (lock_on "publish"/"both" only)
+    {prefix}{<safe task name>:<32 hex digest>}:queued   (lock_on "publish" only)
 
 :class:`KeyDeriver` turns one task's calls into these keys, with what does not change from call
 to call worked out once. :func:`lock_key_problem` is the inverse check: whether a key (one an

@@ -98,7 +98,7 @@ class RedlockMasters(SequentialReleases):
     @property
     def client(self) -> redis.Redis:
         """The first master: where single-key records beside the locks live (publish-time
-        markers; see docs/design.md, "Known limits")."""
+        markers; see docs/internals.md, "Known limits")."""
         return self.clients[0]
 
     def close(self) -> None:

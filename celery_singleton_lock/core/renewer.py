@@ -7,7 +7,7 @@ locks. A record whose run has ended and been garbage-collected simply drops out.
 
 The renewer also keeps this process's releases in order with its acquires:
 :meth:`Renewer.acquire` is the one way a run takes a lock, and it never overtakes a release
-this process made before it (see "Deferred release" in docs/design.md).
+this process made before it (see "Deferred release" in docs/internals.md).
 
 Time is injected: :meth:`Renewer.run_due` takes ``now`` and returns how long to wait, so
 tests drive it without a thread or a sleep. :meth:`Renewer.ensure_started` starts a

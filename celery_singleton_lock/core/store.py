@@ -66,7 +66,7 @@ class ScriptStore:
     logged and reported in :attr:`Acquired.replicas`, the lock is kept either way.
 
     ``fence_margin_ms``: a lock's fencing counter expires its ttl plus this long after the
-    acquire (docs/design.md, "Fencing tokens": the bound a finished run's keys stay within).
+    acquire (docs/internals.md, "Fencing tokens": the bound a finished run's keys stay within).
     """
 
     def __init__(self, fence_margin_ms: int, wait_replicas: int, wait_timeout_ms: int) -> None:

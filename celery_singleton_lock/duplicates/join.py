@@ -429,8 +429,8 @@ class JoinPolicy(Policy):
         if opts.permits == 0 and opts.rate_limit is not None:
             return (
                 "singleton_rate_limit with singleton_on_duplicate 'join' needs a limit on runs "
-                "at once (singleton_permits 1): with singleton_permits None no run holds a lock "
-                "to join"
+                "at once (singleton_permits 1): with singleton_permits 'unlimited' no run holds "
+                "a lock to join"
             )
         return None
 

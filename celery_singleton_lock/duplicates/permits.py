@@ -1,8 +1,8 @@
 """``singleton_permits=N``: up to N runs of a key at once, each holding a permit slot of its own
 (``<lock key>:<i>``: renewed, released and fenced like a single lock; core/keys.py). A modifier
 of every policy: the call that meets a full set of slots meets the key's policy, the holder
-being the run whose slot expires first. ``None`` (given on the task, with a rate limit): no
-limit on runs at once, only the rate applies (a run then holds no lock).
+being the run whose slot expires first. ``"unlimited"`` (with a rate limit): no limit on runs
+at once, only the rate applies (a run then holds no lock).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ class Permits(Part):
     def refuse(self, opts: Options) -> str | None:
         if opts.permits == 0 and opts.rate_limit is None:
             return (
-                "singleton_permits None (no limit on runs at once) needs singleton_rate_limit: "
-                "without a rate it would limit nothing"
+                "singleton_permits 'unlimited' (no limit on runs at once) needs "
+                "singleton_rate_limit: without a rate it would limit nothing"
             )
         if opts.permits == 0 and opts.lock_at_least > 0:
             return (
-                "singleton_permits None does not go with singleton_lock_at_least (a run holds no "
-                "lock to keep the key blocked with); the rate limits the starts"
+                "singleton_permits 'unlimited' does not go with singleton_lock_at_least (a run "
+                "holds no lock to keep the key blocked with); the rate limits the starts"
             )
         if opts.store_kind == "redlock":
             return (

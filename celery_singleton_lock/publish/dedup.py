@@ -1,4 +1,4 @@
-"""Publish-time dedup (``singleton_lock_on = "publish"`` or ``"both"``).
+"""Publish-time dedup (``singleton_lock_on = "publish"``).
 
 ``delay()``/``apply_async()`` of a task whose lock is held, or whose identical call is
 already queued, publishes nothing and returns the AsyncResult of that holder. One Lua round

@@ -12,7 +12,7 @@ The Celery side of :mod:`celery_singleton_lock.core.completion`:
   ``redelivery_dropped`` signal, and no result written (the first run's stays).
 
 The stores write and read both records inside the release and acquire scripts, so a run makes
-no round trip for them (docs/design.md, "A finished message is not run again").
+no round trip for them (docs/internals.md, "A finished message is not run again").
 """
 
 from __future__ import annotations

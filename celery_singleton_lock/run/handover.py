@@ -6,7 +6,7 @@ owner is the task id and its generation the retries count, so the retried messag
 id, one more retry) takes the lock over when it comes (``acquire.lua``); until then the lock is
 stretched over the countdown, so nothing slips in between. A retry Celery refuses
 (``max_retries`` used up, ``autoretry_for``'s last try) or cannot publish hands nothing over:
-the run still holds its lock, and its end releases it (docs/design.md, "self.retry()").
+the run still holds its lock, and its end releases it (docs/internals.md, "self.retry()").
 """
 
 from __future__ import annotations

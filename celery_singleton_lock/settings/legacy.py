@@ -3,7 +3,9 @@
 A task that still says ``unique_on=...``, ``lock_expiry=...``, ``raise_on_duplicate=...``
 (celery-singleton) or ``once={"keys": ..., "timeout": ..., "graceful": ...}`` (celery-once)
 keeps working: each old option is read as the new one, with a ``DeprecationWarning`` that
-names the new spelling. docs/migrating.md lists the differences in behaviour.
+names the new spelling. docs/migrating.md lists the differences in behaviour. This library's
+own settings renamed before its first release warn the same way (:func:`renamed`, docs/migrating.md,
+"Renamed settings").
 
 Knows nothing of Celery's classes: it reads attributes of any object.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from ..errors import SingletonConfigError
 
-__all__ = ["LEGACY_OPTIONS", "legacy_options"]
+__all__ = ["LEGACY_OPTIONS", "legacy_options", "renamed"]
 
 #: celery-singleton option -> the setting it becomes (docs/migrating.md).
 LEGACY_OPTIONS = {
@@ -34,6 +36,12 @@ def _deprecated(task_name: str, old: str, setting: str, value: Any) -> None:
         DeprecationWarning,
         stacklevel=4,
     )
+
+
+def renamed(where: str, old: str, new: str) -> None:
+    """Warn that ``old``, an old spelling of this library's, is read as ``new``:
+    ``"<where>: <old> is deprecated, use <new>"`` (a worker or beat logs it at start)."""
+    warnings.warn(f"{where}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=4)
 
 
 def _on_duplicate(where: str, value: Any, raise_when: bool) -> str:

@@ -28,12 +28,13 @@ from ..core.urls import (
 )
 from ..errors import SingletonConfigError
 from .broker import ConfLike, redis_broker_url, visibility_timeout
-from .legacy import legacy_options
+from .legacy import legacy_options, renamed
 from .table import (
     COMPLETION_MARGIN_S,
     DEFAULT_COMPLETION_TTL_S,
     DEFAULT_REDIS_URL,
     SETTINGS,
+    UNLIMITED,
 )
 
 __all__ = [
@@ -71,6 +72,7 @@ class BeatOptions:
     key_prefix: str
     mode: str
     skew: float
+    #: ``singleton_beat_lock_at_least``: the least time a run's claim is kept
     lock_at_least: float
     lease: float
 
@@ -79,16 +81,33 @@ def read_beat_options(conf: ConfLike) -> BeatOptions:
     """Check the settings SingletonScheduler uses."""
     values = {
         name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
-        for name in ("key_prefix", "beat_mode", "beat_skew", "lock_at_least", "beat_lease")
+        for name in ("key_prefix", "beat_mode", "beat_skew", "beat_lease")
     }
     return BeatOptions(
         redis_url=resolve_redis_url(conf),
         key_prefix=values["key_prefix"],
         mode=values["beat_mode"],
         skew=values["beat_skew"],
-        lock_at_least=values["lock_at_least"],
+        lock_at_least=_beat_lock_at_least(conf),
         lease=values["beat_lease"],
     )
+
+
+def _beat_lock_at_least(conf: ConfLike) -> float:
+    """``singleton_beat_lock_at_least``, or its old spelling, an app-wide
+    ``singleton_lock_at_least`` (checked, then a DeprecationWarning); both: refused."""
+    new, old = SETTINGS["beat_lock_at_least"].conf_key, SETTINGS["lock_at_least"].conf_key
+    value = conf.get(old)
+    if value is None:
+        return float(_conf_checked(conf, "beat_lock_at_least"))
+    if conf.get(new) is not None:
+        raise SingletonConfigError(
+            f"app settings: {old} and {new} are both set; keep {new} (beat reads an app-wide "
+            f"{old} as its old spelling)"
+        )
+    checked = float(SETTINGS["beat_lock_at_least"].check(old, value))
+    renamed("app settings", f"{old} (beat's claims)", f"{new}={value!r}")
+    return checked
 
 
 def _conf_value(conf: ConfLike, name: str) -> Any:
@@ -116,7 +135,8 @@ class Options:
     lock_on: str = "execute"
     publish_ttl: float = 300.0
     scope: str | None = None
-    #: 0: ``singleton_permits=None`` given on the task: no limit on runs at once (a rate only)
+    #: 0: ``singleton_permits="unlimited"`` (or None given on the task, its deprecated
+    #: spelling): no limit on runs at once (a rate only)
     permits: int = 1
     #: ``(limit, period_ms)``: at most ``limit`` runs of a key start within any ``period_ms``
     rate_limit: tuple[int, int] | None = None
@@ -212,8 +232,10 @@ def read_options(conf: ConfLike, task: object | None = None) -> Options:
                     )
                 value = legacy[setting.name]
         if value is None and setting.name == "permits" and _given_none(task, setting.conf_key):
-            values["permits"] = 0  # None given on the task: no limit on runs at once
-            continue
+            renamed(
+                f"task {task_name}", "singleton_permits=None", f"singleton_permits={UNLIMITED!r}"
+            )
+            value = UNLIMITED  # None given on the task: its old spelling
         if value is None and setting.app_fallback:
             value = conf.get(setting.conf_key)
             where = setting.conf_key

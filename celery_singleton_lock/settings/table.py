@@ -30,21 +30,30 @@ from ..core.urls import (
     url_scheme,
 )
 from ..errors import SingletonConfigError
+from .legacy import renamed
 
 __all__ = [
     "COMPLETION_MARGIN_S",
     "DEFAULT_COMPLETION_TTL_S",
     "LOCK_ON",
+    "LOCK_ON_RENAMED",
     "POLICIES",
     "SETTINGS",
+    "UNLIMITED",
     "Setting",
+    "permits_text",
 ]
 
 POLICIES = ("skip", "retry", "raise", "coalesce", "join")
-LOCK_ON = ("execute", "publish", "both")
+LOCK_ON = ("execute", "publish")
+#: Old values of ``lock_on`` -> the value each is read as (with a DeprecationWarning): "both"
+#: never differed from "publish" (the run takes its lock on the worker under both)
+LOCK_ON_RENAMED = {"both": "publish"}
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: ``singleton_permits``: no limit on runs at once (a rate alone); read as 0 permits
+UNLIMITED = "unlimited"
 
 #: Added to the broker's visibility timeout: a message left unacked is restored by a sweep
 #: that runs every few seconds, then waits in the queue behind others.
@@ -105,6 +114,14 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         return str(value)
 
     return check
+
+
+def _lock_on(name: str, value: Any) -> str:
+    """One of :data:`LOCK_ON`; an old value of :data:`LOCK_ON_RENAMED` is read as its new one."""
+    if isinstance(value, str) and value in LOCK_ON_RENAMED:
+        renamed(name, repr(value), repr(LOCK_ON_RENAMED[value]))
+        value = LOCK_ON_RENAMED[value]
+    return _choice(LOCK_ON)(name, value)
 
 
 def _prefix(name: str, value: Any) -> str:
@@ -168,11 +185,20 @@ def _non_negative_int(name: str, value: Any) -> int:
 
 
 def _permits(name: str, value: Any) -> int:
+    """1 to :data:`MAX_PERMITS` runs of a key at once, or :data:`UNLIMITED` (read as 0)."""
+    if isinstance(value, str) and value == UNLIMITED:
+        return 0
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERMITS:
         raise SingletonConfigError(
-            f"{name} must be an integer from 1 to {MAX_PERMITS}, got {_shown(value)}"
+            f"{name} must be an integer from 1 to {MAX_PERMITS} or {UNLIMITED!r}, "
+            f"got {_shown(value)}"
         )
     return value
+
+
+def permits_text(permits: int) -> str:
+    """A checked ``permits`` as the settings spell it: 0 is :data:`UNLIMITED`."""
+    return UNLIMITED if permits == 0 else str(permits)
 
 
 def _rate(name: str, value: Any) -> tuple[int, int] | None:
@@ -213,7 +239,7 @@ class Setting:
     doc: str
     task_option: bool = True
     #: False: a task reads the option from its own attribute only, never from ``app.conf``
-    #: (whose key means something else there: ``lock_at_least`` is beat's app-wide)
+    #: (whose ``singleton_lock_at_least`` is beat's old spelling of ``beat_lock_at_least``)
     app_fallback: bool = True
 
     @property
@@ -258,7 +284,7 @@ SETTINGS: dict[str, Setting] = {
             "Seconds a lock's fencing counter outlives the lock's ttl: the counter, the last "
             "key a finished run leaves, expires ttl + this after the acquire. Fencing tokens "
             "stay increasing through a backward step of the Redis server's clock of up to ttl "
-            "+ this (docs/design.md, Fencing tokens).",
+            "+ this (docs/how-it-works.md, Fencing tokens).",
             task_option=False,
         ),
         Setting(
@@ -314,9 +340,10 @@ SETTINGS: dict[str, Setting] = {
             _permits,
             "How many runs of one key may run at once (each holds a permit slot of its own: "
             "renewed, released and fenced like a single lock); the next one meets "
-            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish"/"both". '
-            "None, given on the task with `rate_limit`: no limit on runs at once (only the rate "
-            "applies; a run holds no lock).",
+            '`on_duplicate`. Not with redis+redlock:// URLs, nor with lock_on "publish". '
+            '"unlimited", with `rate_limit`: no limit on runs at once (only the rate applies; a '
+            "run holds no lock). None given on a task is the deprecated spelling of "
+            '"unlimited".',
         ),
         Setting(
             "rate_limit",
@@ -325,7 +352,7 @@ SETTINGS: dict[str, Setting] = {
             'At most N runs of one key start within any window of a second, minute or hour ("N/s", '
             '"N/m", "N/h"; a sliding window, counted across the whole cluster); a run over it '
             "meets `on_duplicate`. None: no rate limit. Not with redis+redlock:// URLs, nor with "
-            'lock_on "publish"/"both".',
+            'lock_on "publish".',
         ),
         Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
         Setting(
@@ -353,19 +380,29 @@ SETTINGS: dict[str, Setting] = {
             "before the run, so it is not redelivered after it).",
         ),
         Setting(
+            "lock_at_least",
+            0,
+            _non_negative,
+            "Keep the task's key blocked until this many seconds after each run took its lock, "
+            "on the Redis server's clock. A task option read from the task only: the app-wide "
+            "`singleton_lock_at_least` is beat's old spelling of `beat_lock_at_least`.",
+            app_fallback=False,
+        ),
+        Setting(
             "lock_on",
             "execute",
-            _choice(LOCK_ON),
+            _lock_on,
             'Where duplicates are stopped: "execute" (on the worker, right before the body '
-            'runs) or "publish"/"both" (also when the task is published: a duplicate '
+            'runs) or "publish" (also when the task is published: a duplicate '
             "`delay()`/`apply_async()` returns the AsyncResult of the queued or running "
-            "holder; the run still takes its lock on the worker).",
+            'holder; the run still takes its lock on the worker). "both" is the deprecated '
+            'spelling of "publish".',
         ),
         Setting(
             "publish_ttl",
             300,
             _positive,
-            'Under lock_on "publish"/"both": seconds a queued marker lives (after its '
+            'Under lock_on "publish": seconds a queued marker lives (after its '
             "countdown or eta) if its message never starts (purged, lost). Past it a new "
             "call is published again; the lock on the worker still guards the run.",
         ),
@@ -403,14 +440,14 @@ SETTINGS: dict[str, Setting] = {
             task_option=False,
         ),
         Setting(
-            "lock_at_least",
+            "beat_lock_at_least",
             0,
             _non_negative,
-            "App-wide: keep each scheduled run's claim at least this many seconds after it was "
-            "published (the claim is otherwise kept for two schedule periods). As a task "
-            "option (read from the task only): keep the task's key blocked until this many "
-            "seconds after each run took its lock, on the Redis server's clock.",
-            app_fallback=False,
+            "Keep each scheduled run's claim at least this many seconds after it was published "
+            "(the claim is otherwise kept for two schedule periods + 2 x beat_skew + 60 s). "
+            "Formerly the app-wide `singleton_lock_at_least`, still read as this with a "
+            "DeprecationWarning.",
+            task_option=False,
         ),
         Setting(
             "beat_lease",

@@ -15,7 +15,7 @@ signals, each sent where the run's span is current (``before_start``, or between
   from the renewer's thread: the span is the one current when the lock was acquired);
 - in a process that publishes, an event ``celery_singleton.duplicate_not_published`` on the
   caller's current span when a call is turned away at publish (``singleton_lock_on``
-  ``"publish"``/``"both"``).
+  ``"publish"``).
 
 A signal about another run than the current one (a coalesced follow-up superseded while the
 holder releases) changes nothing. A delivery dropped in front of Celery's tracer (its message

@@ -67,6 +67,7 @@ from ..run.log import about
 from ..run.log import logger as task_logger
 from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
 from ..settings.options import describe, read_options
+from ..settings.table import permits_text
 from ..task.endings import after_run, end_lost, release_lost, withdraw
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
@@ -319,16 +320,19 @@ def _check_and_announce(
                 check_key_args(task.run, task.singleton_options().key_args)
             check_scopes(tasks)
             check_pool(worker_pool_of(app.conf, options or {}))
+            banner = banner_lines(app.conf, tasks)  # reads the app-wide settings too
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None
+    logged: set[str] = set()  # an app-wide old spelling warns once per task that reads it
     for warning in caught:  # Python hides DeprecationWarnings in a worker: log them
         if issubclass(warning.category, DeprecationWarning):
-            logger.warning("singleton: deprecated option: %s", warning.message)
+            if str(warning.message) not in logged:
+                logged.add(str(warning.message))
+                logger.warning("singleton: deprecated option: %s", warning.message)
         else:
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
-    banner = banner_lines(app.conf, tasks)
     original = instance.extra_info
 
     def extra_info() -> str:
@@ -348,7 +352,7 @@ def banner_lines(conf: Any, tasks: list[SingletonTask]) -> str:
     ]
     if windows:
         settings["lock_at_least"] = ", ".join(windows)
-    permits = [f"{t.name}={t.singleton_options().permits or 'none'}" for t in tasks]
+    permits = [f"{t.name}={permits_text(t.singleton_options().permits)}" for t in tasks]
     if any(t.singleton_options().permits != 1 for t in tasks):
         settings["permits"] = ", ".join(p for p in permits if not p.endswith("=1"))
     rates = [(t.name, t.singleton_options().rate_limit) for t in tasks]

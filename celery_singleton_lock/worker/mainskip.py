@@ -27,7 +27,7 @@ then Celery's own); every message when the lock store is a cluster or
 Redlock. A failed probe (Redis down, or slower than
 :data:`~.core.connection.PROBE_TIMEOUT_S`) or a failed result store forgets every hot key of
 the task: the message and the next ones go to Celery's handler until a skip in the executing
-process makes a key hot again. See docs/design.md, "The main-process skip".
+process makes a key hot again. See docs/internals.md, "The main-process skip".
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..duplicates.rate import rate_text
 from ..errors import SingletonConfigError
+from ..settings.table import permits_text
 
 if TYPE_CHECKING:
     from ..task.singleton_task import SingletonTask
@@ -44,7 +45,7 @@ def check_scopes(tasks: Iterable[SingletonTask]) -> None:
             raise SingletonConfigError(
                 f"the tasks of scope {scope!r} must key on the same argument names: {keyed}"
             )
-        permits = {name: task.singleton_options().permits for name, task in members.items()}
+        permits = {n: permits_text(t.singleton_options().permits) for n, t in members.items()}
         if len(set(permits.values())) > 1:  # 1 permit locks the key itself, N its N slots
             raise SingletonConfigError(
                 f"the tasks of scope {scope!r} must take the same singleton_permits, or they "

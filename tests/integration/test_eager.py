@@ -114,7 +114,7 @@ def test_eager_duplicate_is_skipped_with_skip_info(eager_app: Celery, singleton_
 
 def test_eager_runs_record_their_completion(eager_app: Celery, singleton_locks: str) -> None:
     """An eager run of a task acked late records its completion as a worker's run does: the
-    same task id applied again ends IGNORED, unrun (docs/design.md); a new id runs."""
+    same task id applied again ends IGNORED, unrun (docs/internals.md); a new id runs."""
     runs: list[str] = []
 
     @eager_app.task(bind=True, base=SingletonTask, name="e.late", shared=False, acks_late=True)

@@ -536,7 +536,7 @@ def test_a_call_refused_at_publish_and_one_joined_on_the_worker_agree(
     key_prefix: str,
     redis_url: str,
 ) -> None:
-    """``singleton_lock_on="both"`` with ``"join"``: a plain duplicate ``delay()`` is refused
+    """``singleton_lock_on="publish"`` with ``"join"``: a plain duplicate ``delay()`` is refused
     at publish and returns the holder's AsyncResult; one that starts a canvas of its own (a
     link, a chain) is published and joins on the worker. Each caller gets the holder's value,
     and each canvas goes on with it, as under ``"execute"``."""

@@ -32,7 +32,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "one lock": {},
     "permits": {"singleton_permits": 3},
     "scope": {"singleton_scope": "mem-scope"},
-    "publish markers": {"singleton_lock_on": "both"},
+    "publish markers": {"singleton_lock_on": "publish"},
     "coalesce": {"singleton_on_duplicate": "coalesce"},
 }
 

@@ -209,7 +209,7 @@ def test_a_run_clears_its_marker_when_json_changed_its_argument(
     wait_for(lambda: len(_runs(redis_client, key_prefix)) == 2, 20, "a second run", worker)
 
 
-@pytest.mark.parametrize("lock_on", ["execute", "publish", "both"])
+@pytest.mark.parametrize("lock_on", ["execute", "publish"])
 def test_chain_steps_and_callbacks_of_one_key_all_run_in_order(
     worker_factory: WorkerFactory,
     make_client: Callable[..., Celery],

@@ -1,6 +1,6 @@
 """singleton_rate_limit: at most N runs of a key start within any window of a period, across
 the whole cluster (two worker processes here, sharing one queue), each policy over the rate;
-singleton_permits=None (the rate alone, runs overlap); every store kind a worker starts on.
+singleton_permits="unlimited" (the rate alone, runs overlap); every store kind a worker starts on.
 
 The workers are shared by the module's tests (each test its own tenants). Start times are the
 history's (tests/support/history.py: the Redis server's clock, taken in the body right after the
@@ -187,7 +187,7 @@ def test_every_call_under_retry_runs_at_most_n_per_window(
 def test_without_a_concurrency_limit_runs_overlap_under_the_rate(
     two_workers: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
 ) -> None:
-    """singleton_permits=None with 3/m: four calls at once (four pool processes) of runs of
+    """singleton_permits="unlimited" with 3/m: four calls at once (four pool processes) of runs of
     2 s: three run at the same time (no lock between them, no fencing token), one ends
     skipped for the rate."""
     app, _ = two_workers

@@ -1,6 +1,6 @@
 """Model-based test (hypothesis stateful) of the rate limit's script (acquire_permit.lua) against
 real Redis: a key with a limit of 3 starts per 100 ms, with one permit (the lock and the rate
-both apply) or none (``singleton_permits=None``: the rate alone).
+both apply) or none (``singleton_permits="unlimited"``: the rate alone).
 
 Messages start (new ones, redelivered copies of one already started, retries of it), runs end
 (released, or their lock expires) and time passes (for real: the script reads the server's

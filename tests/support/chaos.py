@@ -251,7 +251,7 @@ class LoadReport:
     #: recorded): what the completion record must prevent
     run_twice: list[str] = field(default_factory=list)
     #: task ids whose body finished more than once: run_twice, plus runs whose process was
-    #: killed between the body's end and the release (no completion recorded: design.md)
+    #: killed between the body's end and the release (no completion recorded: docs/internals.md)
     finished_twice: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 

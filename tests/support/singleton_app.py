@@ -1073,7 +1073,7 @@ def join_hold(
     name="t.join_both",
     singleton_key_args=("key",),
     singleton_on_duplicate="join",
-    singleton_lock_on="both",
+    singleton_lock_on="publish",
 )
 def join_both(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> Any:
     """t.join, deduplicated at publish too."""
@@ -1161,14 +1161,16 @@ def _rate_task(name: str, **options: Any) -> Any:
 
 if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
     # a rate alone (no limit on runs at once): a flood meets the rate, not a held lock
-    rate_skip = _rate_task("t.rate_skip", singleton_rate_limit="4/s", singleton_permits=None)
+    rate_skip = _rate_task("t.rate_skip", singleton_rate_limit="4/s", singleton_permits="unlimited")
     rate_retry = _rate_task(
         "t.rate_retry",
         singleton_rate_limit="4/s",
         singleton_on_duplicate="retry",
-        singleton_permits=None,
+        singleton_permits="unlimited",
     )
-    rate_alone = _rate_task("t.rate_alone", singleton_rate_limit="3/m", singleton_permits=None)
+    rate_alone = _rate_task(
+        "t.rate_alone", singleton_rate_limit="3/m", singleton_permits="unlimited"
+    )
     rate_raise = _rate_task(
         "t.rate_raise", singleton_rate_limit="2/m", singleton_on_duplicate="raise"
     )
@@ -1176,7 +1178,7 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
         "t.rate_coalesce",
         singleton_rate_limit="2/s",
         singleton_on_duplicate="coalesce",
-        singleton_permits=None,
+        singleton_permits="unlimited",
     )
     rate_minute = _rate_task("t.rate_minute", singleton_rate_limit="1/m")
     rate_join = _rate_task("t.rate_join", singleton_rate_limit="1/s", singleton_on_duplicate="join")
@@ -1184,7 +1186,7 @@ if not _REDLOCK or os.environ.get("SINGLETON_TEST_RATE"):
     @app.task(
         name="t.rate_autoretry",
         singleton_rate_limit="2/s",
-        singleton_permits=None,
+        singleton_permits="unlimited",
         autoretry_for=(ValueError,),
         max_retries=1,
         default_retry_delay=0.01,

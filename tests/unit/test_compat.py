@@ -79,11 +79,11 @@ def test_bad_legacy_options_are_rejected(attrs: dict[str, Any], match: str) -> N
 
 
 def test_lock_on_setting_is_checked_and_shown() -> None:
-    """lock_on takes execute, publish or both; publish_ttl must be > 0; the banner shows them."""
-    opts = read_options({"singleton_lock_on": "both", "singleton_publish_ttl": 30})
-    assert (opts.lock_on, opts.publish_ttl) == ("both", 30.0)
+    """lock_on takes execute or publish; publish_ttl must be > 0; the banner shows them."""
+    opts = read_options({"singleton_lock_on": "publish", "singleton_publish_ttl": 30})
+    assert (opts.lock_on, opts.publish_ttl) == ("publish", 30.0)
     assert read_options({}).lock_on == "execute"
-    assert describe(opts)["lock_on"] == "both"
+    assert describe(opts)["lock_on"] == "publish"
     assert describe(opts)["publish_ttl"] == "30s"
     with pytest.raises(SingletonConfigError, match="singleton_lock_on"):
         read_options({"singleton_lock_on": "queue"})

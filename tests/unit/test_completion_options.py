@@ -63,12 +63,16 @@ def test_completion_ttl_set_on_the_app_or_the_task() -> None:
 
 
 def test_lock_at_least_is_read_from_the_task_only() -> None:
-    """The app-wide singleton_lock_at_least is beat's claims' minimum: it never gives a task a
-    window; the task's own attribute does."""
+    """An app-wide singleton_lock_at_least (beat's old spelling of
+    singleton_beat_lock_at_least) never gives a task a window; the task's own attribute does."""
     conf = {"singleton_lock_at_least": 90}
     assert read_options(conf, _task()).lock_at_least == 0
     assert read_options(conf, _task(singleton_lock_at_least=5)).lock_at_least == 5
-    assert read_beat_options(conf).lock_at_least == 90
+    with pytest.warns(DeprecationWarning, match="singleton_beat_lock_at_least"):
+        assert read_beat_options(conf).lock_at_least == 90
+    beat_conf = {"singleton_beat_lock_at_least": 90}
+    assert read_options(beat_conf, _task()).lock_at_least == 0
+    assert read_beat_options(beat_conf).lock_at_least == 90
     with pytest.raises(SingletonConfigError, match="singleton_lock_at_least"):
         read_options({}, _task(singleton_lock_at_least=-2))
 

@@ -488,6 +488,7 @@ def test_the_numeric_settings_are_found() -> None:
         "publish_ttl",
         "beat_skew",
         "lock_at_least",
+        "beat_lock_at_least",
         "beat_lease",
     }
     assert {s.name for s in _numeric_settings() if _integer(s)} == {
@@ -630,15 +631,14 @@ def test_permits_are_refused_with_redlock(url: str) -> None:
     assert read_options({"singleton_redis_url": url}, SimpleNamespace(name="t.x")).permits == 1
 
 
-@pytest.mark.parametrize("lock_on", ["publish", "both"])
-def test_permits_are_refused_with_publish_time_dedup(lock_on: str) -> None:
+def test_permits_are_refused_with_publish_time_dedup() -> None:
     with pytest.raises(SingletonConfigError, match=r'singleton_permits > 1 needs.*"execute"'):
-        read_options({"singleton_permits": 2, "singleton_lock_on": lock_on})
+        read_options({"singleton_permits": 2, "singleton_lock_on": "publish"})
 
 
 def test_permits_go_with_coalesce_but_not_with_a_window() -> None:
     """Coalesce with permits: the N+1th call meets the policy, and its call waits as the key's
-    one follow-up (docs/design.md). With an at-least window per slot it is still refused, as
+    one follow-up (docs/internals.md). With an at-least window per slot it is still refused, as
     for one permit: a slot in a window has no run whose release would take the record."""
     conf = {"singleton_permits": 3, "singleton_on_duplicate": "coalesce"}
     opts = read_options(conf)
@@ -655,8 +655,8 @@ def test_permits_go_with_coalesce_but_not_with_a_window() -> None:
 
 def test_coalesce_is_refused_with_an_at_least_window() -> None:
     """A burst met in an at-least window would give two runs after it, not one follow-up:
-    the task option singleton_lock_at_least and coalesce are refused together. The app-wide
-    singleton_lock_at_least is beat's and never refuses an app-wide coalesce."""
+    the task option singleton_lock_at_least and coalesce are refused together. An app-wide
+    singleton_lock_at_least is beat's (old spelling) and never refuses an app-wide coalesce."""
     task = SimpleNamespace(
         name="t.resync", singleton_on_duplicate="coalesce", singleton_lock_at_least=600
     )

@@ -1,4 +1,4 @@
-"""The architecture, checked (docs/design.md, "Module map").
+"""The architecture, checked (docs/internals.md, "Module map").
 
 The package is a stack of wings. A module may import its own wing and the wings below it, never
 one above, and every import counts: inside functions and under ``TYPE_CHECKING`` too.

@@ -1,6 +1,7 @@
-"""singleton_rate_limit and singleton_permits=None as the settings read them: the rates Celery
-spells, what is refused (and says so by name), and None given on a task told apart from an
-option not given."""
+"""singleton_rate_limit and singleton_permits="unlimited" as the settings read them: the rates
+Celery spells, what is refused (and says so by name), and None given on a task (the deprecated
+spelling of "unlimited", tests/unit/test_renamed_settings.py) told apart from an option not
+given."""
 
 from __future__ import annotations
 
@@ -61,16 +62,20 @@ def _task(**options: Any) -> Any:
 
 def test_permits_none_on_the_task_is_told_apart_from_not_given() -> None:
     conf = {"singleton_permits": 3, "singleton_rate_limit": "5/s"}
-    assert read_options(conf, _task(singleton_permits=None)).permits == 0  # no limit at once
+    with pytest.warns(DeprecationWarning, match="unlimited"):
+        assert read_options(conf, _task(singleton_permits=None)).permits == 0  # no limit at once
     assert read_options(conf, _task()).permits == 3  # not given: the app's setting
     assert read_options({"singleton_rate_limit": "5/s"}, _task()).permits == 1  # the default
     subclass = type("Mine", (SingletonTask,), {"__module__": "app.base", "singleton_permits": None})
     made = type("Made", (subclass,), {"name": "t.sub", "__module__": "app.tasks"})()
-    assert read_options(conf, made).permits == 0  # a class attribute of the user's base
+    with pytest.warns(DeprecationWarning, match="unlimited"):
+        assert read_options(conf, made).permits == 0  # a class attribute of the user's base
 
 
 def test_the_keys_carry_the_rate_and_no_slot_without_a_concurrency_limit() -> None:
-    task = _task(singleton_permits=None, singleton_rate_limit="2/m", run=staticmethod(lambda x: x))
+    task = _task(
+        singleton_permits="unlimited", singleton_rate_limit="2/m", run=staticmethod(lambda x: x)
+    )
     keys = task.singleton_keys((1,), {})
     assert (keys.permits, keys.rate, keys.slots) == (0, (2, 60_000), [])
     assert rate_key(keys.lock) == keys.lock[: -len(":lock")] + ":rate"  # the lock's hash tag
@@ -81,7 +86,11 @@ def test_the_keys_carry_the_rate_and_no_slot_without_a_concurrency_limit() -> No
 @pytest.mark.parametrize(
     ("conf", "options", "refusal"),
     [
-        ({}, {"singleton_permits": None}, "singleton_permits None .* needs singleton_rate_limit"),
+        (
+            {},
+            {"singleton_permits": "unlimited"},
+            "singleton_permits .*no limit on runs at once.* needs singleton_rate_limit",
+        ),
         (
             {"singleton_redis_url": REDLOCK},
             {"singleton_rate_limit": "5/s"},
@@ -96,7 +105,7 @@ def test_the_keys_carry_the_rate_and_no_slot_without_a_concurrency_limit() -> No
             {},
             {
                 "singleton_rate_limit": "5/s",
-                "singleton_permits": None,
+                "singleton_permits": "unlimited",
                 "singleton_on_duplicate": "join",
             },
             "singleton_rate_limit with singleton_on_duplicate 'join' needs a limit on runs",
@@ -122,8 +131,8 @@ def test_a_rate_goes_with_permits_coalesce_and_join_on_one_permit() -> None:
 
 
 def test_celery_task_options_and_the_banner() -> None:
-    """Through Celery's own decorator: ``singleton_permits=None`` is given, the banner shows
-    the rates and the tasks without a limit on runs at once."""
+    """Through Celery's own decorator: ``singleton_permits="unlimited"``, the banner shows the
+    rates and the tasks without a limit on runs at once."""
     app = Celery("rate-banner", set_as_current=False)
     app.conf.singleton_redis_url = "redis://127.0.0.1:6379/0"
 
@@ -131,7 +140,7 @@ def test_celery_task_options_and_the_banner() -> None:
         base=SingletonTask,
         name="t.api",
         shared=False,
-        singleton_permits=None,
+        singleton_permits="unlimited",
         singleton_rate_limit="5/s",
     )
     def api(customer: str) -> None: ...
@@ -150,7 +159,7 @@ def test_celery_task_options_and_the_banner() -> None:
         assert sync.singleton_options().permits == 1
         assert plain.singleton_options().rate_limit is None
         banner = banner_lines(app.conf, [api, sync, plain])
-        assert ".> permits:         t.api=none\n" in banner
+        assert ".> permits:         t.api=unlimited\n" in banner
         assert ".> rate_limit:      t.api=5/s, t.sync=2/m\n" in banner
         assert "rate_limit" not in banner_lines(app.conf, [plain])
     finally:
@@ -177,7 +186,9 @@ def test_the_tasks_of_a_scope_take_one_rate_and_none_goes_without_windows() -> N
             read_options(
                 {},
                 _task(
-                    singleton_permits=None, singleton_rate_limit="5/s", singleton_lock_at_least=1
+                    singleton_permits="unlimited",
+                    singleton_rate_limit="5/s",
+                    singleton_lock_at_least=1,
                 ),
             )
     finally:
