@@ -100,6 +100,24 @@ def test_tasks_of_a_scope_with_other_permits_are_refused() -> None:
     app.close()
 
 
+@pytest.mark.parametrize("other", ["skip", "retry", "coalesce"])
+def test_a_scope_that_joins_in_part_is_refused(other: str) -> None:
+    """A joined call left beside a run of a task of another policy would never be completed
+    by that run's end: a scope joins as a whole or not at all."""
+    app, t = _app_with(
+        **{
+            "import": {**SHARED, "singleton_on_duplicate": "join"},
+            "export": {**SHARED, "singleton_on_duplicate": other},
+        }
+    )
+    with pytest.raises(
+        SingletonConfigError,
+        match=r"scope 'tenant-sync' must all use singleton_on_duplicate .*'join'",
+    ):
+        check_scopes([t["import"], t["export"]])
+    app.close()
+
+
 @pytest.mark.parametrize("other", ["skip", "retry", "raise"])
 def test_a_scope_that_coalesces_in_part_is_refused(other: str) -> None:
     """A follow-up left beside a run of a task that does not coalesce would wait for the

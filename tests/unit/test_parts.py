@@ -201,3 +201,25 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_the_task_class_documents_every_task_option_of_the_settings_table() -> None:
+    """SingletonTask's attributes come from the settings table: each task option is an
+    attribute (None: not set), documented with ``#:`` in the class, as in Celery's task.py."""
+    import inspect
+
+    from celery_singleton_lock import SingletonTask
+    from celery_singleton_lock.settings.table import SETTINGS
+
+    source = inspect.getsource(SingletonTask)
+    options = [s.conf_key for s in SETTINGS.values() if s.task_option]
+    assert len(options) >= 16, options
+    for name in options:
+        assert name in vars(SingletonTask), f"SingletonTask has no attribute {name}"
+        assert vars(SingletonTask)[name] is None, name
+        lines = source.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:"))
+        assert lines[at - 1].strip().startswith("#:"), f"{name} is not documented with #:"
+    given = {n for n in vars(SingletonTask) if n.startswith("singleton_") and n.count("_") >= 1}
+    stray = {n for n in given if not callable(getattr(SingletonTask, n, None))} - set(options)
+    assert not stray, f"attributes the settings table does not have: {sorted(stray)}"
