@@ -36,7 +36,7 @@ from ..run.callrepr import preview_of, request_field
 from ..run.events import configure_renewer
 from ..run.log import logger
 from ..settings.options import Options
-from .copies import is_follow_up, waiting_since
+from .copies import FOLLOW_UP_HEADER, WAITING_HEADER, is_follow_up, waiting_since
 from .policy import DROP, RUN, Action, Call, Fate, Policy, Why, parts_of
 from .retry import RetryPolicy
 
@@ -51,26 +51,30 @@ Outcome = Acquired | Contended | LockUnavailableError
 
 
 def call_of(request: Any) -> Call:
-    """The :class:`Call` of a Celery request: a Context, or the dict a worker's tracer gets."""
+    """The :class:`Call` of a Celery request: a Context, or the dict a worker's tracer gets
+    (both have ``get``); the library's headers are read only when there."""
+    get = request.get
     return Call(
-        str(request_field(request, "id") or ""),
-        request_field(request, "parent_id"),
-        int(request_field(request, "retries") or 0),
-        bool(request_field(request, "is_eager")),
-        is_follow_up(request),
-        waiting_since(request) is not None,
+        get("id") or "",
+        get("parent_id"),
+        int(get("retries") or 0),
+        bool(get("is_eager")),
+        (get(FOLLOW_UP_HEADER) is not None or get("headers") is not None) and is_follow_up(request),
+        get(WAITING_HEADER) is not None and waiting_since(request) is not None,
     )
 
 
 def decide(outcome: Outcome, call: Call, opts: Options, policy: Policy) -> Action:
     """What ``call`` does after asking for its lock: pure, no round trip, nothing logged."""
-    if type(outcome) is Acquired:
+    kind = type(outcome)
+    if kind is Acquired:
         return RUN
-    if isinstance(outcome, LockUnavailableError):
+    if kind is Contended and outcome.holder not in (call.task_id, call.parent_id):  # type: ignore[union-attr]
+        return policy.on_contended(call, outcome, opts)  # type: ignore[arg-type]
+    if not isinstance(outcome, Contended):  # Redis could not be asked
         if opts.on_redis_error == "run":
             return Action(Fate.RUN_UNLOCKED, Why.REDIS)
         return Action(Fate.REQUEUE, Why.REDIS, opts.retry_countdown)
-    assert isinstance(outcome, Contended)
     if isinstance(outcome, Completed):
         return DROP
     if isinstance(outcome, RateLimited):
@@ -113,6 +117,8 @@ def renewer_of(opts: Options) -> Renewer:
 def take(  # noqa: PLR0917 - the task, the call, and how to wait
     task: Any,
     keys: LockKeys,
+    task_id: str,
+    generation: int,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     request: Any,
@@ -120,18 +126,17 @@ def take(  # noqa: PLR0917 - the task, the call, and how to wait
     sleep: Callable[[float], None],
 ) -> tuple[Outcome, Renewer]:
     """Ask for the lock of a call (``request``: a Context, or the dict a worker's tracer gets),
-    as its task id and retries count: the outcome, and the renewer that asked. Redis's error is
-    an outcome; a SystemExit (a revoke's SIGTERM) while the reply was on its way gives back
-    whatever was taken, and goes on."""
-    task_id = str(request_field(request, "id") or "")
-    generation = int(request_field(request, "retries") or 0)
+    as its task id and retries count (``generation``): the outcome, and the renewer that
+    asked. Redis's error is an outcome; a SystemExit (a revoke's SIGTERM) while the reply was on
+    its way gives back whatever was taken, and goes on."""
     renewer = renewer_of(opts)
     meta = meta_of(task, args, kwargs, request)
     try:
         outcome: Outcome = renewer.acquire(keys, task_id, generation, opts.ttl_ms, meta)
-        parent = request_field(request, "parent_id")
         if (  # the run that published it holds the key: it lets go in a moment
-            type(outcome) is Contended and parent is not None and outcome.holder == parent
+            type(outcome) is Contended
+            and (parent := request.get("parent_id")) is not None
+            and outcome.holder == parent
         ):
             for delay in PARENT_WAITS:
                 sleep(delay)

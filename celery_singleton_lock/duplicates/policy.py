@@ -39,9 +39,10 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..errors import SingletonConfigError
+from ..run.release import release_run
 from ..settings.options import Options, refuse_with
 
 if TYPE_CHECKING:
@@ -87,9 +88,9 @@ class Why(enum.Enum):
     SUPERSEDED = enum.auto()  #: a later call of its debounce burst
 
 
-@dataclass(frozen=True)
-class Call:
-    """What the gate knows of a call, read off its request on any path."""
+class Call(NamedTuple):
+    """What the gate knows of a call, read off its request on any path (a tuple: made for
+    every contended call, so as cheap to make as Python allows)."""
 
     task_id: str
     parent_id: str | None = None
@@ -103,8 +104,7 @@ class Call:
     requeued: bool = False
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """What a call does: its :class:`Fate`, and what that needs."""
 
     fate: Fate
@@ -227,9 +227,8 @@ class Policy(Part):
         retval: Any = None,
     ) -> None:
         """The run's end (not a hand-over to its retry): release its lock, by default written
-        ahead off the run's path (run/release.py)."""
-        from ..run.release import release_run
-
+        ahead off the run's path (run/release.py; task/endings.py calls that directly for a
+        policy that keeps this default)."""
         release_run(held, renewer, state, eager=eager)
 
     def after_release(
@@ -286,6 +285,11 @@ class Parts:
     before_lock: tuple[Part, ...] = field(default=(), repr=False)
     on_decided: tuple[Part, ...] = field(default=(), repr=False)
     on_publish: tuple[Part, ...] = field(default=(), repr=False)
+    #: whether the policy's ``release`` is its own (else a run's end releases the usual way,
+    #: run/release.py, without the call)
+    own_release: bool = field(default=False, repr=False)
+    #: whether the policy's ``on_acquired`` is its own (else a run that took its lock goes on)
+    owns_acquired: bool = field(default=False, repr=False)
 
     @property
     def all(self) -> tuple[Part, ...]:
@@ -303,6 +307,8 @@ def parts_of(opts: Options) -> Parts:
         _overriding(chosen, "before_lock"),
         _overriding(chosen, "on_decided"),
         _overriding(chosen, "on_publish"),
+        type(policy).release is not Policy.release,
+        type(policy).on_acquired is not Policy.on_acquired,
     )
 
 

@@ -29,6 +29,7 @@ from ..run.completion import ending_for
 from ..run.handle import LockHandle, handle_of
 from ..run.handover import hand_over
 from ..run.log import about, logger
+from ..run.release import release_run
 from ..run.task_events import EventSink
 
 __all__ = ["after_run", "end_lost", "release", "release_lost", "withdraw"]
@@ -83,7 +84,11 @@ def release(
         state,
         opts.failure_is_final,
     )
-    task._singleton_parts().policy.release(task, held, renewer, state, eager=eager, retval=retval)
+    parts = task._singleton_parted
+    if parts.own_release:  # coalesce, join: what the end owes the calls waiting on it
+        parts.policy.release(task, held, renewer, state, eager=eager, retval=retval)
+    else:
+        release_run(held, renewer, state, eager=eager)
 
 
 def release_lost(  # noqa: PLR0917 - the run, and why it is released from outside

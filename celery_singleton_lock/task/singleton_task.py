@@ -98,10 +98,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     Strategy = "celery_singleton_lock.worker.mainskip:singleton_strategy"
 
     _singleton_opts: Options | None = None
+    #: the parts the options select (set with them: read it once ``_singleton_opts`` is)
+    _singleton_parted: Parts
     #: the key deriver of this task, and the options it was made from (singleton_keys)
     _singleton_keyed: tuple[Options, KeyDeriver] | None = None
-    #: the parts the options select, and the options they were worked out from
-    _singleton_parted: tuple[Options, Parts] | None = None
 
     # -- what the task body sees --------------------------------------------------------------
 
@@ -118,7 +118,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         once they are read."""
         opts = self._singleton_opts
         if opts is None:
-            opts = self._singleton_opts = read_options(self.app.conf, self)
+            opts = read_options(self.app.conf, self)
+            self._singleton_parted = parts_of(opts)  # first: the run's path reads it after opts
+            self._singleton_opts = opts
         return opts
 
     def singleton_keys(
@@ -169,8 +171,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's apply_async; under ``singleton_lock_on="publish"`` a duplicate is not
         published (duplicates/publish_dedup.py)."""
+        if self._singleton_opts is None:
+            self.singleton_options()
+        publishing = self._singleton_parted.on_publish
+        if not publishing:  # the common case: nothing but Celery's own
+            return super().apply_async(args, kwargs, task_id, **options)
         send: Callable[..., Any] = super().apply_async
-        for part in reversed(self._singleton_parts().on_publish):
+        for part in reversed(publishing):
             send = partial(_published_by, part, self, send)
         return send(args, kwargs, task_id, **options)
 
@@ -208,12 +215,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     # -- what the hooks share ----------------------------------------------------------------
 
     def _singleton_parts(self) -> Parts:
-        """The policy and modifiers this task's settings select (duplicates/policy.py)."""
-        parted = self._singleton_parted
-        opts = self._singleton_opts or self.singleton_options()
-        if parted is None or parted[0] is not opts:  # none yet, or options re-read
-            parted = self._singleton_parted = (opts, parts_of(opts))
-        return parted[1]
+        """The policy and modifiers this task's settings select (duplicates/policy.py); the
+        run's path reads ``_singleton_parted`` itself, once the options are read."""
+        if self._singleton_opts is None:
+            self.singleton_options()
+        return self._singleton_parted
 
     @staticmethod
     def _singleton_sleep(seconds: float) -> None:

@@ -26,7 +26,7 @@ from ..core.renewer import HeldLock, Renewer
 from ..duplicates.copies import waited
 from ..duplicates.fates import carry_out
 from ..duplicates.gate import call_of, decide, take
-from ..duplicates.policy import Fate, Parts
+from ..duplicates.policy import RUN, Fate, Parts
 from ..duplicates.skips import Skipped
 from ..errors import SingletonKeyError
 from ..run.handle import LockHandle
@@ -45,7 +45,7 @@ def start(task: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any
         return
     request._singleton_started = task_id
     opts: Options = task._singleton_opts or task.singleton_options()
-    parts: Parts = task._singleton_parts()
+    parts: Parts = task._singleton_parted
     first = take_first_try(task_id)  # a worker run: asked and decided before Celery's tracer
     if first is not None:
         keys, outcome, renewer, action = first.keys, first.outcome, first.renewer, first.action
@@ -54,12 +54,17 @@ def start(task: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any
             keys = task.singleton_keys(args, kwargs)
         except SingletonKeyError as exc:
             raise SingletonKeyError(f"{task.name}[{task_id}]: {exc}", task_id=task_id) from exc
-        outcome, renewer = take(task, keys, args, kwargs, request, opts, task._singleton_sleep)
+        generation = int(request.retries or 0)
+        outcome, renewer = take(
+            task, keys, task_id, generation, args, kwargs, request, opts, task._singleton_sleep
+        )
         action = decide(outcome, call_of(request), opts, parts.policy)
     fate = Fate.SKIP
     try:
         try:
-            fate = carry_out(task, action, keys, outcome, request, parts.policy).fate
+            if action is not RUN:  # the common case needs nothing carried out
+                action = carry_out(task, action, keys, outcome, request, parts.policy)
+            fate = action.fate
         except Skipped as skip:
             marker = skip.marker
         else:
@@ -107,7 +112,7 @@ def hold(  # noqa: PLR0917 - the run, its lock, and who holds it
     if first is not None:  # from here the run's postrun releases it, not trace_run
         first.taken = True
     renewer.add(held)
-    if not parts.policy.on_acquired(task, key, request):
+    if parts.owns_acquired and not parts.policy.on_acquired(task, key, request):
         raise Ignore()  # ended without running (a joiner its holder's end completes): released
     if logger.isEnabledFor(logging.DEBUG):  # the run's path: no call for a line not logged
         logger.debug(

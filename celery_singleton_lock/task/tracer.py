@@ -130,13 +130,16 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         keys = _keys(task, args, kwargs)
         if keys is None:  # before_start raises it, in Celery's tracer
             return celery_trace(uuid, args, kwargs, request)
-        parts: Parts = task._singleton_parts()
+        parts: Parts = task._singleton_parted  # read with the options, above
         if parts.before_lock:
             ended = _before_lock(task, parts, keys, uuid, args, kwargs, request)
             if ended is not None:  # waiting, or superseded by a later call
                 return ended
-        outcome, renewer = take(task, keys, args, kwargs, request, opts, task._singleton_sleep)
-        first = FirstTry(uuid, keys, int(request.get("retries") or 0), outcome, renewer)
+        generation = int(request.get("retries") or 0)
+        outcome, renewer = take(
+            task, keys, uuid, generation, args, kwargs, request, opts, task._singleton_sleep
+        )
+        first = FirstTry(uuid, keys, generation, outcome, renewer)
         if type(outcome) is not Acquired:  # the lock taken: the common case goes on
             action = decide(outcome, call_of(request), opts, parts.policy)
             if action.fate is Fate.POLICY and parts.policy.ends_in_front:
@@ -212,7 +215,7 @@ def end_skip(  # noqa: PLR0917 - the call, its fate, and its message
     with _as_run(task, request, args, kwargs) as context:
         # stored first: if that fails, nothing was sent yet and Celery's tracer takes over
         marker = store_skip(task, keys, action, uuid, context)
-        for part in task._singleton_parts().on_decided:
+        for part in task._singleton_parted.on_decided:
             part.on_decided(task, uuid, keys, Fate.SKIP)
         if celery_signals.task_prerun.receivers:
             celery_signals.task_prerun.send(

@@ -53,7 +53,7 @@ def test_what_is_not_the_policys_to_answer_is_the_same_under_every_policy(policy
     assert (parent.fate, parent.why, parent.holder) == (Fate.REQUEUE, Why.PARENT, PARENT)
     in_window = _decide(replace(WINDOW, holder=ME), policy)  # waits for the window's end
     assert (in_window.fate, in_window.countdown) == (Fate.REQUEUE, 9.1)
-    retried = _decide(RATE, policy, replace(CALL, retries=2))  # its own retry: never dropped
+    retried = _decide(RATE, policy, CALL._replace(retries=2))  # its own retry: never dropped
     assert (retried.fate, retried.why, retried.countdown) == (Fate.REQUEUE, Why.RATE, 2.5)
     assert retried.policy == "retry"
 
@@ -84,7 +84,7 @@ def test_a_duplicate_meets_its_policy(policy: str, fate: Fate, eager_fate: Fate)
         OTHER,
         policy,
     )
-    assert _decide(HELD, policy, replace(CALL, eager=True)).fate is eager_fate
+    assert _decide(HELD, policy, CALL._replace(eager=True)).fate is eager_fate
 
 
 def test_retry_waits_out_an_at_least_window() -> None:
@@ -93,7 +93,7 @@ def test_retry_waits_out_an_at_least_window() -> None:
 
 
 def test_a_coalesced_follow_up_is_never_coalesced_again() -> None:
-    assert _decide(HELD, "coalesce", replace(CALL, follow_up=True)).fate is Fate.SKIP
+    assert _decide(HELD, "coalesce", CALL._replace(follow_up=True)).fate is Fate.SKIP
 
 
 @pytest.mark.parametrize(
@@ -109,12 +109,12 @@ def test_a_coalesced_follow_up_is_never_coalesced_again() -> None:
 def test_a_call_over_the_rate_meets_its_policy_with_the_next_start(policy: str, fate: Fate) -> None:
     action = _decide(RATE, policy, rate_limit="1/s")
     assert (action.fate, action.why, action.countdown) == (fate, Why.RATE, 2.5)
-    eager = _decide(RATE, policy, replace(CALL, eager=True), rate_limit="1/s")
+    eager = _decide(RATE, policy, CALL._replace(eager=True), rate_limit="1/s")
     assert eager.fate is (Fate.SKIP if policy == "skip" else Fate.RAISE)
 
 
 def test_coalesce_never_drops_a_requeued_call_over_the_rate() -> None:
-    for call in (replace(CALL, requeued=True), replace(CALL, follow_up=True)):
+    for call in (CALL._replace(requeued=True), CALL._replace(follow_up=True)):
         action = _decide(RATE, "coalesce", call, rate_limit="1/s")
         assert (action.fate, action.policy) == (Fate.REQUEUE, "retry")
 
