@@ -25,7 +25,10 @@ The watch copy, on arrival: dropped (the joiner was completed); joins again (the
 holds the lock: a long run); or runs, when the run it joined died and no redelivery took its
 lock back within the ttl. Its own end then completes the other joiners. A joiner whose
 message expired is not completed: its watch copy, due no later than that, ends as Celery ends
-an expired message (REVOKED).
+an expired message (REVOKED). Nor is one that already ended while it waited (revoked: Celery
+stores REVOKED for it; its state is read from the result backend at the completion): a call
+ends once, and Celery runs no canvas of a revoked call. It is recorded as completed all the
+same.
 """
 
 from __future__ import annotations
@@ -245,17 +248,25 @@ def complete_joiners(  # noqa: PLR0917 - the run that ended, its joiners, its ou
     (:func:`take_ended_joiners`); how many. ``state``: SUCCESS with the value ``retval``;
     FAILURE or REVOKED with the exception ``retval`` (each joiner ends in that state, its error
     links called). Each completed joiner's task event (``task-succeeded``, ``task-failed``,
-    ``task-revoked``) goes to ``send_events`` (run/task_events.py), unless that is None."""
+    ``task-revoked``) goes to ``send_events`` (run/task_events.py), unless that is None.
+
+    A joiner that already ended some other way while it waited (revoked, its result stored) is
+    not completed a second time, but recorded as completed all the same: its watch copy is
+    dropped when it comes."""
     opts = task.singleton_options()
     run = store_for(opts.redis_url).run_script
     done: list[tuple[str, int]] = []
+    completed: list[str] = []
     for joiner in joiners:
-        request = _completed(task, joiner, state, retval, lock_key, ended)
-        if request is not None:
+        outcome = _completed(task, joiner, state, retval, lock_key, ended)
+        if outcome is not None:
+            request, was_completed = outcome
             done.append((joiner.task_id, int(request.retries or 0)))
-    if done and send_events is not None:
+            if was_completed:
+                completed.append(joiner.task_id)
+    if completed and send_events is not None:
         event = _event_of(task, state, retval)
-        send_events([(event[0], task_id, event[1]) for task_id, _ in done])
+        send_events([(event[0], task_id, event[1]) for task_id in completed])
     if done:
         try:
             record_done(run, lock_key, done, _keep_ms(opts) * 2)
@@ -269,13 +280,15 @@ def complete_joiners(  # noqa: PLR0917 - the run that ended, its joiners, its ou
                 exc,
                 extra=about(task.name, ended),
             )
-    return len(done)
+    return len(completed)
 
 
 def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
     task: Task, joiner: Joiner, state: str, retval: Any, lock_key: str, ended: str
-) -> Context | None:
-    """Complete one joiner; its request, or None when it was not (expired, unreadable)."""
+) -> tuple[Context, bool] | None:
+    """Complete one joiner: its request and True; its request and False when it had ended
+    already (not completed, recorded as completed); None when it was not (expired,
+    unreadable, or completing it failed)."""
     try:
         request = _request_of(task, joiner.record)
     except Exception as exc:  # not written by this app: never loaded
@@ -291,6 +304,19 @@ def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
     if _expired(request.expires):
         return None  # its watch copy, due by then, ends it as expired
     target = task.app.tasks.get(request.task) or task
+    already = _ended_as(target, request)
+    if already is not None:
+        logger.info(
+            "singleton: joined duplicate already ended, not completed: %s[%s] key=%s "
+            "holder=%s state=%s",
+            request.task,
+            request.id,
+            lock_key,
+            ended,
+            already,
+            extra=about(task.name, ended),
+        )
+        return request, False
     try:
         if state == states.SUCCESS:
             _succeed(target, request, retval)
@@ -320,7 +346,20 @@ def _completed(  # noqa: PLR0917 - the joiner, and the outcome it ends with
         state,
         extra=about(task.name, ended),
     )
-    return request
+    return request, True
+
+
+def _ended_as(task: Task, request: Context) -> str | None:
+    """The ready state a joiner already ended in while it waited, else None: revoked (Celery's
+    revoke stores REVOKED for a waiting call at once, from 5.6.2 on; a watch copy that came due
+    after the revoke was discarded as REVOKED), expired, or a result stored some other way.
+    Celery never runs the canvas of a revoked call, nor does a call end twice: such a joiner
+    is not completed. One read of the result backend per joiner, at its completion only."""
+    try:
+        current = task.backend.get_state(request.id)
+    except Exception:  # no backend to read, or it failed: completed as before
+        return None
+    return current if current in states.READY_STATES else None
 
 
 def _event_of(task: Task, state: str, retval: Any) -> tuple[str, dict[str, Any]]:
