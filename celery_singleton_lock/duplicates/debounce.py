@@ -35,8 +35,7 @@ from ..core.keys import LockKeys
 from ..run.log import LOGGED_ERRORS, logger
 from ..run.task_events import run_sink
 from .coalesce import is_follow_up
-from .copies import DEBOUNCE_HEADER, publish_copy
-from .join import JOINED_HEADER
+from .copies import DEBOUNCE_HEADER, JOINED_HEADER, publish_copy
 
 __all__ = ["DEBOUNCE_HEADER", "debounced"]
 

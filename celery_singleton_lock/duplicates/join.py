@@ -8,7 +8,8 @@ waits. In its ``before_start`` it:
    links, chain, chord and group, in the task's serializer;
 2. publishes a *watch copy* of its own message (the same task id, retries and canvas, as
    ``retry()`` would, due when the lock would expire; never after the message's own
-   ``expires``), so that it is not lost if the run it joined dies without ending;
+   ``expires``), so that it is not lost if the run it joined dies without ending; the record
+   names its serial, so there is one live watch copy per joiner;
 3. ends without a result: its message is acknowledged, its state stays as it was (PENDING,
    or STARTED with ``track_started``). One ``singleton: duplicate joined`` line and
    ``duplicate_joined``.
@@ -23,7 +24,9 @@ arrives.
 
 The watch copy, on arrival: dropped (the joiner was completed); joins again (the run still
 holds the lock: a long run); or runs, when the run it joined died and no redelivery took its
-lock back within the ttl. Its own end then completes the other joiners. A joiner whose
+lock back within the ttl. Its own end then completes the other joiners. A copy that is not
+the live one (the broker handed it out again: a Redis ``visibility_timeout`` shorter than the
+countdown) is dropped, one ``singleton: stale watch copy dropped`` line. A joiner whose
 message expired is not completed: its watch copy, due no later than that, ends as Celery ends
 an expired message (REVOKED). Nor is one that already ended while it waited (revoked: Celery
 stores REVOKED for it; its state is read from the result backend at the completion): a call
@@ -49,11 +52,18 @@ from kombu.utils.encoding import safe_repr
 from .. import signals
 from ..beat.crons import close_skipped
 from ..core.connection import store_for
-from ..core.joiners import Joiner, join, record_done, take_joiners, unjoin
+from ..core.joiners import STALE, Joiner, join, record_done, take_joiners, unjoin
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..run.task_events import EventSink, run_sink
 from .coalesce import task_dumps
-from .copies import publish_copy, seconds_left
+from .copies import (
+    JOINED_HEADER,
+    RECHECK_HEADER,
+    publish_watch_copy,
+    seconds_left,
+    watch_countdown,
+    watch_serial,
+)
 
 __all__ = [
     "JOINED_HEADER",
@@ -63,12 +73,6 @@ __all__ = [
     "runs_in_place",
     "take_ended_joiners",
 ]
-
-#: Message header of a joiner's watch copy: the holder it joined.
-JOINED_HEADER = "singleton_joined"
-
-#: Message header of a watch copy's last check (see :func:`runs_in_place`).
-_RECHECK_HEADER = "singleton_joined_recheck"
 
 #: The request fields a joiner's completion needs (Celery's tracer reads the same).
 _FIELDS = (
@@ -114,8 +118,11 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
     request = task.request
     opts = task.singleton_options()
     run = store_for(opts.redis_url).run_script
+    serial = watch_serial(request)
     try:
-        joined = join(run, lock_key, holder, request.id, _record(task, request), _keep_ms(opts))
+        joined = join(
+            run, lock_key, holder, request.id, _record(task, request), _keep_ms(opts), serial
+        )
     except LOGGED_ERRORS as exc:
         logger.warning(
             "singleton: could not join duplicate, requeued: %s[%s] key=%s: %s",
@@ -125,13 +132,17 @@ def join_holder(task: Task, lock_key: str, holder: str, pttl_ms: int) -> float:
             exc,
         )
         return float(opts.retry_countdown)
+    if joined == STALE:
+        _drop_stale(task, lock_key, request, serial)
+        raise Joined()
     if not joined:
         return 0.0
     try:
-        _publish_copy(task, request, _watch_countdown(pttl_ms, request.expires), holder)
+        countdown = watch_countdown(pttl_ms, request.expires)
+        publish_watch_copy(task, request, countdown, holder, joined)
     except Exception as exc:  # its message must stay somewhere: requeued instead
         try:
-            withdrawn = unjoin(run, lock_key, request.id)
+            withdrawn = unjoin(run, lock_key, request.id, joined) == 1
         except LOGGED_ERRORS:
             withdrawn = False
         logger.warning(
@@ -166,13 +177,15 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
     first, so that no later end completes it a second time, and runs. If its record is gone
     already, a run's end is completing it right now: it does not run (False: the caller ends
     it) but checks once more, one ttl later, with a copy that runs unless that end recorded it
-    as completed (then acquire.lua drops the copy)."""
+    as completed (then acquire.lua drops the copy). A copy that is not the joiner's live one
+    (its record names another) does not run either: the live one comes."""
     holder = request.get(JOINED_HEADER)
     if not holder:
         return True
     opts = task.singleton_options()
+    serial = watch_serial(request)
     try:
-        withdrawn = unjoin(store_for(opts.redis_url).run_script, lock_key, request.id)
+        withdrawn = unjoin(store_for(opts.redis_url).run_script, lock_key, request.id, serial)
     except LOGGED_ERRORS as exc:  # its own end drops the record; a death before may repeat it
         logger.warning(
             "singleton: could not withdraw a joined duplicate that runs itself: %s[%s] key=%s: %s",
@@ -182,7 +195,10 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
             exc,
         )
         return True
-    if withdrawn or request.get(_RECHECK_HEADER):
+    if withdrawn == STALE:
+        _drop_stale(task, lock_key, request, serial)
+        return False
+    if withdrawn or request.get(RECHECK_HEADER):
         logger.info(
             "singleton: joined duplicate runs in its holder's place: %s[%s] key=%s holder=%s",
             task.name,
@@ -193,7 +209,7 @@ def runs_in_place(task: Task, lock_key: str, request: Context) -> bool:
         return True
     countdown = opts.ttl_ms / 1000
     try:
-        _publish_copy(task, request, countdown, holder, recheck=True)
+        publish_watch_copy(task, request, countdown, holder, serial, recheck=True)
     except Exception as exc:  # run now rather than risk a call left without an end
         logger.warning(
             "singleton: could not keep joined duplicate's message, runs now: %s[%s] key=%s: %s",
@@ -413,26 +429,18 @@ def _request_of(task: Task, record: bytes) -> Context:
     return Context(dict(fields))
 
 
-def _publish_copy(
-    task: Task, request: Context, countdown: float, holder: str, *, recheck: bool = False
-) -> None:
-    """Publish a copy of the message of ``request`` (the same task id, retries and canvas, as
-    ``retry()`` would), due in ``countdown`` seconds: a watch copy of a joiner of ``holder``,
-    or with ``recheck`` its last check (see :func:`runs_in_place`)."""
-    headers: dict[str, Any] = {JOINED_HEADER: holder}
-    if recheck:
-        headers[_RECHECK_HEADER] = True
-    publish_copy(task, request, countdown, headers)
-
-
-def _watch_countdown(pttl_ms: int, expires: Any) -> float:
-    """When the watch copy is due: just after the lock would expire, or just after the
-    message's own ``expires`` if that comes first."""
-    countdown = max(pttl_ms, 0) / 1000 + 0.5
-    left = seconds_left(expires)
-    if left is not None and left < countdown:  # due just after it expired: Celery ends it
-        countdown = max(left, 0.0) + 0.05
-    return countdown
+def _drop_stale(task: Task, lock_key: str, request: Context, serial: int | None) -> None:
+    """The one line of a watch copy that is not its joiner's live one, which ends acknowledged
+    with nothing stored: the broker handed a copy out again (Redis restores a countdown message
+    the worker holds for longer than ``visibility_timeout``), and the live copy is still to
+    come, or joined again already."""
+    logger.info(
+        "singleton: stale watch copy dropped: %s[%s] key=%s serial=%s",
+        task.name,
+        request.id,
+        lock_key,
+        serial,
+    )
 
 
 def _expired(expires: Any) -> bool:
