@@ -6,7 +6,8 @@ one state, its links called at most once; one run at a time per key.
 
 Two workers, each shared by the module's tests: a prefork one for the first three, and one
 whose broker restores every message left unacknowledged for 1 s (its own prefix: a sweep
-restores every queue's messages under the prefix).
+restores every queue's messages under the prefix). The completion's reading of each joiner's
+state is also checked in this process, with no worker.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from typing import Any
 import celery
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, states
+from celery.app.task import Context
 
-from celery_singleton_lock.core.joiners import joiners_key
+from celery_singleton_lock import SingletonTask
+from celery_singleton_lock.core.completion import done_key
+from celery_singleton_lock.core.joiners import Joiner, joiners_key
 from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.duplicates.join import _record, complete_joiners
 from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
@@ -256,3 +261,52 @@ def test_a_joiner_keeps_one_live_watch_copy_when_the_broker_hands_copies_out_aga
     assert_no_overlap(check_history(load_history(bed.client, history_key(bed.prefix))))
     assert bed.runs(key) == 1
     assert not bed.client.exists(joiners_key(bed.lock("t.join", key)))
+
+
+def test_a_runs_end_leaves_a_joiner_that_already_ended_and_records_it_completed(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """In this process (eager links, an in-memory result backend): of three joiners a run's end
+    took, one revoked and one whose result was stored meanwhile are left as they are, their
+    links not called; the one still waiting is completed. All three are recorded as completed
+    (their watch copies are dropped)."""
+    app = Celery("seams", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_store_eager_result=True)
+    app.conf.singleton_redis_url = redis_url
+    app.conf.singleton_key_prefix = f"{key_prefix}lock:"
+    linked: list[tuple[str, Any]] = []
+
+    @app.task(bind=True, base=SingletonTask, name="s.join", singleton_on_duplicate="join")
+    def joined(self: Any, key: str) -> None:
+        """Never runs here."""
+
+    @app.task(name="s.link")
+    def link(value: Any, tag: str) -> None:
+        linked.append((tag, value))
+
+    try:
+        ids = {tag: f"{tag}-{uuid.uuid4().hex[:6]}" for tag in ("revoked", "stored", "waiting")}
+        joiners = [
+            Joiner(task_id, "the-holder", _record(joined, _request(task_id, link.s(tag=tag))))
+            for tag, task_id in ids.items()
+        ]
+        app.backend.mark_as_revoked(ids["revoked"], reason="revoked")
+        app.backend.mark_as_done(ids["stored"], "its own")
+        lock = joined.singleton_keys(("k",), {}).lock
+        ended = complete_joiners(
+            joined, lock, "the-holder", joiners, states.SUCCESS, 42, send_events=None
+        )
+        assert ended == 1
+        assert app.backend.get_state(ids["revoked"]) == states.REVOKED
+        assert app.backend.get_result(ids["stored"]) == "its own"
+        assert app.backend.get_result(ids["waiting"]) == 42
+        assert linked == [("waiting", 42)]
+        assert all(redis_client.exists(done_key(lock, task_id)) for task_id in ids.values())
+    finally:
+        app.close()
+
+
+def _request(task_id: str, link: Any) -> Context:
+    return Context(
+        id=task_id, task="s.join", args=["k"], kwargs={}, callbacks=[dict(link)], retries=0
+    )
