@@ -24,6 +24,7 @@ import pytest
 import redis
 from celery import Celery, states
 from celery.app.task import Context
+from packaging.version import Version
 
 from celery_singleton_lock import SingletonTask
 from celery_singleton_lock.core.completion import done_key
@@ -134,7 +135,7 @@ def _end_of(bed: Bed, task: str, task_id: str) -> str:
     )
 
 
-@pytest.mark.slow(seconds=5)
+@pytest.mark.slow(seconds=2)
 def test_a_joined_call_revoked_while_it_waits_stays_revoked_without_its_link(bed: Bed) -> None:
     """``revoke(dup.id)`` once it joined: its watch copy, when due, is discarded by the worker
     (REVOKED). The holder's end then finds it ended: it is not completed, its link not
@@ -161,9 +162,8 @@ def test_a_joined_call_revoked_while_it_waits_stays_revoked_without_its_link(bed
     assert not bed.client.exists(joiners_key(bed.lock("t.join", key)))
 
 
-@pytest.mark.slow(seconds=3)
 @pytest.mark.skipif(
-    tuple(int(p) for p in celery.__version__.split(".")[:3]) < (5, 6, 2),
+    Version(celery.__version__) < Version("5.6.2"),
     reason="Celery before 5.6.2 does not mark a revoked waiting call REVOKED at once",
 )
 def test_a_joined_call_revoked_before_its_holder_ends_stays_revoked_without_its_link(
@@ -192,7 +192,7 @@ def test_a_joined_call_revoked_before_its_holder_ends_stays_revoked_without_its_
     assert not bed.client.exists(joiners_key(bed.lock("t.join_long_ttl", key)))
 
 
-@pytest.mark.slow(seconds=6)
+@pytest.mark.slow(seconds=5)
 def test_a_joined_call_of_a_debounced_task_ends_once_with_its_holders_value(bed: Bed) -> None:
     """``singleton_debounce=1`` and ``"join"``: B joins the run R of the key; C, a call of a
     new burst, comes before B's watch copy. The watch copy is not debounced again (B's burst
@@ -231,7 +231,7 @@ def test_a_joined_call_of_a_debounced_task_ends_once_with_its_holders_value(bed:
     assert not bed.client.exists(joiners_key(bed.lock("t.join_debounce", key)))
 
 
-@pytest.mark.slow(seconds=10)
+@pytest.mark.slow(seconds=8)
 def test_a_joiner_keeps_one_live_watch_copy_when_the_broker_hands_copies_out_again(
     redelivering: Bed,
 ) -> None:
