@@ -6,6 +6,11 @@ retries count and canvas; ``argsrepr``/``kwargsrepr`` as its caller had Celery s
 the serializer it came in: run/callrepr.py ``copy_options``),
 due in a countdown, with the library's own headers it carried kept (:data:`DEBOUNCE_HEADER`:
 a debounced call waiting for the lock is still that call) and any given added.
+
+A joiner's watch copy (duplicates/join.py, :func:`publish_watch_copy`) names the holder it
+joined (:data:`JOINED_HEADER`) and its serial (:data:`SERIAL_HEADER`): the joiner's record
+names the serial of its one live watch copy (core/joiners.py), so a copy the broker handed out
+again is known as stale.
 """
 
 from __future__ import annotations
@@ -23,12 +28,18 @@ from ..run.callrepr import copy_options, request_field
 __all__ = [
     "DEBOUNCE_HEADER",
     "FOLLOW_UP_HEADER",
+    "JOINED_HEADER",
+    "RECHECK_HEADER",
+    "SERIAL_HEADER",
     "WAITING_HEADER",
     "is_follow_up",
     "publish_copy",
+    "publish_watch_copy",
     "seconds_left",
     "waited",
     "waiting_since",
+    "watch_countdown",
+    "watch_serial",
 ]
 
 #: Message header of a debounced call's waiting copy (duplicates/debounce.py): the call's
@@ -47,6 +58,16 @@ FOLLOW_UP_HEADER = "singleton_follow_up"
 #: the wall clock (epoch s) of its first requeue and its retries count then. The run that
 #: finally takes the lock reports the wait (``lock_acquired``'s ``waited``).
 WAITING_HEADER = "singleton_waiting_since"
+
+#: Message header of a joiner's watch copy: the holder it joined.
+JOINED_HEADER = "singleton_joined"
+
+#: Message header of a watch copy's last check (duplicates/join.py ``runs_in_place``).
+RECHECK_HEADER = "singleton_joined_recheck"
+
+#: Message header of a watch copy: its serial, which the joiner's record names while it is the
+#: live one (core/joiners.py). A copy the broker handed out again carries a stale one.
+SERIAL_HEADER = "singleton_joined_serial"
 
 #: The headers of the library that a copy of a message keeps.
 _CARRIED = (DEBOUNCE_HEADER,)
@@ -101,3 +122,41 @@ def waited(request: Any) -> float | None:
     """Seconds since this message was first requeued to wait for its lock, or None."""
     since = waiting_since(request)
     return None if since is None else max(0.0, time.time() - since[0])
+
+
+def publish_watch_copy(
+    task: Task,
+    request: Context,
+    countdown: float,
+    holder: str,
+    serial: int | None,
+    *,
+    recheck: bool = False,
+) -> None:
+    """Publish a copy of the message of ``request``, due in ``countdown`` seconds: a watch copy
+    of a joiner of ``holder``, the live one of ``serial``, or with ``recheck`` its last check."""
+    headers: dict[str, Any] = {JOINED_HEADER: holder, SERIAL_HEADER: serial}
+    if recheck:
+        headers[RECHECK_HEADER] = True
+    publish_copy(task, request, countdown, headers)
+
+
+def watch_serial(request: Context) -> int | None:
+    """The serial of a watch copy (None: the call's own message, or a header not ours)."""
+    value = request.get(SERIAL_HEADER)
+    if value is None or isinstance(value, bool) or not request.get(JOINED_HEADER):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def watch_countdown(pttl_ms: int, expires: Any) -> float:
+    """When a watch copy is due: just after the lock would expire, or just after the message's
+    own ``expires`` if that comes first (Celery then ends it as expired)."""
+    countdown = max(pttl_ms, 0) / 1000 + 0.5
+    left = seconds_left(expires)
+    if left is not None and left < countdown:
+        countdown = max(left, 0.0) + 0.05
+    return countdown

@@ -15,9 +15,11 @@ The copy, when it comes due, asks again: still the latest, it goes on to take th
 runs as any call (the key's duplicate policy applies if another run holds it); a later call
 came, it ends as a skipped duplicate whose ``skip_info()`` names that call
 (``superseded_by``), and its canvas stops as a skip's does. A copy whose state expired waits
-again. A retry of a run (``self.retry()``), a coalesced follow-up and an eager call are not
-debounced. Redis down at the decision: ``singleton_on_redis_error`` ("fail": the message is
-published again after ``retry_countdown``; "run": it goes on to the lock at once).
+again. A retry of a run (``self.retry()``), a coalesced follow-up, a joined call's watch copy
+(duplicates/join.py: its call was debounced before it joined, and a newer burst must not end it
+while the run it joined still counts it) and an eager call are not debounced. Redis down at
+the decision: ``singleton_on_redis_error`` ("fail": the message is published again after
+``retry_countdown``; "run": it goes on to the lock at once).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..core.keys import LockKeys
 from ..run.log import LOGGED_ERRORS, logger
 from ..run.task_events import run_sink
 from ..settings.options import Options
-from .copies import DEBOUNCE_HEADER, is_follow_up, publish_copy
+from .copies import DEBOUNCE_HEADER, JOINED_HEADER, is_follow_up, publish_copy
 from .policy import WAIT, Action, Fate, Part, Why, modifier
 
 __all__ = ["DEBOUNCE_HEADER", "Debounce", "debounced"]
@@ -82,7 +84,7 @@ def debounced(task: Any, keys: LockKeys, request: Context) -> Verdict | None:
     waiting as a copy; this delivery ends, acknowledged, nothing stored. ``"superseded"``: it
     ends as a skipped duplicate superseded by ``verdict.by``."""
     opts = task.singleton_options()
-    if opts.debounce is None or is_follow_up(request):
+    if opts.debounce is None or is_follow_up(request) or request.get(JOINED_HEADER):
         return None
     retries = int(request.retries or 0)
     mark = request.get(DEBOUNCE_HEADER)

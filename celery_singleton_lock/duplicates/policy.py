@@ -164,7 +164,8 @@ class Part:
 
     def on_withdrawn(self, task: Any, request: Any) -> None:
         """A call that waited (queued, joined) was revoked or expired before it ran: the
-        worker's main process discards its message (``request``: Celery's Request)."""
+        worker's main process discards its message (``request``: its Context, as
+        ``task_revoked`` gives it)."""
 
 
 class Policy(Part):

@@ -176,7 +176,8 @@ def end_lost(  # noqa: PLR0917 - the run, and how it ended
 
 
 def withdraw(task: Any, request: Any) -> None:
-    """A message of ``task`` revoked or expired before it ran (Celery's Request, in the worker's
-    main process): every part lets go of what stood for it (its queued marker)."""
+    """A message of ``task`` revoked or expired before it ran (its Context, as ``task_revoked``
+    gives it, in the worker's main process): every part lets go of what stood for it (its
+    queued marker; a joiner's record)."""
     for part in task._singleton_parts().all:
         part.on_withdrawn(task, request)

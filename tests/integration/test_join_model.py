@@ -8,11 +8,16 @@ hold the lock (a terminate, a hard time limit), which releases the lock after a 
 the joiners again. Duplicates join the run they met (maybe gone
 by now); a joiner's watch copy arrives (it joins the holder again, or takes the free lock and
 runs in a dead holder's place); a joiner whose watch copy could not be published is withdrawn.
+The broker hands a watch copy out again (a Redis ``visibility_timeout`` shorter than its
+countdown): whichever of the copies of the live serial comes first acts, and every other one is
+stale (join.lua and unjoin.lua say so and write nothing; one that finds the lock free releases
+it without running).
 
-After every step Redis holds the joiners the model says, each with the holder it joined last,
-no record names a run that released its lock (its end completed every joiner it had), and no
-joined call has ended twice. At the end every run ends and every watch copy comes: each
-joined call has then ended exactly once (completed by a run's end, or run itself).
+After every step Redis holds the joiners the model says, each with the holder it joined last
+and the serial of its live watch copy, no record names a run that released its lock (its end
+completed every joiner it had), and no joined call has ended twice. At the end every run ends
+and every watch copy comes: each joined call has then ended exactly once (completed by a run's
+end, or run itself).
 
 ``SINGLETON_MODEL_EXAMPLES`` and ``SINGLETON_MODEL_STEPS`` size the run as for
 test_protocol_model.py.
@@ -34,7 +39,7 @@ from hypothesis.stateful import (
 )
 
 from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
-from celery_singleton_lock.core.joiners import join, joiners_key, take_joiners, unjoin
+from celery_singleton_lock.core.joiners import STALE, join, joiners_key, take_joiners, unjoin
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
 from tests.conftest import delete_prefix
@@ -58,6 +63,9 @@ class JoinModel(RuleBasedStateMachine):
         self.runs: list[str] = []  # every run that held the lock, gone or not
         self.joined: dict[str, str] = {}  # joiner -> the holder its record names
         self.waiting: set[str] = set()  # joiners whose watch copy is still to come
+        self.serial: dict[str, int | None] = {}  # joiner -> the serial of its live watch copy
+        self.before: dict[str, int | None] = {}  # joiner -> that of the copy that joined last
+        self.copies: list[tuple[str, int | None]] = []  # copies the broker handed out again
         self.ended: Counter[str] = Counter()  # joiner -> how often it ended
         self.joiners: set[str] = set()  # every duplicate that joined once
         self.made = 0  # ids are made in order: a replay of the example draws the same ones
@@ -146,13 +154,25 @@ class JoinModel(RuleBasedStateMachine):
 
     # -- joiners ---------------------------------------------------------------------------
 
-    def _join(self, joiner: str, met: str) -> None:
-        joined = join(self.run, self.keys.lock, met, joiner, b"r-" + joiner.encode(), KEEP_MS)
-        assert joined == (met == self.holder)
-        if joined:
-            self.joined[joiner] = met
-            self.waiting.add(joiner)
-            self.joiners.add(joiner)
+    def _join(self, joiner: str, met: str, serial: int | None = None) -> bool:
+        """``joiner``'s copy of ``serial`` (None: its own message) joins ``met``."""
+        recorded = self.serial[joiner] if joiner in self.joined else None
+        stale = joiner in self.joined and serial is not None and serial != recorded
+        joined = join(
+            self.run, self.keys.lock, met, joiner, b"r-" + joiner.encode(), KEEP_MS, serial
+        )
+        if stale:
+            assert joined == STALE
+            return False
+        if met != self.holder:
+            assert joined == 0
+            return False
+        assert joined == (recorded if joiner in self.joined else serial or 0) + 1
+        self.joined[joiner] = met
+        self.serial[joiner], self.before[joiner] = joined, serial
+        self.waiting.add(joiner)
+        self.joiners.add(joiner)
+        return True
 
     @precondition(lambda self: self.runs)
     @rule(data=st.data())
@@ -164,15 +184,32 @@ class JoinModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def a_watch_copy_arrives(self, data: st.DataObject) -> None:
         joiner = data.draw(st.sampled_from(sorted(self.waiting)), label="whose")
-        if self.holder is None:  # runs in a dead holder's place, its own record withdrawn
-            self._run_in_place(joiner)
-        elif self.holder != joiner:
-            self._join(joiner, self.holder)
+        self._arrives(joiner, self.serial[joiner])
 
-    def _run_in_place(self, joiner: str) -> None:
-        """A watch copy takes the free lock and withdraws its record: it ends by running."""
+    def _arrives(self, joiner: str, serial: int | None, *, again: bool = False) -> None:
+        """A copy of ``joiner``'s message, of ``serial``, comes due; ``again``: one the broker
+        handed out again, whose live copy is still to come."""
+        if joiner not in self.waiting:  # it ended: its completion record drops the copy
+            return
+        live = self.serial[joiner]
+        if self.holder is None:  # runs in a dead holder's place, unless stale
+            self._run_in_place(joiner, serial)
+        elif self.holder != joiner and self._join(joiner, self.holder, serial) and again:
+            # it acted as the live copy: the one still to come, of the serial before, is stale
+            self.copies.append((joiner, live))
+
+    def _run_in_place(self, joiner: str, serial: int | None) -> None:
+        """A watch copy takes the free lock and withdraws its record: it ends by running. A
+        stale one withdraws nothing and lets go of the lock: the live one is still to come."""
         self._take(joiner)
-        assert unjoin(self.run, self.keys.lock, joiner) == (joiner in self.joined)
+        stale = joiner in self.joined and serial is not None and serial != self.serial[joiner]
+        withdrawn = unjoin(self.run, self.keys.lock, joiner, serial)
+        if stale:
+            assert withdrawn == STALE
+            assert self.store.release(self.keys.lock, joiner, 0) is ReleaseStatus.RELEASED
+            self.holder = None
+            return
+        assert withdrawn == (joiner in self.joined)
         self.joined.pop(joiner, None)
         self.waiting.discard(joiner)
         self.ended[joiner] += 1
@@ -180,10 +217,26 @@ class JoinModel(RuleBasedStateMachine):
     @precondition(lambda self: self.joined.keys() & self.waiting)
     @rule(data=st.data())
     def a_joiner_is_withdrawn(self, data: st.DataObject) -> None:
-        """Its watch copy could not be published: requeued instead (it comes back)."""
+        """Its watch copy could not be published: requeued instead (it comes back, the copy
+        that joined: of the serial before)."""
         joiner = data.draw(st.sampled_from(sorted(self.joined.keys() & self.waiting)))
-        assert unjoin(self.run, self.keys.lock, joiner)
+        assert unjoin(self.run, self.keys.lock, joiner, self.serial[joiner]) == 1
         del self.joined[joiner]
+        self.serial[joiner] = self.before[joiner]
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def the_broker_hands_a_copy_out_again(self, data: st.DataObject) -> None:
+        """A copy of a joiner's live watch copy (or of an older one still in flight)."""
+        joiner = data.draw(st.sampled_from(sorted(self.waiting)), label="whose")
+        self.copies.append((joiner, self.serial[joiner]))
+
+    @precondition(lambda self: self.copies)
+    @rule(data=st.data())
+    def a_copy_handed_out_again_arrives(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(0, len(self.copies) - 1), label="which")
+        joiner, serial = self.copies.pop(index)
+        self._arrives(joiner, serial, again=True)
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -191,20 +244,24 @@ class JoinModel(RuleBasedStateMachine):
     def redis_holds_the_joiners_the_model_says(self) -> None:
         stored = self.client.hgetall(joiners_key(self.keys.lock))
         assert {k.decode(): v for k, v in stored.items()} == {
-            j: f"{met}|r-{j}".encode() for j, met in self.joined.items()
+            j: f"{met}|{self.serial[j]}|r-{j}".encode() for j, met in self.joined.items()
         }
         assert all(count == 1 for count in self.ended.values()), self.ended
         assert not set(self.joined.values()) & self.released, self.joined
 
     def teardown(self) -> None:
         try:
-            for _ in range(6 * len(self.joiners) + 4):  # every run ends, every copy comes
+            # every run ends, every copy comes
+            for _ in range(6 * len(self.joiners) + 3 * len(self.copies) + 4):
                 if self.ending is not None:
                     self.the_ending_run_releases(dies=False)
                 elif self.holder is not None:
                     self.the_holder_lets_go(expire=False)
+                elif self.copies:
+                    self._arrives(*self.copies.pop(0), again=True)
                 elif self.waiting:
-                    self._run_in_place(sorted(self.waiting)[0])
+                    joiner = sorted(self.waiting)[0]
+                    self._run_in_place(joiner, self.serial[joiner])
                 else:
                     break
             assert not self.waiting

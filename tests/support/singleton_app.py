@@ -1135,6 +1135,30 @@ def join_autoretry(self: Any, key: str, value: Any = None) -> Any:
     raise KeyError(value)
 
 
+# -- added for test_join_seams: join beside a long ttl, and beside debounce ----------------------
+
+
+def _join_task(name: str, **options: Any) -> Any:
+    @app.task(
+        name=name,
+        singleton_key_args=("key",),
+        **{"bind": True, "base": SingletonTask, "singleton_on_duplicate": "join", **options},
+    )
+    def join_task(self: Any, key: str, seconds: float = 0.0, value: Any = None) -> Any:
+        """t.join with other options: holds ``key`` for ``seconds`` (until a push to ``key``'s
+        release list: ``seconds`` < 0), then returns ``value``."""
+        _run(self, key, max(seconds, 0.0), until=f"{key}:go" if seconds < 0 else None)
+        return value
+
+    return join_task
+
+
+#: a joiner's watch copy is due 30 s after it joined: a holder's end comes first
+join_long_ttl = _join_task("t.join_long_ttl", singleton_ttl=30)
+#: a burst of calls runs once, 1 s after its last call; a call that meets a run joins it
+join_debounce = _join_task("t.join_debounce", singleton_debounce=1.0)
+
+
 # -- added for test_rate: a cluster-wide rate limit per key (singleton_rate_limit) -------------
 #
 # Refused over Redlock (a worker of this app on a redlock:// lock URL would not start): left out

@@ -9,8 +9,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from celery.app.task import Context
 
 from celery_singleton_lock import SingletonConfigError
+from celery_singleton_lock.core.debounce import Verdict
+from celery_singleton_lock.core.keys import lock_keys
+from celery_singleton_lock.duplicates import debounce as debounce_module
+from celery_singleton_lock.duplicates.join import JOINED_HEADER
 from celery_singleton_lock.duplicates.skips import skip_info, skip_marker
 from celery_singleton_lock.settings.options import read_options
 
@@ -60,3 +65,26 @@ def test_a_superseded_calls_marker_names_the_later_call() -> None:
         "debounced",
     )
     assert skip_info(skip_marker("k", "h", "me")).superseded_by is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_joined_calls_watch_copy_is_not_debounced_again(
+    monkeypatch: pytest.MonkeyPatch, joined: bool
+) -> None:
+    """Its call was debounced before it joined a run: a newer burst must not supersede the
+    watch copy while that run's end still counts the call (it would end twice). Any other
+    message of the task asks the debounce state."""
+    asked: list[str] = []
+
+    def ask(run: Any, keys: Any, task_id: str, *args: Any, **kwargs: Any) -> Verdict:
+        asked.append(task_id)
+        return Verdict("run")
+
+    monkeypatch.setattr(debounce_module, "debounce", ask)
+    monkeypatch.setattr(debounce_module, "store_for", lambda url: SimpleNamespace(run_script=None))
+    opts = read_options({}, _task(debounce=1, on_duplicate="join"))
+    task = SimpleNamespace(name="t.debounced", singleton_options=lambda: opts)
+    headers = {JOINED_HEADER: "the-holder"} if joined else {}
+    request = Context({"id": "call", "retries": 0, **headers})
+    verdict = debounce_module.debounced(task, lock_keys("p:", "t.debounced", b"k"), request)
+    assert (verdict, asked) == ((None, []) if joined else (Verdict("run"), ["call"]))
