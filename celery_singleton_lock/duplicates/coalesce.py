@@ -6,7 +6,8 @@ its result is the skip marker with ``coalesced`` and the follow-up's task id. Wh
 the lock then takes the record, once, and publishes the follow-up: the run itself
 (:meth:`CoalescePolicy.release`), the worker's main process for a lost child
 (:meth:`CoalescePolicy.after_release`), or ``celery singleton purge``/``release`` for a lock
-whose holder is gone. A publish that fails puts the record back and logs it: nothing is dropped silently.
+whose holder is gone. A publish that fails puts the record back and logs it: nothing is
+dropped silently.
 
 The follow-up is a new message of the same task with the latest duplicate's arguments, its
 task id fixed by the burst's first duplicate, sent to the exchange and routing key that
