@@ -96,7 +96,7 @@ class Call(NamedTuple):
     parent_id: str | None = None
     #: its retries count: above 0, a run going on (``self.retry()``), not a new call
     retries: int = 0
-    #: ``apply()`` or a direct call: nothing can be requeued or left waiting
+    #: ``apply()`` (``task_always_eager``): nothing can be requeued or left waiting
     eager: bool = False
     #: a coalesced follow-up (never coalesced again)
     follow_up: bool = False
