@@ -26,6 +26,7 @@ __all__ = [
     "call_debounced",
     "duplicate_joined",
     "duplicate_not_published",
+    "duplicate_queued",
     "duplicate_raised",
     "duplicate_retried",
     "duplicate_skipped",
@@ -36,6 +37,7 @@ __all__ = [
     "lock_released",
     "lock_renewed_late",
     "lock_unavailable",
+    "queue_full",
     "rate_limited",
     "redelivery_dropped",
 ]
@@ -51,6 +53,8 @@ duplicate_skipped = Signal(name="singleton_duplicate_skipped")
 duplicate_retried = Signal(name="singleton_duplicate_retried")
 duplicate_raised = Signal(name="singleton_duplicate_raised")
 duplicate_joined = Signal(name="singleton_duplicate_joined")
+duplicate_queued = Signal(name="singleton_duplicate_queued")
+queue_full = Signal(name="singleton_queue_full")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
 redelivery_dropped = Signal(name="singleton_redelivery_dropped")
 rate_limited = Signal(name="singleton_rate_limited")

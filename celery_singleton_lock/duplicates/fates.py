@@ -88,6 +88,14 @@ def _error(task: Any, action: Action, keys: LockKeys, outcome: Outcome, task_id:
     """What the call fails with, or is requeued for (the requeue's RETRY names it)."""
     if isinstance(outcome, LockUnavailableError):
         return outcome
+    if action.why is Why.QUEUE_FULL:
+        return DuplicateTaskError(
+            f"{task.name}[{task_id}] is a duplicate, and the queue of {keys.lock} is full "
+            f"({action.length} calls wait)",
+            key=keys.lock,
+            task_id=task_id,
+            holder=action.holder,
+        )
     if action.why is Why.RATE:
         assert keys.rate is not None
         return RateLimitedError(
@@ -167,6 +175,18 @@ def _report_requeue(
 
 
 def _report_raise(task: Any, keys: LockKeys, action: Action, task_id: str) -> None:
+    if action.why is Why.QUEUE_FULL:
+        logger.warning(
+            "singleton: queue full, raised: %s[%s] key=%s length=%d",
+            task.name,
+            task_id,
+            keys.lock,
+            action.length,
+        )
+        signals.queue_full.send(
+            sender=task, key=keys.lock, task_id=task_id, holder=action.holder, length=action.length
+        )
+        return
     if action.why is Why.RATE:
         _rate_signal(task, keys, task_id, action, None, policy=RaisePolicy.name)
         logger.info(

@@ -86,6 +86,7 @@ class Why(enum.Enum):
     RATE = enum.auto()  #: the key's rate limit allows no start now
     REDIS = enum.auto()  #: Redis could not be asked
     SUPERSEDED = enum.auto()  #: a later call of its debounce burst
+    QUEUE_FULL = enum.auto()  #: its key's queue holds ``singleton_queue_max`` calls already
 
 
 class Call(NamedTuple):
@@ -117,6 +118,8 @@ class Action(NamedTuple):
     follow_up: str | None = None
     #: the name of the policy that answered, as signals report it
     policy: str = ""
+    #: RAISE for a full queue: the queue's length
+    length: int = 0
 
 
 RUN = Action(Fate.RUN)

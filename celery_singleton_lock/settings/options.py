@@ -140,6 +140,8 @@ class Options:
     permits: int = 1
     #: ``(limit, period_ms)``: at most ``limit`` runs of a key start within any ``period_ms``
     rate_limit: tuple[int, int] | None = None
+    #: under ``"queue"``: the most calls one key's queue holds
+    queue_max: int = 1000
 
     #: None when read without a task (the banner): it depends on the task's acks_late
     completion_ttl: float | None = None

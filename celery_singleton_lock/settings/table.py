@@ -44,7 +44,7 @@ __all__ = [
     "permits_text",
 ]
 
-POLICIES = ("skip", "retry", "raise", "coalesce", "join")
+POLICIES = ("skip", "retry", "raise", "coalesce", "join", "queue")
 LOCK_ON = ("execute", "publish")
 #: Old values of ``lock_on`` -> the value each is read as (with a DeprecationWarning): "both"
 #: never differed from "publish" (the run takes its lock on the worker under both)
@@ -184,6 +184,18 @@ def _non_negative_int(name: str, value: Any) -> int:
     return value
 
 
+#: The largest ``singleton_queue_max``.
+MAX_QUEUE = 1_000_000
+
+
+def _queue_max(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUEUE:
+        raise SingletonConfigError(
+            f"{name} must be an integer from 1 to {MAX_QUEUE:,}, got {_shown(value)}"
+        )
+    return value
+
+
 def _permits(name: str, value: Any) -> int:
     """1 to :data:`MAX_PERMITS` runs of a key at once, or :data:`UNLIMITED` (read as 0)."""
     if isinstance(value, str) and value == UNLIMITED:
@@ -300,10 +312,19 @@ SETTINGS: dict[str, Setting] = {
             _choice(POLICIES),
             'What a duplicate run does: "skip" (finish at once, result marked skipped), '
             '"retry" (requeue every `retry_countdown` seconds until it can run), '
-            '"raise" (fail with DuplicateTaskError) or "coalesce" (finish at once like a skip; '
+            '"raise" (fail with DuplicateTaskError), "coalesce" (finish at once like a skip; '
             "all duplicates met while one run holds the lock collapse into one follow-up run "
-            "with the latest duplicate's arguments, published when the lock is released) or "
-            '"join" (finish with the outcome of the run it met: its value, or its failure).',
+            "with the latest duplicate's arguments, published when the lock is released), "
+            '"join" (finish with the outcome of the run it met: its value, or its failure) or '
+            '"queue" (wait in line, in no worker slot: every call runs, one at a time, in the '
+            "order it reached the key; each release hands the key to the next).",
+        ),
+        Setting(
+            "queue_max",
+            1000,
+            _queue_max,
+            'Under "queue": the most calls one key\'s queue holds. A call over it is refused as '
+            '"raise" refuses a duplicate (DuplicateTaskError: the queue is full).',
         ),
         Setting(
             "on_redis_error",

@@ -70,6 +70,8 @@ OUTCOMES: dict[str, str] = {
     "duplicate_retried": "retried",
     "duplicate_raised": "raised",
     "duplicate_joined": "joined",
+    "duplicate_queued": "queued",
+    "queue_full": "queue_full",
     "rate_limited": "rate_limited",
     "redelivery_dropped": "redelivery_dropped",
 }

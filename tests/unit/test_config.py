@@ -495,6 +495,7 @@ def test_the_numeric_settings_are_found() -> None:
         "wait_replicas",
         "permits",
         "rate_limit",
+        "queue_max",
     }
 
 

@@ -1,0 +1,95 @@
+"""The Celery app of the queue policy's tests (``singleton_on_duplicate="queue"``), run in
+real worker processes. Configured from the environment like ``singleton_app``.
+
+Every task records its execution in the history (tests/support/history.py) and appends its
+``payload`` to ``<prefix>order:<key>`` when it starts, so a test reads the order the calls of a
+key ran in; it holds its key until the test pushes to ``<key>:go`` (``seconds`` < 0) or for
+``seconds``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery_singleton_lock import SingletonTask
+from tests.support.basic_app import _client, history_key, make_app
+from tests.support.history import record_end, record_start
+
+__test__ = False
+
+app = make_app()
+app.main = "tests.support.queue_app"
+app.conf.singleton_redis_url = app.conf.singleton_test_redis_url
+app.conf.singleton_key_prefix = app.conf.singleton_test_prefix + "lock:"
+app.conf.singleton_ttl = float(os.environ.get("SINGLETON_TEST_TTL", "2"))
+
+
+def order_key(prefix: str, key: str) -> str:
+    """The list the runs of ``key`` append their payloads to, in the order they started."""
+    return f"{prefix}order:{key}"
+
+
+def _run(task: Any, key: str, seconds: float, payload: Any) -> dict[str, Any]:
+    client = _client(app.conf.singleton_test_redis_url)
+    prefix = app.conf.singleton_test_prefix
+    token = task.singleton.fencing_token
+    exec_id = record_start(
+        client, history_key(prefix), key, token, str(task.request.hostname), os.getpid()
+    )
+    client.rpush(order_key(prefix, key), str(payload))
+    if seconds < 0:  # short blocking reads: redis-py gives up on one blocked for over 5 s
+        deadline = time.monotonic() + 60
+        while not client.blpop([f"{key}:go"], timeout=1) and time.monotonic() < deadline:
+            pass
+    else:
+        time.sleep(seconds)
+    record_end(client, history_key(prefix), exec_id)
+    return {"payload": payload, "token": token, "pid": os.getpid()}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="q.line",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="queue",
+)
+def line(self: Any, key: str, payload: Any = None, seconds: float = 0.0) -> dict[str, Any]:
+    """A call of ``key`` that waits in line behind the runs holding it."""
+    return _run(self, key, seconds, payload)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="q.line2",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="queue",
+    singleton_permits=2,
+)
+def line2(self: Any, key: str, payload: Any = None, seconds: float = 0.0) -> dict[str, Any]:
+    """``q.line`` with two runs of a key at once."""
+    return _run(self, key, seconds, payload)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="q.short",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="queue",
+    singleton_queue_max=2,
+)
+def short(self: Any, key: str, payload: Any = None, seconds: float = 0.0) -> dict[str, Any]:
+    """``q.line`` with a queue of at most two calls."""
+    return _run(self, key, seconds, payload)
+
+
+@app.task(bind=True, name="q.after")
+def after(self: Any, value: Any, tag: str = "") -> Any:
+    """A link of a queued call: records what it was given."""
+    client = _client(app.conf.singleton_test_redis_url)
+    client.rpush(app.conf.singleton_test_prefix + "after", f"{tag}:{value['payload']}")
+    return value
