@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from celery_singleton_lock.core import connection
 from tests.support.basic_app import close_app, make_app
 from tests.support.beats import BeatFactory
 from tests.support.django_db import release_database, use_database
+from tests.support.prefixes import private_prefix
 from tests.support.scheduling import ModuleAffineScheduling, longest_first
 from tests.support.servers import RedisServer, shared_redis_url
 from tests.support.topologies import sentinels_and_cluster
@@ -72,20 +71,6 @@ def collect_garbage_after_the_test() -> Iterator[None]:
     gc.collect()
 
 
-def delete_prefix(client: redis.Redis, prefix: str) -> int:
-    """Delete every key starting with ``prefix`` (SCAN, never KEYS); return how many."""
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            deleted += int(client.delete(*batch))
-            batch.clear()
-    if batch:
-        deleted += int(client.delete(*batch))
-    return deleted
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of the shared Redis if it answers, else of one private server for the session."""
@@ -95,18 +80,6 @@ def redis_url() -> Iterator[str]:
         return
     with RedisServer() as server:
         yield server.url
-
-
-@contextmanager
-def private_prefix(redis_url: str) -> Iterator[str]:
-    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted on leaving."""
-    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        delete_prefix(client, prefix)
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")

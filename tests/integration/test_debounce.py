@@ -20,9 +20,9 @@ from celery import Celery, chain
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.beat.claims import CLAIM_HEADER, KEEP_HEADER, RUN_HEADER
 from celery_singleton_lock.testing import isolated_locks
-from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import check_history, load_history
+from tests.support.prefixes import private_prefix
 from tests.support.servers import RedisServer
 from tests.support.singleton_app import DEBOUNCE_MAX_S, DEBOUNCE_S
 from tests.support.waiting import wait_for

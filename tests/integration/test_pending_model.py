@@ -49,7 +49,7 @@ from celery_singleton_lock.core.pending import (
     take_pending,
 )
 from celery_singleton_lock.core.store import LockStore
-from tests.conftest import delete_prefix
+from tests.support.prefixes import delete_prefix
 
 TTL_MS = 30_000
 EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))

@@ -29,7 +29,6 @@ from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
 from celery_singleton_lock.worker.pools import check_pool, pool_module
-from tests.conftest import delete_prefix
 from tests.integration.test_release_paths import (
     Bed,
     assert_clean_log,
@@ -41,6 +40,7 @@ from tests.integration.test_release_paths import (
 from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.history import server_time_us
 from tests.support.mainskip import reached_celery
+from tests.support.prefixes import delete_prefix
 from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory, WorkerProcess
 

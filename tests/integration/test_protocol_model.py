@@ -70,7 +70,7 @@ from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.publish.dedup import forget, publish
-from tests.conftest import delete_prefix
+from tests.support.prefixes import delete_prefix
 
 TTL_MS = 30_000
 #: the longest a fencing counter lives after an acquire: the lock's ttl + the default margin

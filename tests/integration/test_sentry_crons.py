@@ -28,10 +28,10 @@ import redis
 
 from celery_singleton_lock.beat.claims import CLAIM_HEADER, RUN_HEADER
 from celery_singleton_lock.core.keys import run_claim_key
-from tests.conftest import private_prefix
 from tests.support.basic_app import BEAT_APP, close_app, history_key, make_app
 from tests.support.beats import BeatFactory, BeatProcess
 from tests.support.history import load_history
+from tests.support.prefixes import private_prefix
 from tests.support.sentry_crons import CheckIn, load_checkins
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
