@@ -22,6 +22,7 @@ from hypothesis import settings
 from celery_singleton_lock.core import connection
 from tests.support.basic_app import close_app, make_app
 from tests.support.beats import BeatFactory
+from tests.support.bed import Bed
 from tests.support.django_db import release_database, use_database
 from tests.support.prefixes import private_prefix
 from tests.support.scheduling import ModuleAffineScheduling, longest_first
@@ -125,6 +126,16 @@ def worker_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[
     )
     yield factory
     factory.close()
+
+
+@pytest.fixture
+def bed(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[Bed]:
+    """A test bed on ``key_prefix`` (tests/support/bed.py), no worker started yet: the test
+    starts the workers it needs; every one is SIGKILLed at teardown, after their log tails were
+    printed (pytest shows them for failed tests only). A module whose tests share workers
+    defines a module-scoped ``bed`` of its own, on ``module_prefix``."""
+    with Bed(redis_url, key_prefix, tmp_path / "bed") as made:
+        yield made
 
 
 @pytest.fixture
