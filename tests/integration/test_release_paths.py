@@ -242,7 +242,7 @@ def test_revoke_terminate_keeps_the_lock_through_the_child_cleanup(bed: Bed) -> 
     first = bed.send("t.hold_cleanup", key, seconds=10, cleanup=1.5)
     lock = bed.wait_held(first.id)
     pid = int(bed.lock(lock)["pid"])
-    wait_for(bed.history, 5, "the body (and its try block) to start")
+    bed.wait_started(key, timeout=5)  # the body, and its try block
 
     bed.app.control.revoke(first.id, terminate=True, destination=[worker.nodename])
     bed.wait_gone(lock, 5)
@@ -542,7 +542,7 @@ def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
     lock = bed.wait_held(result.id)
     first = bed.lock(lock)
     pid = int(first["pid"])
-    wait_for(bed.history, 5, "the first run to start")
+    bed.wait_started(key, timeout=5)
 
     killed_at = kill_child(bed.client, pid)
     pttl = bed.client.pttl(lock)
