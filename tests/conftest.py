@@ -20,15 +20,21 @@ from celery import Celery
 from hypothesis import settings
 
 from celery_singleton_lock.core import connection
-from tests.support.basic_app import close_app, make_app
-from tests.support.beats import BeatFactory
-from tests.support.bed import Bed
-from tests.support.django_db import release_database, use_database
-from tests.support.prefixes import private_prefix
-from tests.support.scheduling import ModuleAffineScheduling, longest_first
-from tests.support.servers import RedisServer, shared_redis_url
-from tests.support.topologies import sentinels_and_cluster
-from tests.support.workers import WorkerFactory
+
+# The helpers of tests/support assert as the tests do (the checks a test module runs through
+# every topology, the bed's): pytest rewrites their asserts as a test module's, so a failure
+# shows the values compared. Registered before the first of them is imported, just below.
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support.basic_app import close_app, make_app  # noqa: E402
+from tests.support.beats import BeatFactory  # noqa: E402
+from tests.support.bed import Bed  # noqa: E402
+from tests.support.django_db import release_database, use_database  # noqa: E402
+from tests.support.prefixes import private_prefix  # noqa: E402
+from tests.support.scheduling import ModuleAffineScheduling, longest_first  # noqa: E402
+from tests.support.servers import RedisServer, shared_redis_url  # noqa: E402
+from tests.support.topologies import sentinels_and_cluster  # noqa: E402
+from tests.support.workers import WorkerFactory  # noqa: E402
 
 # CI runs property tests with a fixed seed, so a run is repeatable; locally they explore.
 settings.register_profile("ci", derandomize=True, database=None)

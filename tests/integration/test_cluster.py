@@ -49,11 +49,10 @@ from tests.integration.test_beat_mixin import (
     paused,
     set_clock,
 )
-from tests.integration.test_coalesce import check_pending_scripts
-from tests.integration.test_permits import check_permit_slots
 from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
 from tests.support.servers import free_port
+from tests.support.store_checks import check_pending_scripts, check_permit_slots
 from tests.support.topologies import Cluster
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory

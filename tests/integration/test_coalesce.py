@@ -16,15 +16,9 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import SkipInfo, skip_info
-from celery_singleton_lock.core.backend import Acquired, LockBackend, ReleaseStatus
-from celery_singleton_lock.core.keys import LockKeys, derive_keys, keys_of, lock_keys
-from celery_singleton_lock.core.pending import (
-    leave_pending,
-    pending_key,
-    put_back,
-    superseded_by,
-    take_pending,
-)
+from celery_singleton_lock.core.backend import Acquired
+from celery_singleton_lock.core.keys import derive_keys, keys_of, lock_keys
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key
@@ -35,6 +29,7 @@ from tests.support.history import (
     server_time_us,
     wait_started,
 )
+from tests.support.store_checks import check_pending_scripts
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -77,28 +72,6 @@ def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
     follow_up = _coalesced(duplicate)
     assert follow_up is not None
     return holder, duplicate, follow_up
-
-
-def check_pending_scripts(store: LockBackend, keys: LockKeys) -> None:
-    """The pending record's three scripts through ``store`` (one server, Sentinel, Cluster,
-    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id, the
-    holder named), taken only once nobody holds the lock, and only once; put back when nothing
-    newer is."""
-    run = store.run_script
-    assert isinstance(store.acquire(keys, "holder", 0, 30_000), Acquired)
-    left = [leave_pending(run, keys, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
-    assert [(x.follow_up, x.count) for x in left] == [("f-0", 1), ("f-0", 2), ("f-0", 3)]
-    assert leave_pending(run, keys, "someone", "f-9", {"call": "x"}).follow_up is None
-    assert take_pending(run, keys) is None  # held: the holder's release takes it
-    assert store.release(keys.lock, "holder", 0) is ReleaseStatus.RELEASED
-    assert leave_pending(run, keys, "holder", "f-9", {"call": "late"}).follow_up is None
-    record = take_pending(run, keys)
-    assert record is not None
-    assert (record["id"], record["count"], record["call"]) == (b"f-0", b"3", b"c2")
-    assert (superseded_by(record, "holder"), superseded_by(record, "newer")) == (None, "newer")
-    assert take_pending(run, keys) is None  # taken once
-    assert put_back(run, keys, record)
-    assert take_pending(run, keys) == record
 
 
 def test_pending_scripts_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:

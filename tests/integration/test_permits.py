@@ -18,7 +18,6 @@ from celery_singleton_lock.core.backend import (
     Acquired,
     Completed,
     Contended,
-    LockBackend,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
@@ -39,25 +38,9 @@ from tests.support.history import (
     server_time_us,
 )
 from tests.support.servers import RedisServer
+from tests.support.store_checks import check_permit_slots
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-
-
-def check_permit_slots(store: LockBackend, keys: LockKeys) -> None:
-    """Three permits through ``store`` (one server, Sentinel, Cluster): three owners take slots
-    1 to 3 with increasing tokens, the fourth meets a holder, the main process's search finds a
-    lost run's slot, and the freed slot is taken again."""
-    taken = [store.acquire(keys, owner, 0, 30_000) for owner in ("a", "b", "c")]
-    assert [t.slot for t in taken if isinstance(t, Acquired)] == [1, 2, 3]
-    tokens = [t.token for t in taken if isinstance(t, Acquired)]
-    assert tokens == sorted(set(tokens))
-    assert isinstance(store.acquire(keys, "d", 0, 30_000), Contended)
-    assert release_lost_slot(store, keys, "b", 0, 0) == (keys.slot(2), ReleaseStatus.RELEASED)
-    again = store.acquire(keys, "d", 0, 30_000)
-    assert isinstance(again, Acquired)
-    assert (again.slot, again.token > tokens[-1]) == (2, True)
-    for owner, slot in (("a", 1), ("d", 2), ("c", 3)):
-        assert store.release(keys.slot(slot), owner, 0) is ReleaseStatus.RELEASED
 
 
 def test_permit_slots_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:

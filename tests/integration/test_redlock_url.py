@@ -35,9 +35,9 @@ from tests.integration.test_beat_mixin import (
     make_beat_app,
     paused,
 )
-from tests.integration.test_coalesce import check_pending_scripts
 from tests.support.basic_app import SINGLETON_APP, close_app, make_app
 from tests.support.servers import RedisServer
+from tests.support.store_checks import check_pending_scripts
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 

@@ -39,8 +39,7 @@ from tests.integration.test_beat_mixin import (
     long_lease_leader_app,
     paused,
 )
-from tests.integration.test_coalesce import check_pending_scripts
-from tests.integration.test_permits import check_permit_slots
+from tests.support.store_checks import check_pending_scripts, check_permit_slots
 from tests.support.topologies import SentinelSet, wait_until
 
 #: store_for caches per URL and process: every test starts and ends without any
