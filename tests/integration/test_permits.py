@@ -24,11 +24,12 @@ from celery_singleton_lock.core.backend import (
     release_lost_slot,
 )
 from celery_singleton_lock.core.completion import Ending, done_key
-from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_key_problem, lock_keys
+from celery_singleton_lock.core.keys import LockKeys, lock_key_problem, lock_keys
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.client_tasks import COALESCE, coalesce_keys
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -513,19 +514,8 @@ def test_a_window_per_slot_lets_n_runs_start_per_window(
 
 # -- with coalesce (singleton_on_duplicate="coalesce") -------------------------------------------
 
-COALESCE = "t.export_permits_coalesce"
 #: duplicates in the burst met by a full set of slots
 BURST = 200
-
-
-def _tenant(tenant: str, payload: object = None, until: str | None = None) -> None:
-    """The parameters of t.export_permits_coalesce."""
-
-
-def coalesce_keys(prefix: str, tenant: str = "a") -> LockKeys:
-    """The keys of t.export_permits_coalesce(tenant) on a test worker (2 permits)."""
-    keys = derive_keys(f"{prefix}lock:", COALESCE, _tenant, (tenant,), {}, ("tenant",))
-    return keys.with_permits(2)
 
 
 def _fill_the_slots(
