@@ -33,7 +33,10 @@ LOCK_HASH_MAX_BYTES = 3072
 
 
 def charge_task(bed: Bed, name: str) -> Any:
-    """``name`` of the worker's app, as a SingletonTask of the client app (its apply_async)."""
+    """``name`` of the worker's app, as a SingletonTask of the client app (its apply_async);
+    declared at the first test that calls it (the module's tests share the app)."""
+    if name in bed.app.tasks:
+        return bed.app.tasks[name]
     bed.app.conf.singleton_key_prefix = f"{bed.prefix}lock:"
 
     @bed.app.task(
