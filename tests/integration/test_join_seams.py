@@ -31,9 +31,9 @@ from celery_singleton_lock.core.completion import done_key
 from celery_singleton_lock.core.joiners import Joiner, joiners_key
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.duplicates.join_completion import complete_joiners, record_of
-from tests.conftest import private_prefix
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
 from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.prefixes import private_prefix
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
