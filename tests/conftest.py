@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +20,21 @@ from celery import Celery
 from hypothesis import settings
 
 from celery_singleton_lock.core import connection
-from tests.support.basic_app import close_app, make_app
-from tests.support.beats import BeatFactory
-from tests.support.django_db import release_database, use_database
-from tests.support.scheduling import ModuleAffineScheduling, longest_first
-from tests.support.servers import RedisServer, shared_redis_url
-from tests.support.topologies import sentinels_and_cluster
-from tests.support.workers import WorkerFactory
+
+# The helpers of tests/support assert as the tests do (the checks a test module runs through
+# every topology, the bed's): pytest rewrites their asserts as a test module's, so a failure
+# shows the values compared. Registered before the first of them is imported, just below.
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support.basic_app import close_app, make_app  # noqa: E402
+from tests.support.beats import BeatFactory  # noqa: E402
+from tests.support.bed import Bed  # noqa: E402
+from tests.support.django_db import release_database, use_database  # noqa: E402
+from tests.support.prefixes import private_prefix  # noqa: E402
+from tests.support.scheduling import ModuleAffineScheduling, longest_first  # noqa: E402
+from tests.support.servers import RedisServer, shared_redis_url  # noqa: E402
+from tests.support.topologies import sentinels_and_cluster  # noqa: E402
+from tests.support.workers import WorkerFactory  # noqa: E402
 
 # CI runs property tests with a fixed seed, so a run is repeatable; locally they explore.
 settings.register_profile("ci", derandomize=True, database=None)
@@ -72,20 +78,6 @@ def collect_garbage_after_the_test() -> Iterator[None]:
     gc.collect()
 
 
-def delete_prefix(client: redis.Redis, prefix: str) -> int:
-    """Delete every key starting with ``prefix`` (SCAN, never KEYS); return how many."""
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            deleted += int(client.delete(*batch))
-            batch.clear()
-    if batch:
-        deleted += int(client.delete(*batch))
-    return deleted
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of the shared Redis if it answers, else of one private server for the session."""
@@ -95,18 +87,6 @@ def redis_url() -> Iterator[str]:
         return
     with RedisServer() as server:
         yield server.url
-
-
-@contextmanager
-def private_prefix(redis_url: str) -> Iterator[str]:
-    """A unique ``cslt:<uuid8>:`` prefix; every key under it is deleted on leaving."""
-    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        delete_prefix(client, prefix)
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +132,16 @@ def worker_factory(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[
     )
     yield factory
     factory.close()
+
+
+@pytest.fixture
+def bed(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[Bed]:
+    """A test bed on ``key_prefix`` (tests/support/bed.py), no worker started yet: the test
+    starts the workers it needs; every one is SIGKILLed at teardown, after their log tails were
+    printed (pytest shows them for failed tests only). A module whose tests share workers
+    defines a module-scoped ``bed`` of its own, on ``module_prefix``."""
+    with Bed(redis_url, key_prefix, tmp_path / "bed") as made:
+        yield made
 
 
 @pytest.fixture

@@ -4,28 +4,26 @@ is masked, and the card appears nowhere the library shows or keeps a call: not i
 hash, not in ``celery singleton list``/``show``, not in the worker's log, not in a skipped or
 coalesced duplicate's marker, not in a signal's payload; a coalesced duplicate's follow-up and
 a requeued duplicate carry the mask on. A huge call (a 100 kB argument, argsrepr or kwargsrepr)
-leaves a lock hash of bounded size, and nothing of its key past ttl + fence margin."""
+leaves a lock hash of bounded size, and nothing of its key past ttl + fence margin.
+
+One worker (lock ttl 4 s) serves the module's tests; each holds its runs at gates of its own."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.backend import FENCE_MARGIN_MS, MAX_META_VALUE_BYTES
 from celery_singleton_lock.tools.cli import singleton
-from tests.support.basic_app import SINGLETON_APP
+from tests.support.bed import Bed
 from tests.support.singleton_app import signal_payloads_key
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
 
 CARD = "4111111111111111"
 #: what the caller shows of the card, as Celery documents it
@@ -34,111 +32,97 @@ MASK = "('****',)"
 LOCK_HASH_MAX_BYTES = 3072
 
 
-@dataclass
-class Bed:
-    """A worker of the test app, its client app, Redis, and the gates holding runs."""
+def charge_task(bed: Bed, name: str) -> Any:
+    """``name`` of the worker's app, as a SingletonTask of the client app (its apply_async);
+    declared at the first test that calls it (the module's tests share the app)."""
+    if name in bed.app.tasks:
+        return bed.app.tasks[name]
+    bed.app.conf.singleton_key_prefix = f"{bed.prefix}lock:"
 
-    worker: WorkerProcess
-    app: Celery
-    redis: redis.Redis
-    redis_url: str
-    prefix: str
-    gates: list[str] = field(default_factory=list)
+    @bed.app.task(
+        bind=True, base=SingletonTask, name=name, shared=False, singleton_key_args=("card",)
+    )
+    def charge(self: Any, card: str, until: str | None = None) -> None:
+        """Same signature as the worker's."""
 
-    def task(self, name: str) -> Any:
-        """``name`` of the worker's app, as a SingletonTask of the client app (its
-        apply_async)."""
-        self.app.conf.singleton_key_prefix = f"{self.prefix}lock:"
+    return charge
 
-        @self.app.task(
-            bind=True, base=SingletonTask, name=name, shared=False, singleton_key_args=("card",)
-        )
-        def charge(self: Any, card: str, until: str | None = None) -> None:
-            """Same signature as the worker's."""
 
-        return charge
+def cli(bed: Bed, *args: str) -> str:
+    """``celery singleton <args>`` on the worker's locks."""
+    shown = CliRunner().invoke(
+        singleton, ["--url", bed.redis_url, "--prefix", f"{bed.prefix}lock:", *args]
+    )
+    assert shown.exit_code == 0, shown.output
+    return shown.output
 
-    def gate(self, name: str) -> str:
-        """A list a holding run waits on (``until``) until :meth:`open` pushes to it."""
-        gate = f"{self.prefix}gate:{name}"
-        self.gates.append(gate)
-        return gate
 
-    def open(self, gate: str) -> None:
-        self.redis.rpush(gate, "go")
+def held(bed: Bed, owner: str, generation: int = 0) -> dict[str, Any]:
+    """The lock ``owner`` holds (its run of that retries count), as `list --json` shows it,
+    once it holds one."""
 
-    def cli(self, *args: str) -> str:
-        """``celery singleton <args>`` on the worker's locks."""
-        shown = CliRunner().invoke(
-            singleton, ["--url", self.redis_url, "--prefix", f"{self.prefix}lock:", *args]
-        )
-        assert shown.exit_code == 0, shown.output
-        return shown.output
+    def listed() -> dict[str, Any] | None:
+        mine = [
+            lock
+            for lock in json.loads(cli(bed, "list", "--json"))
+            if (lock["owner"], lock["generation"]) == (owner, generation)
+        ]
+        return mine[0] if mine else None
 
-    def held(self, owner: str, generation: int = 0) -> dict[str, Any]:
-        """The lock ``owner`` holds (its run of that retries count), as `list --json` shows
-        it, once it holds one."""
+    found: dict[str, Any] = wait_for(listed, 30, f"the lock of {owner}", bed.worker)
+    return found
 
-        def listed() -> dict[str, Any] | None:
-            mine = [
-                lock
-                for lock in json.loads(self.cli("list", "--json"))
-                if (lock["owner"], lock["generation"]) == (owner, generation)
-            ]
-            return mine[0] if mine else None
 
-        found: dict[str, Any] = wait_for(listed, 30, f"the lock of {owner}", self.worker)
-        return found
+def check_lock_masked(bed: Bed, lock: dict[str, Any]) -> None:
+    """The lock's hash in Redis, `list` and `show` show the mask, never the card."""
+    assert lock["args"].startswith(MASK), lock
+    stored = bed.client.hgetall(lock["key"])
+    assert stored[b"args"].startswith(MASK.encode()), stored
+    assert not any(CARD.encode() in value for value in stored.values()), stored
+    listed, shown = cli(bed, "list"), cli(bed, "show", lock["key"])
+    assert MASK in listed
+    assert MASK in shown
+    assert CARD not in listed + shown
 
-    def check_lock_masked(self, lock: dict[str, Any]) -> None:
-        """The lock's hash in Redis, `list` and `show` show the mask, never the card."""
-        assert lock["args"].startswith(MASK), lock
-        stored = self.redis.hgetall(lock["key"])
-        assert stored[b"args"].startswith(MASK.encode()), stored
-        assert not any(CARD.encode() in value for value in stored.values()), stored
-        listed, shown = self.cli("list"), self.cli("show", lock["key"])
-        assert MASK in listed
-        assert MASK in shown
-        assert CARD not in listed + shown
 
-    def check_nothing_leaked(self, *results: AsyncResult) -> None:
-        """Neither the worker's log, nor the signals' payloads, nor the duplicates' results."""
-        assert CARD not in self.worker.log_text()
-        logged = self.redis.lrange(signal_payloads_key(self.prefix), 0, -1)
-        payloads = [p.decode() for p in logged]
-        assert payloads  # the receivers are there
-        assert not [p for p in payloads if CARD in p]
-        for result in results:
-            assert CARD not in repr(result.result)
+def check_nothing_leaked(bed: Bed, *results: AsyncResult) -> None:
+    """Neither the worker's log, nor the signals' payloads, nor the duplicates' results."""
+    assert CARD not in bed.worker.log_text()
+    logged = bed.client.lrange(signal_payloads_key(bed.prefix), 0, -1)
+    payloads = [p.decode() for p in logged]
+    assert payloads  # the receivers are there
+    assert not [p for p in payloads if CARD in p]
+    for result in results:
+        assert CARD not in repr(result.result)
+
+
+@pytest.fixture(scope="module")
+def shared_bed(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[Bed]:
+    """One worker of the test app for the module's tests (lock ttl 4 s, the signals' payloads
+    logged)."""
+    env = {"SINGLETON_TEST_TTL": "4", "SINGLETON_TEST_SIGNAL_PAYLOADS": "1"}
+    with Bed(redis_url, module_prefix, tmp_path_factory.mktemp("argsrepr"), env=env) as made:
+        made.start(concurrency=3)
+        yield made
 
 
 @pytest.fixture
-def bed(
-    worker_factory: WorkerFactory,
-    client_app: Celery,
-    redis_client: redis.Redis,
-    redis_url: str,
-    key_prefix: str,
-) -> Iterator[Bed]:
-    worker = worker_factory.start(
-        SINGLETON_APP,
-        concurrency=3,
-        env={"SINGLETON_TEST_TTL": "4", "SINGLETON_TEST_SIGNAL_PAYLOADS": "1"},
-    )
-    worker.wait_ready(client_app)
-    made = Bed(worker, client_app, redis_client, redis_url, key_prefix)
-    yield made
-    for gate in made.gates:  # no run is left waiting
-        made.open(gate)
+def bed(shared_bed: Bed) -> Iterator[Bed]:
+    """The module's bed; the gates a test made are opened after it (no run of it is left
+    holding a pool slot or a lock for the next test)."""
+    yield shared_bed
+    shared_bed.open_gates()
 
 
 @pytest.mark.slow(seconds=6)
 def test_a_masked_secret_never_shows_under_the_skip_policy(bed: Bed) -> None:
     """A holder called with ``argsrepr``: its lock shows the mask; a duplicate called the same
     way is skipped naming it, and nothing of either shows the card."""
-    task, gate = bed.task("t.charge"), bed.gate("skip")
+    task, gate = charge_task(bed, "t.charge"), bed.gate("skip")
     holder = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
-    bed.check_lock_masked(bed.held(holder.id))
+    check_lock_masked(bed, held(bed, holder.id))
 
     duplicate = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
     wait_for(duplicate.ready, 20, "the duplicate skipped", bed.worker)
@@ -149,7 +133,7 @@ def test_a_masked_secret_never_shows_under_the_skip_policy(bed: Bed) -> None:
 
     bed.open(gate)
     holder.get(timeout=20)
-    bed.check_nothing_leaked(holder, duplicate)
+    check_nothing_leaked(bed, holder, duplicate)
 
 
 @pytest.mark.slow(seconds=8)
@@ -157,9 +141,13 @@ def test_a_masked_secret_never_shows_under_the_coalesce_policy(bed: Bed) -> None
     """A coalesced duplicate's call is kept whole for its follow-up (it must run it), but the
     pending record is shown by id and count only, and the follow-up is published with the
     duplicate's mask: its own lock shows the mask, never the card."""
-    task, first, second = bed.task("t.charge_coalesce"), bed.gate("first"), bed.gate("second")
+    task, first, second = (
+        charge_task(bed, "t.charge_coalesce"),
+        bed.gate("first"),
+        bed.gate("second"),
+    )
     holder = task.apply_async(args=(CARD,), kwargs={"until": first}, argsrepr=MASK)
-    lock = bed.held(holder.id)
+    lock = held(bed, holder.id)
 
     duplicate = task.apply_async(
         args=(CARD,), kwargs={"until": second}, argsrepr=MASK, kwargsrepr="{'until': '*'}"
@@ -168,60 +156,64 @@ def test_a_masked_secret_never_shows_under_the_coalesce_policy(bed: Bed) -> None
     info = skip_info(duplicate)
     assert info is not None
     assert info.follow_up is not None
-    pending = bed.held(holder.id)
+    pending = held(bed, holder.id)
     assert pending["pending_follow_up"] == info.follow_up
-    bed.check_lock_masked(pending)
+    check_lock_masked(bed, pending)
 
     bed.open(first)
     holder.get(timeout=20)
-    follow_up = bed.held(info.follow_up)
+    follow_up = held(bed, info.follow_up)
     assert follow_up["key"] == lock["key"]
     assert follow_up["args"] == f"{MASK} {{'until': '*'}}"  # the duplicate's kwargsrepr too
-    bed.check_lock_masked(follow_up)
+    check_lock_masked(bed, follow_up)
 
     bed.open(second)
     AsyncResult(info.follow_up, app=bed.app).get(timeout=20)
-    bed.check_nothing_leaked(holder, duplicate)
+    check_nothing_leaked(bed, holder, duplicate)
 
 
 @pytest.mark.slow(seconds=8)
 def test_a_requeued_duplicate_keeps_its_mask(bed: Bed) -> None:
     """Under the retry policy a duplicate is published again while it waits: with its mask, so
     when it finally takes the lock, the lock shows the mask."""
-    task, first, second = bed.task("t.charge_retry"), bed.gate("first"), bed.gate("second")
+    task, first, second = (
+        charge_task(bed, "t.charge_retry"),
+        bed.gate("first"),
+        bed.gate("second"),
+    )
     holder = task.apply_async(args=(CARD,), kwargs={"until": first}, argsrepr=MASK)
-    bed.held(holder.id)
+    held(bed, holder.id)
     duplicate = task.apply_async(args=(CARD,), kwargs={"until": second}, argsrepr=MASK)
     bed.worker.wait_for_log(rf"singleton: duplicate retried in .*t\.charge_retry\[{duplicate.id}\]")
 
     bed.open(first)
     holder.get(timeout=20)
-    bed.check_lock_masked(bed.held(duplicate.id))
+    check_lock_masked(bed, held(bed, duplicate.id))
     bed.open(second)
     duplicate.get(timeout=20)
-    bed.check_nothing_leaked(holder)
+    check_nothing_leaked(bed, holder)
 
 
 @pytest.mark.slow(seconds=6)
 def test_a_run_that_retries_itself_keeps_its_mask(bed: Bed) -> None:
     """``self.retry()`` publishes the same call again (Celery's retry drops the reprs): the
     retried run's lock shows the mask."""
-    task, gate = bed.task("t.charge_self_retry"), bed.gate("retried")
+    task, gate = charge_task(bed, "t.charge_self_retry"), bed.gate("retried")
     run = task.apply_async(args=(CARD,), kwargs={"until": gate}, argsrepr=MASK)
-    bed.check_lock_masked(bed.held(run.id, generation=1))  # the retried run's
+    check_lock_masked(bed, held(bed, run.id, generation=1))  # the retried run's
     bed.open(gate)
     run.get(timeout=20)
-    bed.check_nothing_leaked(run)
+    check_nothing_leaked(bed, run)
 
 
 def _bounded(bed: Bed, lock: dict[str, Any]) -> dict[bytes, bytes]:
     """The lock's hash: every metadata value within its bound, and the whole hash within the
     documented 3 kB (docs/configuration.md, "Memory per key")."""
-    stored = bed.redis.hgetall(lock["key"])
+    stored = bed.client.hgetall(lock["key"])
     meta = {k: v for k, v in stored.items() if k in (b"task", b"host", b"pid", b"args")}
     assert meta.keys() == {b"task", b"host", b"pid", b"args"}, stored.keys()
     assert all(len(value) <= MAX_META_VALUE_BYTES for value in meta.values()), meta
-    assert bed.redis.memory_usage(lock["key"], samples=0) <= LOCK_HASH_MAX_BYTES
+    assert bed.client.memory_usage(lock["key"], samples=0) <= LOCK_HASH_MAX_BYTES
     return stored
 
 
@@ -230,23 +222,23 @@ def test_a_huge_call_leaves_a_bounded_lock_and_nothing_past_the_bound(bed: Bed) 
     """A 100 kB argument, then huge argsrepr/kwargsrepr, through a worker: the lock hash stays
     within its bound; once each run ended, every key of its lock expires within the lock's ttl
     + the fence margin (the worker's ttl is 4 s)."""
-    task = bed.task("t.charge")
+    task = charge_task(bed, "t.charge")
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
         (("4" * 100_000,), {}),
         (("4" * 16,), {"argsrepr": "a" * 100_000, "kwargsrepr": "k" * 100_000}),
     ]
     for args, options in calls:
-        gate = bed.gate(f"huge-{len(bed.gates)}")
+        gate = bed.gate("huge")
         holder = task.apply_async(args=args, kwargs={"until": gate}, **options)
-        lock = bed.held(holder.id)
+        lock = held(bed, holder.id)
         stored = _bounded(bed, lock)
         assert stored[b"args"].endswith(b"..."), stored[b"args"]
         bed.open(gate)
         holder.get(timeout=20)
         tag = lock["key"][lock["key"].index("{") : lock["key"].index("}") + 1]
-        found = bed.redis.scan_iter(count=1000, match=f"*{tag}*")
+        found = bed.client.scan_iter(count=1000, match=f"*{tag}*")
         # a key released between the SCAN and its PTTL (-2) is gone, as it should be
-        left = {key: pttl for key in found if (pttl := bed.redis.pttl(key)) != -2}
+        left = {key: pttl for key in found if (pttl := bed.client.pttl(key)) != -2}
         assert left, "the fencing counter is there until its bound"
         bound = 4000 + FENCE_MARGIN_MS
         assert all(0 < pttl <= bound for pttl in left.values()), left

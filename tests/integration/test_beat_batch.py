@@ -27,8 +27,11 @@ from celery.schedules import crontab
 
 from celery_singleton_lock.beat.claims import BATCH, CLAIM, CONFIRM, RUN_HEADER
 from celery_singleton_lock.beat.scheduler import SingletonScheduler
-from tests.integration.test_beat_mixin import Guarded, Monotonic
-from tests.integration.test_django_scheduler import recording_scheduler
+from tests.support.recording_schedulers import (
+    Guarded,
+    Monotonic,
+    recording_scheduler,
+)
 from tests.support.servers import RedisServer
 
 MANY = 1200  # three claim.lua calls of BATCH runs, in one pipeline

@@ -15,29 +15,25 @@ short visibility timeout).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 
 from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import KeyDeriver
 from tests.support import features_app
-from tests.support.basic_app import close_app, history_key, make_app
+from tests.support.bed import Bed, new_key
 from tests.support.chaos import deliveries_key
 from tests.support.features_app import ENDINGS, LONG_TTL, go_key
 from tests.support.history import (
     assert_no_overlap,
     check_history,
-    load_history,
     server_time_us,
 )
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
 
 FEATURES_APP = "tests.support.features_app"
 
@@ -47,50 +43,32 @@ RELEASED_WITHIN = 10.0
 assert RELEASED_WITHIN < LONG_TTL / 2
 
 
-class Bed:
-    """A worker of the features app, shared by the module's tests, and a client on its prefix."""
+def lock_key(bed: Bed, name: str, key: str) -> str:
+    """The lock key of ``name(key, ...)`` (features_app's tasks key on ``key``)."""
+    run = features_app.app.tasks[name].run
+    return KeyDeriver(f"{bed.prefix}lock:", name, run, ("key",)).derive((key,), {}).lock
 
-    def __init__(
-        self, app: Celery, client: redis.Redis, prefix: str, worker: WorkerProcess, pool: str
-    ) -> None:
-        self.app, self.client, self.prefix, self.worker = app, client, prefix, worker
-        self.pool = pool
-        #: a second queue the worker consumes (routing)
-        self.other_queue = f"features-{pool}-other"
 
-    def lock_key(self, name: str, key: str) -> str:
-        """The lock key of ``name(key, ...)`` (features_app's tasks key on ``key``)."""
-        run = features_app.app.tasks[name].run
-        return KeyDeriver(f"{self.prefix}lock:", name, run, ("key",)).derive((key,), {}).lock
+def wait_locked(bed: Bed, name: str, key: str) -> str:
+    """Wait until the lock of ``name(key, ...)`` is held; its key."""
+    lock = lock_key(bed, name, key)
+    bed.wait_taken(lock)
+    return lock
 
-    def wait_held(self, name: str, key: str) -> str:
-        lock = self.lock_key(name, key)
-        wait_for(lambda: self.client.exists(lock), 20, f"the lock of {key}", self.worker)
-        return lock
 
-    def wait_free(self, name: str, key: str) -> None:
-        lock = self.lock_key(name, key)
-        wait_for(
-            lambda: not self.client.exists(lock),
-            RELEASED_WITHIN,
-            f"the lock of {key} to be released",
-            self.worker,
-            details=lambda: repr(self.client.hgetall(lock)),
-        )
+def wait_free(bed: Bed, name: str, key: str) -> None:
+    """Wait until the lock of ``name(key, ...)`` is gone, released (:data:`RELEASED_WITHIN`)."""
+    bed.wait_gone(lock_key(bed, name, key), RELEASED_WITHIN)
 
-    def go(self, task_id: str) -> None:
-        self.client.rpush(go_key(self.prefix, task_id), 1)
 
-    def runs(self, key: str) -> list[Any]:
-        return [e for e in load_history(self.client, history_key(self.prefix)) if e.key == key]
+def go(bed: Bed, task_id: str) -> None:
+    """Let the run of ``task_id`` go on (features_app's ``_wait_for_go``)."""
+    bed.client.rpush(go_key(bed.prefix, task_id), 1)
 
-    def wait_signal(self, name: str, task_id: str) -> None:
-        """Wait until the worker sent the library signal ``name`` for ``task_id``."""
-        entry = f"{name} {task_id}"
-        wait_for(lambda: entry in self.signals(), 20, entry, self.worker)
 
-    def signals(self) -> list[str]:
-        return [raw.decode() for raw in self.client.lrange(f"{self.prefix}signals", 0, -1)]
+def other_queue(bed: Bed) -> str:
+    """A second queue the worker consumes (routing)."""
+    return f"{bed.app.conf.task_default_queue}-other"
 
 
 #: the pools every test of the shared worker runs in (each its own worker, shared by the tests;
@@ -98,51 +76,21 @@ class Bed:
 POOLS = ["prefork", "threads", "gevent"]
 
 
-def _start(
-    factory: WorkerFactory,
-    app: Celery,
-    pool: str,
-    env: dict[str, str] | None = None,
-    queues: str | None = None,
-) -> Any:
-    extra = () if queues is None else ("-Q", queues)
-    worker = factory.start(FEATURES_APP, pool=pool, concurrency=3, env=env or {}, extra_args=extra)
-    worker.wait_ready(app)
-    return worker
-
-
-@pytest.fixture(scope="module")
-def factory(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
-) -> Iterator[WorkerFactory]:
-    made = WorkerFactory(
-        Path(tmp_path_factory.mktemp("features")),
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
-    )
-    yield made
-    made.close()
-
-
 @pytest.fixture(scope="module", params=POOLS)
 def bed(
-    request: pytest.FixtureRequest, redis_url: str, module_prefix: str, factory: WorkerFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+    module_prefix: str,
 ) -> Iterator[Bed]:
-    """A worker of each pool in :data:`POOLS`, on its own queue, for every test of the module."""
+    """A worker of each pool in :data:`POOLS`, on its own queue (and a second one), for every
+    test of the module."""
     pool = request.param
     queue = f"features-{pool}"
-    app = make_app(redis_url, module_prefix, queue)
-    client = redis.Redis.from_url(redis_url)
-    worker = _start(factory, app, pool, {"SINGLETON_TEST_QUEUE": queue}, f"{queue},{queue}-other")
-    try:
-        yield Bed(app, client, module_prefix, worker, pool)
-    finally:
-        close_app(app)
-        client.close()
-        print(factory.logs())
-
-
-def _key() -> str:
-    return f"k-{uuid.uuid4().hex[:8]}"
+    work_dir = tmp_path_factory.mktemp(f"features-{pool}")
+    with Bed(redis_url, module_prefix, work_dir, queue=queue) as made:
+        made.start(FEATURES_APP, pool=pool, concurrency=3, queues=(queue, f"{queue}-other"))
+        yield made
 
 
 # -- retries Celery refuses ---------------------------------------------------------------------
@@ -152,12 +100,12 @@ def test_a_retry_that_max_retries_refuses_releases_the_lock_at_once(bed: Bed) ->
     """``self.retry(countdown=60)`` with no retry left ends in FAILURE: nothing is published,
     so nothing is handed over; the lock is released as after any failure, and the next call of
     the key runs."""
-    key = _key()
+    key = new_key()
     result = bed.app.send_task("x.give_up", args=(key, 60.0))
     with pytest.raises(Exception, match=r"Can't retry x\.give_up"):
         result.get(timeout=20, propagate=True)
     assert result.state == "FAILURE"
-    bed.wait_free("x.give_up", key)
+    wait_free(bed, "x.give_up", key)
     again = bed.app.send_task("x.give_up", args=(key, 60.0))
     with pytest.raises(Exception, match="Can't retry"):
         again.get(timeout=20)
@@ -170,11 +118,11 @@ def test_autoretry_for_that_gives_up_releases_the_lock_at_once(bed: Bed, task: s
     """``autoretry_for`` (with ``retry_backoff``/``retry_jitter``, and with Celery's default
     180 s ``default_retry_delay``): the final failure releases the lock at once; every retry
     before it took the lock over (one run at a time)."""
-    key = _key()
+    key = new_key()
     result = bed.app.send_task(task, args=(key,))
     with pytest.raises(ValueError, match=r"attempt 1|no retry left"):
         result.get(timeout=20)
-    bed.wait_free(task, key)
+    wait_free(bed, task, key)
     runs = bed.runs(key)
     assert len(runs) == (2 if task == "x.autoretry" else 1)
     assert_no_overlap(check_history(runs))
@@ -183,18 +131,18 @@ def test_autoretry_for_that_gives_up_releases_the_lock_at_once(bed: Bed, task: s
 def test_coalesce_publishes_the_follow_up_at_once_after_a_refused_retry(bed: Bed) -> None:
     """The holder's retry is refused (FAILURE): the follow-up its duplicate left is published
     at its release, not after the lock's ttl."""
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("x.coalesce_give_up", args=(key, "holder"))
-    bed.wait_held("x.coalesce_give_up", key)
+    wait_locked(bed, "x.coalesce_give_up", key)
     duplicate = bed.app.send_task("x.coalesce_give_up", args=(key, "follow"))
     info = wait_for(lambda: duplicate.ready() and skip_info(duplicate), 20, "the coalesce")
     assert info.follow_up, info
-    bed.go(holder.id)
+    go(bed, holder.id)
     with pytest.raises(Exception, match="Can't retry"):
         holder.get(timeout=20)
     follow_up = bed.app.AsyncResult(info.follow_up)
     assert follow_up.get(timeout=RELEASED_WITHIN) == "follow"
-    bed.wait_free("x.coalesce_give_up", key)
+    wait_free(bed, "x.coalesce_give_up", key)
     assert_no_overlap(check_history(bed.runs(key)))
 
 
@@ -207,20 +155,20 @@ def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
     before the retry comes (or the lock's 60 s ttl ends)."""
     if not hasattr(bed.app.Task, "retry_on_worker_lost"):
         pytest.skip("retry_on_worker_lost is new in Celery 5.7")
-    if bed.pool != "prefork":
+    if bed.worker.pool != "prefork":
         pytest.skip("a lost worker is a prefork child")
-    key = _key()
+    key = new_key()
     result = bed.app.send_task("x.lost_then_retried", args=(key,))
-    lock = bed.wait_held("x.lost_then_retried", key)
+    lock = wait_locked(bed, "x.lost_then_retried", key)
     assert bed.client.hget(lock, "owner") == result.id.encode()
-    bed.go(result.id)
+    go(bed, result.id)
     wait_for(
         lambda: bed.client.lrange(go_key(bed.prefix, "killed"), 0, -1),
         20,
         "the child to kill itself",
         bed.worker,
     )
-    bed.wait_free("x.lost_then_retried", key)
+    wait_free(bed, "x.lost_then_retried", key)
     wait_for(
         lambda: (
             f"released by main process after worker lost: x.lost_then_retried[{result.id}]"
@@ -239,9 +187,9 @@ def test_retry_on_worker_lost_releases_the_dead_childs_lock(bed: Bed) -> None:
 def test_a_before_start_override_without_super_keeps_the_lock_renewed(bed: Bed) -> None:
     """The app's ttl is 1 s and the run lasts 3.5 s: the lock is renewed although the
     subclass's ``before_start`` never calls ``super()``; a duplicate sent midway is skipped."""
-    key = _key()
+    key = new_key()
     first = bed.app.send_task("x.no_super", args=(key, 3.5))
-    lock = bed.wait_held("x.no_super", key)
+    lock = wait_locked(bed, "x.no_super", key)
     wait_for(lambda: bed.client.pttl(lock) > 0 and bed.runs(key), 10, "the run to start")
     before = int(bed.client.hget(lock, "token") or 0)
     duplicate = bed.app.send_task("x.no_super", args=(key, 0.0))
@@ -253,7 +201,7 @@ def test_a_before_start_override_without_super_keeps_the_lock_renewed(bed: Bed) 
     assert len(bed.runs(key)) == 1
     starts = bed.client.lrange(go_key(bed.prefix, "before_start"), 0, -1)
     assert first.id.encode() in starts  # the user's hook still runs
-    bed.wait_free("x.no_super", key)
+    wait_free(bed, "x.no_super", key)
 
 
 # -- an eta message that Redis hands out again ---------------------------------------------
@@ -261,46 +209,27 @@ def test_a_before_start_override_without_super_keeps_the_lock_renewed(bed: Bed) 
 
 @pytest.mark.slow(seconds=14)
 def test_an_eta_message_redelivered_while_it_waits_runs_once(
-    tmp_path: Path, redis_url: str, key_prefix: str, redis_client: redis.Redis
+    tmp_path: Path, redis_url: str, key_prefix: str
 ) -> None:
     """Acked early, sent with ``countdown=4`` to a Redis broker whose visibility timeout is
     1 s: the broker hands the waiting message out again every second, and at the eta every copy
     reaches the pool. The first copy runs; the others are dropped (its completion record)."""
-    app = make_app(redis_url, key_prefix)
-    factory = WorkerFactory(
-        tmp_path,
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
-    )
-    try:
-        worker = _start(factory, app, "prefork", {"SINGLETON_TEST_VISIBILITY": "1"})
-        key = _key()
-        result = app.send_task("x.eta_once", args=(key,), countdown=4)
+    with Bed(redis_url, key_prefix, tmp_path) as own:
+        worker = own.start(FEATURES_APP, concurrency=3, env={"SINGLETON_TEST_VISIBILITY": "1"})
+        key = new_key()
+        result = own.app.send_task("x.eta_once", args=(key,), countdown=4)
         assert result.get(timeout=30)["run"] == 1
-        wait_for(
-            lambda: f"redelivery_dropped {result.id}" in _signals(redis_client, key_prefix),
-            20,
-            "a copy to be dropped",
-            worker,
-        )
-        wait_for(
-            lambda: _broker_idle(redis_client, key_prefix),
-            20,
-            "every copy to be consumed",
-            worker,
-        )
-        assert int(redis_client.get(deliveries_key(key_prefix, result.id)) or 0) == 1
-    finally:
-        close_app(app)
-        factory.close()
+        own.wait_signal("redelivery_dropped", result.id)
+        wait_for(lambda: _broker_idle(own), 20, "every copy to be consumed", worker)
+        assert int(own.client.get(deliveries_key(key_prefix, result.id)) or 0) == 1
 
 
-def _signals(client: redis.Redis, prefix: str) -> list[str]:
-    return [raw.decode() for raw in client.lrange(f"{prefix}signals", 0, -1)]
-
-
-def _broker_idle(client: redis.Redis, prefix: str) -> bool:
-    """No message of the prefix's queue waits, unacked or queued."""
-    return not client.hlen(f"{prefix}unacked") and not client.llen(f"{prefix}cslt-testbed")
+def _broker_idle(bed: Bed) -> bool:
+    """No message of the bed's queue waits, unacked or queued."""
+    queue = bed.app.conf.task_default_queue
+    return not bed.client.hlen(f"{bed.prefix}unacked") and not bed.client.llen(
+        f"{bed.prefix}{queue}"
+    )
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -310,13 +239,13 @@ def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
     """``@app.task(ignore_result=True)``, called by name (``send_task``, beat: the message
     says nothing of results, and the task decides, as Celery's tracer does): a skipped
     duplicate stores nothing, like the run it met."""
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("x.ignored", args=(key, True))
-    bed.wait_held("x.ignored", key)
+    wait_locked(bed, "x.ignored", key)
     duplicate = bed.app.send_task("x.ignored", args=(key,))
     bed.wait_signal("duplicate_skipped", duplicate.id)
-    bed.go(holder.id)
-    bed.wait_free("x.ignored", key)
+    go(bed, holder.id)
+    wait_free(bed, "x.ignored", key)
     assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{duplicate.id}")
     assert not bed.client.exists(f"{bed.prefix}celery-task-meta-{holder.id}")
 
@@ -327,10 +256,10 @@ def test_a_task_that_ignores_results_stores_no_skip_marker(bed: Bed) -> None:
 def test_a_task_replaced_by_itself_runs_the_replacement_after_it_let_go(bed: Bed) -> None:
     """``self.replace(self.s(...))`` publishes the replacement under the same task id and ends
     the run (``Ignore``): the replacement waits for that run's release, then runs; no overlap."""
-    key = _key()
+    key = new_key()
     result = bed.app.send_task("x.replaced", args=(key,))
     assert result.get(timeout=20)["replaced"] is True
-    bed.wait_free("x.replaced", key)
+    wait_free(bed, "x.replaced", key)
     runs = bed.runs(key)
     assert len(runs) == 2
     assert_no_overlap(check_history(runs))
@@ -339,9 +268,9 @@ def test_a_task_replaced_by_itself_runs_the_replacement_after_it_let_go(bed: Bed
 def test_a_requeued_duplicate_keeps_its_expires(bed: Bed) -> None:
     """Under "retry" a duplicate is requeued while the key is held; its ``expires`` goes with
     it, so it ends REVOKED (expired) when that time passes, not requeued for ever."""
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("t.hold_retry", args=(key, 4.0))
-    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    bed.wait_started(key)
     duplicate = bed.app.send_task("t.hold_retry", args=(key,), expires=1.5)
     wait_for(lambda: duplicate.state == "REVOKED", 20, "the duplicate to expire", bed.worker)
     assert holder.get(timeout=20)["token"] is not None
@@ -351,9 +280,9 @@ def test_a_requeued_duplicate_keeps_its_expires(bed: Bed) -> None:
 def test_a_shadow_name_does_not_change_the_key(bed: Bed) -> None:
     """``apply_async(shadow=...)`` renames the task in logs and events only: the key is the
     task's, and a shadowed duplicate is skipped."""
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("t.hold", args=(key, 3.0))
-    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    bed.wait_started(key)
     duplicate = bed.app.send_task("t.hold", args=(key,), shadow="renamed.hold")
     duplicate.get(timeout=20)
     assert skip_info(duplicate) is not None
@@ -371,19 +300,19 @@ def test_each_ending_under_each_policy(bed: Bed, ending: str, policy: str) -> No
     ``policy``: the duplicate is skipped (naming the holder), raised, requeued or coalesced;
     the holder's end releases the lock at once (its ttl is 60 s); a requeued duplicate or the
     follow-up runs after it, once; no two runs of the key overlap."""
-    if ending == "soft_limit" and bed.pool != "prefork":
+    if ending == "soft_limit" and bed.worker.pool != "prefork":
         pytest.skip("a message's soft_time_limit is enforced by prefork only (not threads, gevent)")
     name = f"x.end_{policy}"
-    key = _key()
+    key = new_key()
     options = {"soft_time_limit": 1} if ending == "soft_limit" else {}
     holder = bed.app.send_task(name, args=(key, ending), **options)
-    bed.wait_held(name, key)
-    wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)
+    wait_locked(bed, name, key)
+    bed.wait_started(key)
     duplicate, follow_up = _duplicate_meets(bed, name, key, holder.id, policy)
-    bed.go(holder.id)
+    go(bed, holder.id)
     wait_for(lambda: all(e.finished for e in bed.runs(key)), 20, "the holder's end", bed.worker)
     _the_waiting_call_runs(duplicate, follow_up, policy, bed.app)
-    bed.wait_free(name, key)
+    wait_free(bed, name, key)
     runs = bed.runs(key)
     assert len(runs) == (2 if policy in ("retry", "coalesce") else 1), runs
     assert_no_overlap(check_history(runs), allow_unfinished=False)
@@ -396,14 +325,14 @@ def test_each_killed_ending_under_each_policy(bed: Bed, ending: str, policy: str
     time limit (the child is SIGKILLed: the main process releases), or ``revoke(terminate=True)``
     (SIGTERM: the child's own end releases). The lock is released long before its 60 s ttl, and
     a requeued duplicate or the follow-up runs once, after the holder was ended."""
-    if bed.pool != "prefork":
+    if bed.worker.pool != "prefork":
         pytest.skip("time limits and terminate end a prefork child")
     name = f"x.end_{policy}"
-    key = _key()
+    key = new_key()
     options = {"time_limit": 4} if ending == "hard_limit" else {}
     holder = bed.app.send_task(name, args=(key, "hold"), **options)
-    bed.wait_held(name, key)
-    started = wait_for(lambda: bed.runs(key), 20, "the holder to start", bed.worker)[0]
+    wait_locked(bed, name, key)
+    started = bed.wait_started(key)[0]
     duplicate, follow_up = _duplicate_meets(bed, name, key, holder.id, policy)
     if ending == "hard_limit":  # no run may start before the child was killed, at 4 s
         ended_by_us = started.start_us + 4_000_000
@@ -413,7 +342,7 @@ def test_each_killed_ending_under_each_policy(bed: Bed, ending: str, policy: str
     wait_for(holder.ready, 20, "the holder's end", bed.worker)
     assert holder.state == ("FAILURE" if ending == "hard_limit" else "REVOKED")
     _the_waiting_call_runs(duplicate, follow_up, policy, bed.app)
-    bed.wait_free(name, key)
+    wait_free(bed, name, key)
     later = [e for e in bed.runs(key) if e.exec_id != started.exec_id]
     assert len(later) == (1 if policy in ("retry", "coalesce") else 0), later
     assert all(e.start_us >= ended_by_us for e in later), (started, later)
@@ -455,7 +384,7 @@ def test_a_message_requeued_by_reject_inside_its_window_waits_for_the_window_onc
     """``Reject(requeue=True)`` from a run acked late with a 2 s at-least window: the broker
     hands the message back at once, and it meets its own window. It is requeued once, to the
     window's end (not every ``singleton_retry_countdown``, 0.2 s), then runs."""
-    key = _key()
+    key = new_key()
     result = bed.app.send_task("x.reject_in_window", args=(key,))
     assert result.get(timeout=20)["run"] == 2
     assert bed.signals().count(f"duplicate_retried {result.id}") == 1
@@ -466,18 +395,18 @@ def test_coalesce_with_reject_on_worker_lost_runs_the_redelivered_holder_first(b
     was coalesced. Celery sends no failure and the broker hands the holder's message back; it
     waits for its dead run's lock (2 s ttl), runs, and only its release publishes the
     follow-up, which runs after it: the newest call runs last."""
-    if bed.pool != "prefork":
+    if bed.worker.pool != "prefork":
         pytest.skip("a lost worker is a prefork child")
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("x.coalesce_lost_late", args=(key, "die"))
-    bed.wait_held("x.coalesce_lost_late", key)
+    wait_locked(bed, "x.coalesce_lost_late", key)
     duplicate = bed.app.send_task("x.coalesce_lost_late", args=(key, "newest"))
     info = wait_for(lambda: duplicate.ready() and skip_info(duplicate), 20, "the coalesce")
     assert info.follow_up
-    bed.go(holder.id)
+    go(bed, holder.id)
     assert holder.get(timeout=30) == "die"
     assert bed.app.AsyncResult(info.follow_up).get(timeout=30) == "newest"
-    runs = load_history(bed.client, history_key(bed.prefix))
+    runs = bed.history()
     first = next(e for e in runs if e.key == f"{key}:die")
     last = next(e for e in runs if e.key == f"{key}:newest")
     assert first.end_us is not None
@@ -488,18 +417,18 @@ def test_a_requeued_duplicate_keeps_its_headers_priority_and_queue(bed: Bed) -> 
     """Under "retry" a duplicate is published again while the key is held: the custom headers,
     the priority and the queue it was sent with (routed to another queue than the task's
     default) reach its run."""
-    key = _key()
+    key = new_key()
     holder = bed.app.send_task("x.headers", args=(key, True))
-    bed.wait_held("x.headers", key)
+    wait_locked(bed, "x.headers", key)
     duplicate = bed.app.send_task(
-        "x.headers", args=(key,), headers={"tenant": "acme"}, priority=3, queue=bed.other_queue
+        "x.headers", args=(key,), headers={"tenant": "acme"}, priority=3, queue=other_queue(bed)
     )
     bed.wait_signal("duplicate_retried", duplicate.id)
-    bed.go(holder.id)
+    go(bed, holder.id)
     assert duplicate.get(timeout=20) == {
         "tenant": "acme",
         "priority": 3,
-        "queue": bed.other_queue,
+        "queue": other_queue(bed),
     }
 
 
@@ -509,26 +438,20 @@ def test_a_requeued_duplicate_keeps_its_headers_priority_and_queue(bed: Bed) -> 
 @pytest.mark.slow(seconds=8)
 @pytest.mark.parametrize("results", ["ignore", "extended", "none"])
 def test_skip_and_coalesce_with_each_way_of_keeping_results(
-    tmp_path: Path, redis_url: str, key_prefix: str, redis_client: redis.Redis, results: str
+    tmp_path: Path, redis_url: str, key_prefix: str, results: str
 ) -> None:
     """``task_ignore_result``, ``result_extended``, and no result backend at all: a duplicate
     is skipped (its marker stored only where results are kept, with the extended fields where
     they are on) and a coalesced one runs after the holder; every lock is released."""
-    app = make_app(redis_url, key_prefix)
-    factory = WorkerFactory(
-        tmp_path,
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": key_prefix},
-    )
-    try:
-        worker = _start(factory, app, "prefork", {"SINGLETON_TEST_RESULTS": results})
-        bed = Bed(app, redis_client, key_prefix, worker, "prefork")
+    with Bed(redis_url, key_prefix, tmp_path) as bed:
+        worker = bed.start(FEATURES_APP, concurrency=3, env={"SINGLETON_TEST_RESULTS": results})
         for policy in ("skip", "coalesce"):
-            name, key = f"x.end_{policy}", _key()
-            holder = app.send_task(name, args=(key, "return"))
-            bed.wait_held(name, key)
-            duplicate = app.send_task(name, args=(key,))
+            name, key = f"x.end_{policy}", new_key()
+            holder = bed.app.send_task(name, args=(key, "return"))
+            wait_locked(bed, name, key)
+            duplicate = bed.app.send_task(name, args=(key,))
             bed.wait_signal("duplicate_skipped", duplicate.id)
-            meta = redis_client.get(f"{key_prefix}celery-task-meta-{duplicate.id}")
+            meta = bed.client.get(f"{key_prefix}celery-task-meta-{duplicate.id}")
             if results in ("ignore", "none"):
                 assert meta is None
             else:
@@ -536,7 +459,7 @@ def test_skip_and_coalesce_with_each_way_of_keeping_results(
                 assert stored["status"] == "SUCCESS"
                 assert stored["result"]["holder"] == holder.id
                 assert stored["name"] == name  # result_extended's fields
-            bed.go(holder.id)
+            go(bed, holder.id)
             expected = 2 if policy == "coalesce" else 1
             wait_for(
                 lambda key=key, expected=expected: (
@@ -546,8 +469,5 @@ def test_skip_and_coalesce_with_each_way_of_keeping_results(
                 f"{expected} run(s) of {key}",
                 worker,
             )
-            bed.wait_free(name, key)
+            wait_free(bed, name, key)
             assert_no_overlap(check_history(bed.runs(key)), allow_unfinished=False)
-    finally:
-        close_app(app)
-        factory.close()

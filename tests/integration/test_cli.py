@@ -29,8 +29,8 @@ from celery_singleton_lock.core.keys import derive_keys, keys_of, lock_keys
 from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.tools.cli import singleton
-from tests.integration.test_permits import COALESCE, coalesce_keys
 from tests.support.basic_app import SINGLETON_APP
+from tests.support.client_tasks import COALESCE, coalesce_keys
 from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory
 

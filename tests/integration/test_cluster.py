@@ -37,7 +37,9 @@ from celery_singleton_lock.core.compare_delete import native_command
 from celery_singleton_lock.core.connection import client_for, store_for
 from celery_singleton_lock.core.keys import LockKeys, lock_keys, run_claim_key
 from celery_singleton_lock.core.pending import leave_pending, pending_key, take_pending
-from tests.integration.test_beat_mixin import (
+from tests.support.basic_app import close_app, history_key, make_app
+from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.recording_schedulers import (
     INTERVAL,
     RENEWAL_FAILS,
     check_leadership_kept_after_a_failed_renewal,
@@ -46,14 +48,10 @@ from tests.integration.test_beat_mixin import (
     labels,
     long_lease_leader_app,
     make_beat_app,
-    paused,
     set_clock,
 )
-from tests.integration.test_coalesce import check_pending_scripts
-from tests.integration.test_permits import check_permit_slots
-from tests.support.basic_app import close_app, history_key, make_app
-from tests.support.history import assert_no_overlap, check_history, load_history
-from tests.support.servers import free_port
+from tests.support.servers import free_port, paused
+from tests.support.store_checks import check_pending_scripts, check_permit_slots
 from tests.support.topologies import Cluster
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory

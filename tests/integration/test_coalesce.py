@@ -16,19 +16,20 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import SkipInfo, skip_info
-from celery_singleton_lock.core.backend import Acquired, LockBackend, ReleaseStatus
-from celery_singleton_lock.core.keys import LockKeys, derive_keys, keys_of, lock_keys
-from celery_singleton_lock.core.pending import (
-    leave_pending,
-    pending_key,
-    put_back,
-    superseded_by,
-    take_pending,
-)
+from celery_singleton_lock.core.backend import Acquired
+from celery_singleton_lock.core.keys import derive_keys, keys_of, lock_keys
+from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.chaos import deliveries_key
-from tests.support.history import assert_no_overlap, check_history, load_history, server_time_us
+from tests.support.history import (
+    assert_no_overlap,
+    check_history,
+    load_history,
+    server_time_us,
+    wait_started,
+)
+from tests.support.store_checks import check_pending_scripts
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -65,34 +66,12 @@ def _coalesce_one(  # noqa: PLR0917 - fixtures, then the call
     """A holder of ``key`` (payload "held") running ``seconds``, and one duplicate coalesced
     onto it: the holder's and the duplicate's results, and the follow-up's task id."""
     holder = client_app.send_task(task, kwargs={"key": key, "seconds": seconds, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker, timeout=10)
     duplicate = client_app.send_task(task, kwargs={"key": key, "payload": payload})
     wait_for(duplicate.ready, 10, "the duplicate coalesced", worker)
     follow_up = _coalesced(duplicate)
     assert follow_up is not None
     return holder, duplicate, follow_up
-
-
-def check_pending_scripts(store: LockBackend, keys: LockKeys) -> None:
-    """The pending record's three scripts through ``store`` (one server, Sentinel, Cluster,
-    Redlock): left only beside the holder's lock (the latest call wins, one follow-up id, the
-    holder named), taken only once nobody holds the lock, and only once; put back when nothing
-    newer is."""
-    run = store.run_script
-    assert isinstance(store.acquire(keys, "holder", 0, 30_000), Acquired)
-    left = [leave_pending(run, keys, "holder", f"f-{n}", {"call": f"c{n}"}) for n in range(3)]
-    assert [(x.follow_up, x.count) for x in left] == [("f-0", 1), ("f-0", 2), ("f-0", 3)]
-    assert leave_pending(run, keys, "someone", "f-9", {"call": "x"}).follow_up is None
-    assert take_pending(run, keys) is None  # held: the holder's release takes it
-    assert store.release(keys.lock, "holder", 0) is ReleaseStatus.RELEASED
-    assert leave_pending(run, keys, "holder", "f-9", {"call": "late"}).follow_up is None
-    record = take_pending(run, keys)
-    assert record is not None
-    assert (record["id"], record["count"], record["call"]) == (b"f-0", b"3", b"c2")
-    assert (superseded_by(record, "holder"), superseded_by(record, "newer")) == (None, "newer")
-    assert take_pending(run, keys) is None  # taken once
-    assert put_back(run, keys, record)
-    assert take_pending(run, keys) == record
 
 
 def test_pending_scripts_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
@@ -120,7 +99,7 @@ def test_burst_collapses_into_one_follow_up_with_the_latest_arguments(
     key, lock = "burst", _lock_key(key_prefix, "burst")
     gate = f"{key_prefix}gate:burst"
     holder = client_app.send_task(TASK, kwargs={"key": key, "payload": "first", "until": gate})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker, timeout=10)
     with client_app.producer_or_acquire() as producer:
         burst = [
             client_app.send_task(TASK, kwargs={"key": key, "payload": f"b-{i}"}, producer=producer)
@@ -311,7 +290,7 @@ def test_an_orphaned_follow_up_does_not_run_after_a_newer_run(
 
     gate = f"{key_prefix}gate:joined"
     joined = client_app.send_task(TASK, kwargs={"key": "joined", "payload": "D2", "until": gate})
-    wait_for(lambda: _runs(redis_client, key_prefix, "joined") == 2, 10, "D2 to start", survivor)
+    wait_started(redis_client, history_key(key_prefix), "joined", survivor, count=2, timeout=10)
     latest = client_app.send_task(TASK, kwargs={"key": "joined", "payload": "latest"})
     wait_for(latest.ready, 10, "the duplicate of D2 coalesced", survivor)
     assert skip_info(latest).holder == joined.id
@@ -438,7 +417,7 @@ def test_a_duplicate_sent_in_another_serializer_than_its_tasks_is_coalesced_or_r
     worker.wait_ready(client_app)
     task, key = "t.coalesce_repr", "pickled"
     holder = client_app.send_task(task, kwargs={"key": key, "seconds": 2, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker, timeout=10)
     duplicate = client_app.send_task(
         task, kwargs={"key": key, "payload": {1, 2}}, serializer="pickle"
     )
@@ -503,13 +482,13 @@ def test_a_holder_that_retries_itself_keeps_the_burst_for_its_last_run(
     latest arguments, is published by its last run's release, never by a retry's."""
     task, key = "t.coalesce_retrying", "retrying"
     holder = client_app.send_task(task, kwargs={"key": key, "times": 2, "payload": "held"})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker, timeout=10)
     burst = []
     for n in range(3):  # one during the first run, two once the second started (1.5 s left)
         burst.append(client_app.send_task(task, kwargs={"key": key, "payload": f"dup-{n}"}))
         wait_for(burst[-1].ready, 10, "the duplicate coalesced", worker)
         if n == 0:
-            wait_for(lambda: _runs(redis_client, key_prefix, key) == 2, 10, "the retry", worker)
+            wait_started(redis_client, history_key(key_prefix), key, worker, count=2, timeout=10)
     assert {skip_info(r).holder for r in burst} == {holder.id}
     follow_ups = {_coalesced(r) for r in burst}
     assert len(follow_ups) == 1, follow_ups
@@ -533,7 +512,7 @@ def test_a_coalesced_duplicates_canvas_stops_and_its_follow_up_carries_none(
     follow-up runs the duplicate's call alone: neither the next step nor the callback runs."""
     key, gate = "canvas", f"{key_prefix}gate:canvas"
     holder = client_app.send_task(TASK, kwargs={"key": key, "payload": "held", "until": gate})
-    wait_for(lambda: _runs(redis_client, key_prefix, key) == 1, 10, "the holder to start", worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker, timeout=10)
     after = client_app.signature("t.hold", kwargs={"key": "after-step"})
     callback = client_app.signature("t.hold", kwargs={"key": "callback"})
     duplicate = client_app.signature(TASK, kwargs={"key": key, "payload": "dup"})

@@ -17,7 +17,7 @@ import redis
 
 from celery_singleton_lock.beat.claims import RunClaims
 from celery_singleton_lock.core.compare_delete import delete_if_equal, native_command
-from tests.integration.test_connections import documented_acl_commands
+from tests.support.documented import documented_acl_commands
 from tests.support.servers import RedisServer
 
 KEY = "cslt:cad:claim"

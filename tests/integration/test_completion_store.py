@@ -23,7 +23,7 @@ from celery_singleton_lock.core.backend import (
 from celery_singleton_lock.core.completion import Ending
 from celery_singleton_lock.core.connection import new_store
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
-from tests.conftest import delete_prefix
+from tests.support.prefixes import delete_prefix
 from tests.support.servers import RedisServer
 from tests.support.topologies import sentinels_and_cluster
 from tests.support.waiting import wait_for

@@ -39,6 +39,7 @@ from celery_singleton_lock.settings.options import (
     read_options,
     resolve_redis_url,
 )
+from tests.support.documented import documented_acl_commands
 from tests.support.servers import (
     SERVER_ENV,
     RedisServer,
@@ -379,15 +380,6 @@ def test_unix_socket_lock_cycle() -> None:
     finally:
         server.close()
         subprocess.run(["rm", "-rf", str(directory)], check=False)
-
-
-def documented_acl_commands() -> list[str]:
-    """The ``+command`` rules of the ACL SETUSER example in docs/deployments.md."""
-    text = (ROOT / "docs" / "deployments.md").read_text(encoding="utf-8")
-    example = text.split("ACL SETUSER celery-locks", 1)[1].split("```", 1)[0]
-    rules = [word for word in example.split() if word.startswith("+")]
-    assert "+evalsha" in rules
-    return rules
 
 
 def test_acl_user_and_password(private_redis: RedisServer) -> None:

@@ -37,8 +37,8 @@ from celery_singleton_lock.core.completion import done_key
 from celery_singleton_lock.core.debounce import DEBOUNCE_KEEP_MS, Verdict, debounce, debounce_key
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
-from tests.conftest import delete_prefix
-from tests.integration.test_pending_model import SETTINGS
+from tests.support.prefixes import delete_prefix
+from tests.support.script_models import SETTINGS
 
 WINDOW_MS = 1_000
 

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_singleton_lock.beat.claims import RUN_HEADER
+from tests.support.recording_schedulers import recording_scheduler
 
 
 @pytest.fixture
@@ -39,22 +38,6 @@ def app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
     )
     yield app
     app.close()
-
-
-def recording_scheduler(app: Celery, now: float) -> Any:
-    """A SingletonDatabaseScheduler that records what it would publish; its clock at ``now``."""
-    from celery_singleton_lock.beat import SingletonDatabaseScheduler
-
-    class Recording(SingletonDatabaseScheduler):  # type: ignore[misc, valid-type]
-        def send_task(self, name: str, args: Any = None, kwargs: Any = None, **opts: Any) -> Any:
-            self.sent.append({"task": name, "headers": opts.get("headers", {})})
-            return SimpleNamespace(id=str(uuid.uuid4()))
-
-    Recording.sent = []  # type: ignore[attr-defined]
-    scheduler = Recording(app=app, max_interval=1)
-    scheduler.sent = []
-    scheduler.singleton_clock = lambda: now
-    return scheduler
 
 
 def set_clock(scheduler: Any, now: float) -> None:

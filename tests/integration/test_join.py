@@ -18,7 +18,7 @@ from celery_singleton_lock.duplicates.join import JOINED_HEADER
 from tests.support import singleton_app
 from tests.support.basic_app import SINGLETON_APP, history_key
 from tests.support.flower import EventCapture
-from tests.support.history import check_history, load_history
+from tests.support.history import check_history, load_history, wait_started
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
@@ -59,14 +59,6 @@ def _joined(redis_client: redis.Redis, lock: str, count: int, *workers: WorkerPr
 def _runs(redis_client: redis.Redis, key_prefix: str, key: str) -> int:
     history = load_history(redis_client, history_key(key_prefix))
     return len([e for e in history if e.key == key])
-
-
-def _wait_started(
-    redis_client: redis.Redis, key_prefix: str, key: str, worker: WorkerProcess
-) -> None:
-    """Wait for the holder's body to record its start. Its lock is no proof: it is taken
-    before the body starts, and a holder killed in between records no run."""
-    wait_for(lambda: _runs(redis_client, key_prefix, key), 20, "the holder's start", worker)
 
 
 @pytest.mark.slow(seconds=8)
@@ -339,7 +331,7 @@ def test_a_killed_holders_joiners_run_one_in_its_place_and_the_others_join_it(
     first = join.clone((key, 0, "first")).apply_async()
     second = join.clone((key, 0, "second")).apply_async()
     _joined(redis_client, lock, 2, survivor)
-    _wait_started(redis_client, key_prefix, key, doomed)
+    wait_started(redis_client, history_key(key_prefix), key, doomed)
     doomed.kill()
 
     values = {first.get(timeout=30), second.get(timeout=30)}
@@ -381,7 +373,7 @@ def test_a_terminated_or_timed_out_holders_joiners_end_as_its_caller_sees_it(
         joined = join.clone((key, 0, "not run")).apply_async()
         _joined(redis_client, lock, 1, worker)
         if how == "revoke":
-            _wait_started(redis_client, key_prefix, key, worker)
+            wait_started(redis_client, history_key(key_prefix), key, worker)
             client_app.control.revoke(holder.id, terminate=True, destination=[worker.nodename])
         expected = "REVOKED" if how == "revoke" else "FAILURE"
         wait_for(lambda: holder.state == expected, 20, f"the holder {expected}", worker)
@@ -421,7 +413,7 @@ def test_a_duplicate_that_joins_a_killed_holder_during_the_grace_ends_with_it(
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "never")).apply_async()
     lock = wait_for(lambda: _held_lock(redis_client, key_prefix, key), 20, "the lock", worker)
-    _wait_started(redis_client, key_prefix, key, worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker)
     client_app.control.revoke(
         holder.id, terminate=True, signal="SIGKILL", destination=[worker.nodename]
     )
@@ -494,7 +486,7 @@ def test_a_duplicate_joins_over_every_store(  # noqa: PLR0917 - fixtures
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, store)).apply_async()
-    _wait_started(redis_client, key_prefix, key, worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker)
     joined = join.clone((key, 0, "not run")).apply_async()
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     redis_client.rpush(f"{key}:go", 1)
@@ -516,7 +508,7 @@ def test_a_joined_call_that_expires_while_it_waits_ends_revoked(
     key = f"k-{uuid.uuid4().hex[:8]}"
     join = client_app.signature("t.join")
     holder = join.clone((key, -1, "late")).apply_async()
-    _wait_started(redis_client, key_prefix, key, worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker)
     joined = join.clone((key, 0, "not run")).apply_async(expires=2.0)
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     wait_for(lambda: joined.state == "REVOKED", 20, "the joined call to expire", worker)
@@ -549,7 +541,7 @@ def test_a_call_refused_at_publish_and_one_joined_on_the_worker_agree(
     key = f"k-{uuid.uuid4().hex[:8]}"
     after = client_app.signature("t.join_next")
     holder = join_both.delay(key, -1, "v")
-    _wait_started(redis_client, key_prefix, key, worker)
+    wait_started(redis_client, history_key(key_prefix), key, worker)
     refused = join_both.delay(key, 0, "not run")
     linked = join_both.apply_async((key, 0, "not run"), link=after.clone(kwargs={"tag": "link"}))
     chained = chain(join_both.s(key, 0, "not run"), after.clone(kwargs={"tag": "chain"}))()

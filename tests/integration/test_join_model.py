@@ -42,8 +42,8 @@ from celery_singleton_lock.core.backend import Acquired, ReleaseStatus
 from celery_singleton_lock.core.joiners import STALE, join, joiners_key, take_joiners, unjoin
 from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.store import LockStore
-from tests.conftest import delete_prefix
-from tests.integration.test_pending_model import SETTINGS, TTL_MS
+from tests.support.prefixes import delete_prefix
+from tests.support.script_models import SETTINGS, TTL_MS
 
 KEEP_MS = 60_000
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import celery
@@ -31,107 +29,78 @@ from celery_singleton_lock.core.completion import done_key
 from celery_singleton_lock.core.joiners import Joiner, joiners_key
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.duplicates.join_completion import complete_joiners, record_of
-from tests.conftest import private_prefix
-from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
-from tests.support.history import assert_no_overlap, check_history, load_history
+from tests.support.bed import Bed, new_key
+from tests.support.prefixes import private_prefix
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
 
 #: the lock ttl and the broker's visibility timeout of the redelivering worker
 _TTL_S, _VISIBILITY_S = 2, 1
-
-
-@dataclass
-class Bed:
-    app: Celery
-    client: redis.Redis
-    prefix: str
-    worker: WorkerProcess
-
-    def lock(self, task: str, key: str) -> str:
-        return derive_keys(f"{self.prefix}lock:", task, _signature, (key,), {}, ("key",)).lock
-
-    def runs(self, key: str) -> int:
-        return len([e for e in load_history(self.client, history_key(self.prefix)) if e.key == key])
-
-    def started(self, key: str) -> None:
-        """Wait for the holder's body to record its start (its lock is no proof of it)."""
-        wait_for(lambda: self.runs(key), 20, "the holder's start", self.worker)
-
-    def links(self, tag: str) -> list[str]:
-        """What the links tagged ``tag`` (t.join_next) were given, in order."""
-        raw = self.client.lrange(f"{self.prefix}join:next", 0, -1)
-        return [v.decode().partition(":")[2] for v in raw if v.decode().startswith(f"{tag}:")]
-
-    def count(self, pattern: str) -> int:
-        return len(re.findall(pattern, self.worker.log_text()))
-
-    def log_of(self, pattern: str) -> str:
-        """Wait for ``pattern`` in the worker's log; the line it is in."""
-        match = self.worker.wait_for_log(pattern)
-        text = match.string
-        start = text.rfind("\n", 0, match.start()) + 1
-        end = text.find("\n", match.end())
-        return text[start : end if end >= 0 else len(text)]
 
 
 def _signature(key: str, seconds: float = 0.0, value: Any = None) -> None:
     """Same parameters as t.join and its kin."""
 
 
-@pytest.fixture(scope="module")
-def factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerFactory]:
-    workers = WorkerFactory(Path(tmp_path_factory.mktemp("join-seams")))
-    yield workers
-    workers.close()
+def join_lock(bed: Bed, task: str, key: str) -> str:
+    """The lock key of ``task(key, ...)``."""
+    return derive_keys(f"{bed.prefix}lock:", task, _signature, (key,), {}, ("key",)).lock
 
 
-def _bed(factory: WorkerFactory, redis_url: str, prefix: str, **env: str) -> Iterator[Bed]:
+def links(bed: Bed, tag: str) -> list[str]:
+    """What the links tagged ``tag`` (t.join_next) were given, in order."""
+    raw = bed.client.lrange(f"{bed.prefix}join:next", 0, -1)
+    return [v.decode().partition(":")[2] for v in raw if v.decode().startswith(f"{tag}:")]
+
+
+def count(bed: Bed, pattern: str) -> int:
+    """How many times ``pattern`` is in the worker's log."""
+    return len(re.findall(pattern, bed.worker.log_text()))
+
+
+def log_of(bed: Bed, pattern: str) -> str:
+    """Wait for ``pattern`` in the worker's log; the line it is in."""
+    match = bed.worker.wait_for_log(pattern)
+    text = match.string
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _bed(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, name: str, **env: str
+) -> Iterator[Bed]:
+    """A worker of singleton_app on a prefix and a queue of its own."""
     queue = f"join-seams-{uuid.uuid4().hex[:6]}"
-    app = make_app(redis_url, prefix, queue)
-    client = redis.Redis.from_url(redis_url)
-    base = {
-        "SINGLETON_TEST_REDIS_URL": redis_url,
-        "SINGLETON_TEST_PREFIX": prefix,
-        "SINGLETON_TEST_QUEUE": queue,
-    }
-    worker = factory.start(SINGLETON_APP, concurrency=3, env={**base, **env})
-    try:
-        worker.wait_ready(app)
-        yield Bed(app, client, prefix, worker)
-    finally:
-        worker.kill()
-        close_app(app)
-        client.close()
+    with (
+        private_prefix(redis_url) as prefix,
+        Bed(redis_url, prefix, tmp_path_factory.mktemp(name), queue=queue, env=env) as made,
+    ):
+        made.start(concurrency=3)
+        yield made
 
 
 @pytest.fixture(scope="module")
-def bed(factory: WorkerFactory, redis_url: str) -> Iterator[Bed]:
-    with private_prefix(redis_url) as prefix:
-        yield from _bed(factory, redis_url, prefix)
+def bed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Bed]:
+    yield from _bed(tmp_path_factory, redis_url, "join-seams")
 
 
 @pytest.fixture(scope="module")
-def redelivering(factory: WorkerFactory, redis_url: str) -> Iterator[Bed]:
-    with private_prefix(redis_url) as prefix:
-        yield from _bed(
-            factory,
-            redis_url,
-            prefix,
-            SINGLETON_TEST_VISIBILITY=str(_VISIBILITY_S),
-            SINGLETON_TEST_TTL=str(_TTL_S),
-        )
-
-
-def _key() -> str:
-    return f"k-{uuid.uuid4().hex[:8]}"
+def redelivering(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Bed]:
+    yield from _bed(
+        tmp_path_factory,
+        redis_url,
+        "join-seams-redelivering",
+        SINGLETON_TEST_VISIBILITY=str(_VISIBILITY_S),
+        SINGLETON_TEST_TTL=str(_TTL_S),
+    )
 
 
 def _end_of(bed: Bed, task: str, task_id: str) -> str:
     """The line a holder's end logs for a joiner it took: completed, or found ended."""
-    return bed.log_of(
+    return log_of(
+        bed,
         rf"singleton: joined duplicate (?:completed|already ended, not completed): "
-        rf"{re.escape(task)}\[{task_id}\]"
+        rf"{re.escape(task)}\[{task_id}\]",
     )
 
 
@@ -140,10 +109,10 @@ def test_a_joined_call_revoked_while_it_waits_stays_revoked_without_its_link(bed
     """``revoke(dup.id)`` once it joined: its watch copy, when due, is discarded by the worker
     (REVOKED), which withdraws its record. The holder's end does not complete it: its link is
     not called. (A holder that ends first finds it REVOKED: the next test.)"""
-    key = _key()
+    key = new_key()
     join = bed.app.signature("t.join")
     holder = join.clone((key, -1, "v")).apply_async()
-    bed.started(key)
+    bed.wait_started(key)
     dup = join.clone((key, 0, "not run")).apply_async(
         link=bed.app.signature("t.join_next", kwargs={"tag": key})
     )
@@ -151,7 +120,7 @@ def test_a_joined_call_revoked_while_it_waits_stays_revoked_without_its_link(bed
     bed.app.control.revoke(dup.id)
     bed.worker.wait_for_log(rf"Discarding revoked task: t\.join\[{dup.id}\]")
     wait_for(lambda: dup.state == "REVOKED", 10, "the joined call REVOKED", bed.worker)
-    joiners = joiners_key(bed.lock("t.join", key))
+    joiners = joiners_key(join_lock(bed, "t.join", key))
     wait_for(  # the worker that discarded it withdrew its record (task_revoked)
         lambda: not bed.client.hexists(joiners, dup.id), 10, "its record withdrawn", bed.worker
     )
@@ -159,9 +128,9 @@ def test_a_joined_call_revoked_while_it_waits_stays_revoked_without_its_link(bed
 
     assert holder.get(timeout=20) == "v"
     assert dup.state == "REVOKED"
-    assert bed.links(key) == []
-    assert bed.runs(key) == 1
-    assert not bed.client.exists(joiners_key(bed.lock("t.join", key)))
+    assert links(bed, key) == []
+    assert len(bed.runs(key)) == 1
+    assert not bed.client.exists(joiners_key(join_lock(bed, "t.join", key)))
 
 
 @pytest.mark.skipif(
@@ -174,10 +143,10 @@ def test_a_joined_call_revoked_before_its_holder_ends_stays_revoked_without_its_
     """The same, the holder ending before the watch copy is due (30 s: ``t.join_long_ttl``):
     Celery's revoke marked the waiting call REVOKED at once, and the holder's end leaves it
     so."""
-    key = _key()
+    key = new_key()
     join = bed.app.signature("t.join_long_ttl")
     holder = join.clone((key, -1, "v")).apply_async()
-    bed.started(key)
+    bed.wait_started(key)
     dup = join.clone((key, 0, "not run")).apply_async(
         link=bed.app.signature("t.join_next", kwargs={"tag": key})
     )
@@ -190,8 +159,8 @@ def test_a_joined_call_revoked_before_its_holder_ends_stays_revoked_without_its_
     line = _end_of(bed, "t.join_long_ttl", dup.id)
     assert re.search(r"already ended, not completed: .* state=REVOKED", line), line
     assert dup.state == "REVOKED"
-    assert bed.links(key) == []
-    assert not bed.client.exists(joiners_key(bed.lock("t.join_long_ttl", key)))
+    assert links(bed, key) == []
+    assert not bed.client.exists(joiners_key(join_lock(bed, "t.join_long_ttl", key)))
 
 
 @pytest.mark.slow(seconds=5)
@@ -200,10 +169,10 @@ def test_a_joined_call_of_a_debounced_task_ends_once_with_its_holders_value(bed:
     new burst, comes before B's watch copy. The watch copy is not debounced again (B's burst
     ran: B joined): it joins R again. R's end completes B and C with its value, each link
     once; B is never superseded."""
-    key = _key()
+    key = new_key()
     task = bed.app.signature("t.join_debounce")
     holder = task.clone((key, -1, "r")).apply_async()
-    bed.started(key)
+    bed.wait_started(key)
     link = bed.app.signature("t.join_next", kwargs={"tag": key})
     b = task.clone((key, 0, "b")).apply_async(link=link)
     joined_b = rf"singleton: duplicate joined: t\.join_debounce\[{b.id}\]"
@@ -212,7 +181,7 @@ def test_a_joined_call_of_a_debounced_task_ends_once_with_its_holders_value(bed:
     bed.worker.wait_for_log(rf"singleton: debounced, runs in .*: t\.join_debounce\[{c.id}\]")
     superseded_b = rf"singleton: debounced call superseded: t\.join_debounce\[{b.id}\]"
     wait_for(
-        lambda: bed.count(joined_b) >= 2 or bed.count(superseded_b),
+        lambda: count(bed, joined_b) >= 2 or count(bed, superseded_b),
         20,
         "B's watch copy",
         bed.worker,
@@ -225,12 +194,12 @@ def test_a_joined_call_of_a_debounced_task_ends_once_with_its_holders_value(bed:
     for call in (b, c):
         assert "completed" in _end_of(bed, "t.join_debounce", call.id)
     assert b.get(timeout=5) == "r", b.result
-    assert bed.count(superseded_b) == 0
-    wait_for(lambda: len(bed.links(key)) >= 2, 10, "the links", bed.worker)
-    assert bed.links(key) == ["'r'", "'r'"]
-    assert bed.count(rf"joined duplicate completed: t\.join_debounce\[{b.id}\]") == 1
-    assert bed.runs(key) == 1
-    assert not bed.client.exists(joiners_key(bed.lock("t.join_debounce", key)))
+    assert count(bed, superseded_b) == 0
+    wait_for(lambda: len(links(bed, key)) >= 2, 10, "the links", bed.worker)
+    assert links(bed, key) == ["'r'", "'r'"]
+    assert count(bed, rf"joined duplicate completed: t\.join_debounce\[{b.id}\]") == 1
+    assert len(bed.runs(key)) == 1
+    assert not bed.client.exists(joiners_key(join_lock(bed, "t.join_debounce", key)))
 
 
 @pytest.mark.slow(seconds=8)
@@ -242,27 +211,27 @@ def test_a_joiner_keeps_one_live_watch_copy_when_the_broker_hands_copies_out_aga
     joins again once per watch copy due (about one per ttl), never once per restored copy, and
     ends once."""
     bed, holding_s = redelivering, 6.0
-    key = _key()
+    key = new_key()
     join = bed.app.signature("t.join")
     holder = join.clone((key, holding_s, "v")).apply_async()
-    bed.started(key)
+    bed.wait_started(key)
     dup = join.clone((key, 0, "not run")).apply_async(
         link=bed.app.signature("t.join_next", kwargs={"tag": key})
     )
     assert holder.get(timeout=30) == "v"
     assert dup.get(timeout=20) == "v"
-    joins = bed.count(rf"singleton: duplicate joined: t\.join\[{dup.id}\]")
-    stale = bed.count(rf"singleton: stale watch copy dropped: t\.join\[{dup.id}\]")
+    joins = count(bed, rf"singleton: duplicate joined: t\.join\[{dup.id}\]")
+    stale = count(bed, rf"singleton: stale watch copy dropped: t\.join\[{dup.id}\]")
     # a watch copy is due 0.5 s past the lock's expiry, renewed at a third of the ttl left
     most = int(holding_s / (_TTL_S * 2 / 3 + 0.5)) + 2
     assert joins <= most, (joins, stale, bed.worker.log_tail(80))
     assert stale >= 1, "no watch copy was handed out again"
-    wait_for(lambda: bed.links(key), 10, "the link", bed.worker)
-    assert bed.links(key) == ["'v'"]
-    assert bed.count(rf"joined duplicate completed: t\.join\[{dup.id}\]") == 1
-    assert_no_overlap(check_history(load_history(bed.client, history_key(bed.prefix))))
-    assert bed.runs(key) == 1
-    assert not bed.client.exists(joiners_key(bed.lock("t.join", key)))
+    wait_for(lambda: links(bed, key), 10, "the link", bed.worker)
+    assert links(bed, key) == ["'v'"]
+    assert count(bed, rf"joined duplicate completed: t\.join\[{dup.id}\]") == 1
+    bed.assert_no_overlap(allow_unfinished=True)
+    assert len(bed.runs(key)) == 1
+    assert not bed.client.exists(joiners_key(join_lock(bed, "t.join", key)))
 
 
 def test_a_runs_end_leaves_a_joiner_that_already_ended_and_records_it_completed(

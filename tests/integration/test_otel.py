@@ -27,8 +27,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.tools import otel
-from tests.integration.test_publish import _client_app
 from tests.support.basic_app import SINGLETON_APP, close_app
+from tests.support.client_tasks import publish_client_app
 from tests.support.mainskip import turn_hot
 from tests.support.otel_spans import load_spans
 from tests.support.waiting import wait_for
@@ -179,7 +179,7 @@ def test_a_call_turned_away_at_publish_adds_an_event_to_the_callers_span(
     published (its publish span is the caller's child), the second is turned away with one
     event on the caller's span naming the first."""
     tracer, exporter = caller_spans
-    app, task = _client_app(redis_url, key_prefix, singleton_publish_ttl=60)
+    app, task = publish_client_app(redis_url, key_prefix, singleton_publish_ttl=60)
     try:
         key = f"p-{uuid.uuid4().hex[:8]}"
         with tracer.start_as_current_span("caller"):

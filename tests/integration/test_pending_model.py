@@ -23,16 +23,12 @@ test_protocol_model.py.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from typing import Any
 
 import pytest
-import redis
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
@@ -40,7 +36,6 @@ from hypothesis.stateful import (
 )
 
 from celery_singleton_lock.core.backend import Acquired, Completed, Contended, ReleaseStatus
-from celery_singleton_lock.core.keys import lock_keys
 from celery_singleton_lock.core.pending import (
     leave_pending,
     pending_key,
@@ -48,36 +43,10 @@ from celery_singleton_lock.core.pending import (
     superseded_by,
     take_pending,
 )
-from celery_singleton_lock.core.store import LockStore
-from tests.conftest import delete_prefix
-
-TTL_MS = 30_000
-EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))
-STEPS = int(os.environ.get("SINGLETON_MODEL_STEPS", "30"))
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+from tests.support.script_models import SETTINGS, TTL_MS, OnRedis
 
 
-class _OnRedis(RuleBasedStateMachine):
-    """A private prefix on the test Redis, deleted at the end of each example."""
-
-    def __init__(self, redis_url: str, permits: int = 1) -> None:
-        super().__init__()
-        self.client = redis.Redis.from_url(redis_url)
-        self.namespace = f"cslt:{uuid.uuid4().hex[:8]}:"
-        self.store = LockStore(self.client)
-        self.keys = lock_keys(self.namespace, "m.model", b"k").with_permits(permits)
-
-    def teardown(self) -> None:
-        delete_prefix(self.client, self.namespace)
-        self.client.close()
-
-
-class PendingModel(_OnRedis):
+class PendingModel(OnRedis):
     """The pending record of a key with ``permits`` slots (1: the lock itself)."""
 
     def __init__(self, redis_url: str, permits: int = 1) -> None:
@@ -198,7 +167,7 @@ PERMITS = 3
 OWNERS = ("a", "b", "c", "d", "e")
 
 
-class PermitModel(_OnRedis):
+class PermitModel(OnRedis):
     def __init__(self, redis_url: str) -> None:
         super().__init__(redis_url, PERMITS)
         #: slot (1..N) -> the (owner, generation) holding it

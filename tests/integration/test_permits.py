@@ -18,18 +18,18 @@ from celery_singleton_lock.core.backend import (
     Acquired,
     Completed,
     Contended,
-    LockBackend,
     ReleaseStatus,
     RenewItem,
     RenewStatus,
     release_lost_slot,
 )
 from celery_singleton_lock.core.completion import Ending, done_key
-from celery_singleton_lock.core.keys import LockKeys, derive_keys, lock_key_problem, lock_keys
+from celery_singleton_lock.core.keys import LockKeys, lock_key_problem, lock_keys
 from celery_singleton_lock.core.pending import pending_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP, history_key
+from tests.support.client_tasks import COALESCE, coalesce_keys
 from tests.support.history import (
     assert_no_overlap,
     check_history,
@@ -39,25 +39,9 @@ from tests.support.history import (
     server_time_us,
 )
 from tests.support.servers import RedisServer
+from tests.support.store_checks import check_permit_slots
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
-
-
-def check_permit_slots(store: LockBackend, keys: LockKeys) -> None:
-    """Three permits through ``store`` (one server, Sentinel, Cluster): three owners take slots
-    1 to 3 with increasing tokens, the fourth meets a holder, the main process's search finds a
-    lost run's slot, and the freed slot is taken again."""
-    taken = [store.acquire(keys, owner, 0, 30_000) for owner in ("a", "b", "c")]
-    assert [t.slot for t in taken if isinstance(t, Acquired)] == [1, 2, 3]
-    tokens = [t.token for t in taken if isinstance(t, Acquired)]
-    assert tokens == sorted(set(tokens))
-    assert isinstance(store.acquire(keys, "d", 0, 30_000), Contended)
-    assert release_lost_slot(store, keys, "b", 0, 0) == (keys.slot(2), ReleaseStatus.RELEASED)
-    again = store.acquire(keys, "d", 0, 30_000)
-    assert isinstance(again, Acquired)
-    assert (again.slot, again.token > tokens[-1]) == (2, True)
-    for owner, slot in (("a", 1), ("d", 2), ("c", 3)):
-        assert store.release(keys.slot(slot), owner, 0) is ReleaseStatus.RELEASED
 
 
 def test_permit_slots_on_one_server(redis_client: redis.Redis, key_prefix: str) -> None:
@@ -530,19 +514,8 @@ def test_a_window_per_slot_lets_n_runs_start_per_window(
 
 # -- with coalesce (singleton_on_duplicate="coalesce") -------------------------------------------
 
-COALESCE = "t.export_permits_coalesce"
 #: duplicates in the burst met by a full set of slots
 BURST = 200
-
-
-def _tenant(tenant: str, payload: object = None, until: str | None = None) -> None:
-    """The parameters of t.export_permits_coalesce."""
-
-
-def coalesce_keys(prefix: str, tenant: str = "a") -> LockKeys:
-    """The keys of t.export_permits_coalesce(tenant) on a test worker (2 permits)."""
-    keys = derive_keys(f"{prefix}lock:", COALESCE, _tenant, (tenant,), {}, ("tenant",))
-    return keys.with_permits(2)
 
 
 def _fill_the_slots(

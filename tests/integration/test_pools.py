@@ -23,26 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
 from celery_singleton_lock.worker.pools import check_pool, pool_module
-from tests.conftest import delete_prefix
-from tests.integration.test_release_paths import (
-    Bed,
-    assert_clean_log,
-    bed_signals,
-    kill_child,
-    new_key,
-    wait_result,
-)
-from tests.support.basic_app import SINGLETON_APP, close_app, make_app
+from tests.support.bed import Bed, assert_clean_log, new_key, wait_result
 from tests.support.history import server_time_us
 from tests.support.mainskip import reached_celery
 from tests.support.waiting import wait_for
-from tests.support.workers import REPO_ROOT, WorkerFactory, WorkerProcess
+from tests.support.workers import REPO_ROOT, WorkerProcess, kill_child
 
 GREEN = ("gevent", "eventlet")
 #: the pools of the module's workers: "spawn" is prefork with spawned children
@@ -61,77 +50,57 @@ def _needs(pool: str) -> None:
         pytest.skip(f"{pool} is not installed (the test extra installs it)")
 
 
-class PoolBed(Bed):
-    """Bed's helpers, with one worker per pool, each on its own queue, started at the first
-    test of its pool (and only then: an xdist process starts the workers of its tests only)."""
-
-    def __init__(self, app: Celery, client: redis.Redis, prefix: str, factory: WorkerFactory):
-        super().__init__(app, client, prefix, factory)
-        self.workers: dict[str, WorkerProcess] = {}
-
-    def worker(self, pool: str) -> WorkerProcess:
-        """The worker of ``pool``, ready (skips the test when its library is not installed)."""
-        _needs(pool)
-        if pool not in self.workers:
-            self.workers[pool] = worker = self._start(pool)
-            worker.wait_ready(self.app, timeout=60)
-        return self.workers[pool]
-
-    def _start(self, pool: str) -> WorkerProcess:
-        spawn = pool == "spawn"
-        env = {"SINGLETON_TEST_TTL": str(TTL)}
-        if spawn:
-            env["SINGLETON_TEST_START_METHOD"] = "spawn"
-        return self.factory.start(
-            SINGLETON_APP,
-            pool="prefork" if spawn else pool,
-            concurrency=2 if spawn else GREEN_CONCURRENCY,
-            name=f"pools-{pool}-{uuid.uuid4().hex[:6]}",
-            env=env,
-            extra_args=("-Q", _queue(pool)),
-        )
-
-    def run(self, pool: str, name: str, *args: Any, **kwargs: Any) -> AsyncResult:
-        """Send task ``name`` to the worker of ``pool``."""
-        self.worker(pool)
-        return self.app.send_task(name, args=args, kwargs=kwargs, queue=_queue(pool))
-
-    def server_us(self) -> int:
-        """The Redis server's clock (the history's), in microseconds."""
-        return server_time_us(self.client)
-
-    def events(self, task_id: str) -> list[str]:
-        """The library's and Celery's signals the run of ``task_id`` sent, in order."""
-        entries = bed_signals(self.client, self.prefix)
-        return [e.replace(f" {task_id}", "") for e in entries if f" {task_id}" in e]
-
-    def wait_released(self, task_id: str, worker: WorkerProcess) -> None:
-        """Wait until ``lock_released`` came for ``task_id``: the reply of its release was read."""
-        wait_for(lambda: "lock_released" in self.events(task_id), 10, "lock_released", worker)
-
-
 def _queue(pool: str) -> str:
     return f"pools-{pool}"
 
 
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[PoolBed]:
-    """The module's client app, Redis client and workers, on one key prefix (deleted after)."""
-    prefix = f"cslt:{uuid.uuid4().hex[:8]}:"
-    factory = WorkerFactory(
-        tmp_path_factory.mktemp("pools"),
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix},
+def worker_of(bed: Bed, pool: str) -> WorkerProcess:
+    """The worker of ``pool``, ready, started at the first test of its pool (and only then: an
+    xdist process starts the workers of its tests only). Skips the test when the pool's
+    library is not installed."""
+    _needs(pool)
+    name = f"pools-{pool}-"
+    started = [w for w in bed.workers if w.name.startswith(name)]
+    if started:
+        return started[0]
+    spawn = pool == "spawn"
+    env = {"SINGLETON_TEST_TTL": str(TTL)}
+    if spawn:
+        env["SINGLETON_TEST_START_METHOD"] = "spawn"
+    return bed.start(
+        pool="prefork" if spawn else pool,
+        concurrency=2 if spawn else GREEN_CONCURRENCY,
+        name=f"{name}{uuid.uuid4().hex[:6]}",
+        env=env,
+        queues=_queue(pool),
+        ready_timeout=60,
     )
-    app = make_app(redis_url, prefix)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        yield PoolBed(app, client, prefix, factory)
-    finally:
-        print(factory.logs())
-        factory.close()
-        close_app(app)
-        delete_prefix(client, prefix)
-        client.close()
+
+
+def send_to(bed: Bed, pool: str, name: str, *args: Any, **kwargs: Any) -> AsyncResult:
+    """Send task ``name`` to the worker of ``pool`` (started if it was not)."""
+    worker_of(bed, pool)
+    return bed.app.send_task(name, args=args, kwargs=kwargs, queue=_queue(pool))
+
+
+def server_us(bed: Bed) -> int:
+    """The Redis server's clock (the history's), in microseconds."""
+    return server_time_us(bed.client)
+
+
+def wait_released(bed: Bed, task_id: str, worker: WorkerProcess) -> None:
+    """Wait until ``lock_released`` came for ``task_id``: the reply of its release was read."""
+    wait_for(lambda: "lock_released" in bed.events(task_id), 10, "lock_released", worker)
+
+
+@pytest.fixture(scope="module")
+def pools(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[Bed]:
+    """The module's bed: a worker per pool (:func:`worker_of`), each on its own queue, all on
+    the module's key prefix."""
+    with Bed(redis_url, module_prefix, tmp_path_factory.mktemp("pools")) as bed:
+        yield bed
 
 
 # -- one run at a time, renewed past its ttl, released ---------------------------------------------
@@ -139,24 +108,21 @@ def pools(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
 
 @pytest.mark.slow(seconds=8)
 @pytest.mark.parametrize("pool", POOLS)
-def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(
-    pools: PoolBed, pool: str
-) -> None:
+def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(pools: Bed, pool: str) -> None:
     """A run holding its key for 3 ttls (it waits, cooperatively, for the test to let it go):
     a duplicate sent once the lock outlived its ttl is skipped in front of Celery's tracer
     (task_postrun SUCCESS, no lock_acquired: the ``__trace__`` wrapper applies, also in a
     spawned child); the run's lock was renewed and never lost; the key is free after it, and
     the release's reply was read."""
-    worker = pools.worker(pool)
-    key, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
-    run = pools.run(pool, "t.hold_renewed", key, until=gate)
+    worker = worker_of(pools, pool)
+    key, gate = new_key(), pools.gate()
+    run = send_to(pools, pool, "t.hold_renewed", key, until=gate)
     lock = pools.wait_held(run.id)
-    started = wait_for(lambda: [e for e in pools.history() if e.key == key], 10, "the start")
-    start_us = started[0].start_us
-    wait_for(lambda: pools.server_us() > start_us + 1.5 * TTL * 1e6, 10, "1.5 ttls")
+    start_us = pools.wait_started(key, timeout=10)[0].start_us
+    wait_for(lambda: server_us(pools) > start_us + 1.5 * TTL * 1e6, 10, "1.5 ttls")
     assert pools.lock(lock)["owner"] == run.id  # it outlived its ttl: renewed
 
-    duplicate = pools.run(pool, "t.hold_renewed", key)
+    duplicate = send_to(pools, pool, "t.hold_renewed", key)
     info = skip_info(duplicate.get(timeout=20))
     assert info is not None
     assert (info.key, info.holder) == (lock, run.id)
@@ -167,13 +133,13 @@ def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(
         "task_postrun SUCCESS",
     ]
 
-    wait_for(lambda: pools.server_us() > start_us + 3 * TTL * 1e6, 10, "3 ttls")
-    pools.client.rpush(gate, "go")
+    wait_for(lambda: server_us(pools) > start_us + 3 * TTL * 1e6, 10, "3 ttls")
+    pools.open(gate)
     result = run.get(timeout=20)
     assert result["lost"] is False
     assert result["renewals"] > 0
     pools.wait_gone(lock, 5)
-    pools.wait_released(run.id, worker)
+    wait_released(pools, run.id, worker)
     assert pools.events(run.id)[:2] == ["task_prerun", "lock_acquired"]
     assert len([e for e in pools.history() if e.key == key]) == 1  # the duplicate never ran
     assert_clean_log(worker)
@@ -181,20 +147,20 @@ def test_a_run_renewed_past_its_ttl_skips_duplicates_and_releases(
 
 @pytest.mark.slow(seconds=4)
 @pytest.mark.parametrize("pool", POOLS)
-def test_a_failed_run_releases(pools: PoolBed, pool: str) -> None:
+def test_a_failed_run_releases(pools: Bed, pool: str) -> None:
     """A run that raises: FAILURE, its key free, its release reported; the key runs again."""
-    worker = pools.worker(pool)
+    worker = worker_of(pools, pool)
     key = new_key()
-    run = pools.run(pool, "t.hold_renewed", key, 0.2, fail=True)
+    run = send_to(pools, pool, "t.hold_renewed", key, 0.2, fail=True)
     lock = pools.wait_held(run.id)
     wait_result(run)
     assert run.state == "FAILURE"
     pools.wait_gone(lock, 5)
-    pools.wait_released(run.id, worker)
+    wait_released(pools, run.id, worker)
 
-    again = pools.run(pool, "t.hold_renewed", key)
+    again = send_to(pools, pool, "t.hold_renewed", key)
     assert skip_info(again.get(timeout=20)) is None
-    pools.wait_released(again.id, worker)
+    wait_released(pools, again.id, worker)
     assert_clean_log(worker)
 
 
@@ -203,13 +169,13 @@ def test_a_failed_run_releases(pools: PoolBed, pool: str) -> None:
 
 @pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("pool", GREEN)
-def test_runs_of_distinct_keys_hold_their_locks_at_once(pools: PoolBed, pool: str) -> None:
+def test_runs_of_distinct_keys_hold_their_locks_at_once(pools: Bed, pool: str) -> None:
     """20 runs of 20 keys under -c 20: all of them start (each holding its lock) before any is
     let go, so their intervals share a moment; none lost its lock meanwhile."""
-    worker = pools.worker(pool)
-    tag, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
+    worker = worker_of(pools, pool)
+    tag, gate = new_key(), pools.gate()
     keys = [f"{tag}-{i}" for i in range(GREEN_CONCURRENCY)]
-    runs = [pools.run(pool, "t.hold_renewed", k, until=gate) for k in keys]
+    runs = [send_to(pools, pool, "t.hold_renewed", k, until=gate) for k in keys]
 
     def started() -> bool:
         return len({e.key for e in pools.history() if e.key.startswith(tag)}) == len(keys)
@@ -217,7 +183,7 @@ def test_runs_of_distinct_keys_hold_their_locks_at_once(pools: PoolBed, pool: st
     wait_for(started, 30, f"{len(keys)} runs started at once", worker)
     owners = {fields.get("owner") for fields in pools.locks().values()}
     assert {run.id for run in runs} <= owners  # every lock held, at one moment
-    pools.client.rpush(gate, *["go"] * len(keys))
+    pools.open(gate, len(keys))
     results = [run.get(timeout=30) for run in runs]
     assert [r["lost"] for r in results] == [False] * len(keys)
     runs_of_tag = [e for e in pools.history() if e.key.startswith(tag)]
@@ -230,23 +196,23 @@ def test_runs_of_distinct_keys_hold_their_locks_at_once(pools: PoolBed, pool: st
 
 @pytest.mark.slow(seconds=4)
 @pytest.mark.parametrize("pool", GREEN)
-def test_every_duplicate_is_skipped_by_the_pool(pools: PoolBed, pool: str) -> None:
+def test_every_duplicate_is_skipped_by_the_pool(pools: Bed, pool: str) -> None:
     """The main-process skip is for solo and threads only (strategy.MAIN_PROCESS_POOLS): under
     a green pool each duplicate of a held key reaches Celery's handler, even after a skip, and
     is skipped by its green thread."""
-    worker = pools.worker(pool)
-    key, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
-    run = pools.run(pool, "t.hold_renewed", key, until=gate)
+    worker = worker_of(pools, pool)
+    key, gate = new_key(), pools.gate()
+    run = send_to(pools, pool, "t.hold_renewed", key, until=gate)
     lock = pools.wait_held(run.id)
     duplicates = []
     for _ in range(4):  # one at a time: each skip could have made the key hot
-        duplicate = pools.run(pool, "t.hold_renewed", key)
+        duplicate = send_to(pools, pool, "t.hold_renewed", key)
         info = skip_info(duplicate.get(timeout=20))
         assert info is not None
         assert info.holder == run.id
         duplicates.append(duplicate)
     assert [reached_celery(worker, "t.hold_renewed", d.id) for d in duplicates] == [True] * 4
-    pools.client.rpush(gate, "go")
+    pools.open(gate)
     assert run.get(timeout=20)["lost"] is False
     pools.wait_gone(lock, 5)
 
@@ -255,12 +221,12 @@ def test_every_duplicate_is_skipped_by_the_pool(pools: PoolBed, pool: str) -> No
 
 
 @pytest.mark.slow(seconds=6)
-def test_a_killed_spawned_child_lock_is_released_by_the_main_process(pools: PoolBed) -> None:
+def test_a_killed_spawned_child_lock_is_released_by_the_main_process(pools: Bed) -> None:
     """SIGKILL of the spawned child running a run: the worker's main process releases its lock
     (task_failure with WorkerLostError), long before its 30 s ttl would let it go."""
-    worker = pools.worker("spawn")
-    key, gate = new_key(), f"{pools.prefix}gate:{uuid.uuid4().hex[:8]}"
-    run = pools.run("spawn", "t.hold_long_ttl", key, until=gate)
+    worker = worker_of(pools, "spawn")
+    key, gate = new_key(), pools.gate()
+    run = send_to(pools, "spawn", "t.hold_long_ttl", key, until=gate)
     lock = pools.wait_held(run.id)
     pid = int(pools.lock(lock)["pid"])
     assert pid in worker.child_pids()
@@ -278,31 +244,27 @@ def test_a_killed_spawned_child_lock_is_released_by_the_main_process(pools: Pool
 
 @pytest.mark.slow(seconds=4)
 @pytest.mark.parametrize("pool", GREEN)
-def test_a_duplicate_joins_a_run_of_a_green_pool(pools: PoolBed, pool: str) -> None:
+def test_a_duplicate_joins_a_run_of_a_green_pool(pools: Bed, pool: str) -> None:
     """``singleton_on_duplicate="join"`` in a gevent or eventlet worker: the duplicate waits
     in no green thread and ends with the holder's value."""
-    worker = pools.worker(pool)
+    worker = worker_of(pools, pool)
     key = f"join-{uuid.uuid4().hex[:8]}"
-    holder = pools.run(pool, "t.join", key, -1, {"v": pool})
+    holder = send_to(pools, pool, "t.join", key, -1, {"v": pool})
     worker.wait_for_log(rf"Task t.join\[{holder.id}\] received")
     pattern = f"{pools.prefix}lock:{{t.join:*}}:lock"
     wait_for(lambda: list(pools.client.scan_iter(pattern, count=1000)), 10, "the lock")
-    joined = pools.run(pool, "t.join", key, 0, "not run")
+    joined = send_to(pools, pool, "t.join", key, 0, "not run")
     worker.wait_for_log(rf"singleton: duplicate joined: t.join\[{joined.id}\]")
     pools.client.rpush(f"{key}:go", 1)
     assert holder.get(timeout=20) == joined.get(timeout=20) == {"v": pool}
 
 
 @pytest.mark.parametrize("pool", GREEN)
-def test_a_green_pool_set_by_worker_pool_alone_is_refused(
-    worker_factory: WorkerFactory, pool: str
-) -> None:
+def test_a_green_pool_set_by_worker_pool_alone_is_refused(bed: Bed, pool: str) -> None:
     """worker_pool="gevent" (or eventlet) in the configuration, no -P: Celery patches nothing;
     the worker exits before it is ready with one line naming worker_pool and the fix."""
     _needs(pool)
-    worker = worker_factory.start(
-        SINGLETON_APP, pool="prefork", concurrency=1, env={"SINGLETON_TEST_WORKER_POOL": pool}
-    )
+    worker = bed.start(concurrency=1, env={"SINGLETON_TEST_WORKER_POOL": pool}, ready=False)
     code = worker.wait(timeout=30)
     log = worker.log_text()
     assert code != 0, log

@@ -35,7 +35,6 @@ The CI run is small (``SINGLETON_MODEL_EXAMPLES``, default 15 examples per store
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -70,15 +68,14 @@ from celery_singleton_lock.core.keys import queued_key
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.publish.dedup import forget, publish
-from tests.conftest import delete_prefix
+from tests.support.prefixes import delete_prefix
+from tests.support.script_models import SETTINGS
 
 TTL_MS = 30_000
 #: the longest a fencing counter lives after an acquire: the lock's ttl + the default margin
 FENCE_TTL_MS = TTL_MS + FENCE_MARGIN_MS
 COUNTDOWN_MS = 20_000
 KEYS = ("a", "b")
-EXAMPLES = int(os.environ.get("SINGLETON_MODEL_EXAMPLES", "15"))
-STEPS = int(os.environ.get("SINGLETON_MODEL_STEPS", "30"))
 #: How much a lock's PTTL may fall between two reads of one step (the step's own time).
 SLACK_MS = 2_000
 #: completion records and at-least windows outlive every example unless expired by a rule
@@ -616,10 +613,5 @@ def test_lock_protocol_against_the_model(redis_url: str, kind: str) -> None:
     """Interleaved operations of the protocol agree with the model, on both release schemes."""
     run_state_machine_as_test(
         lambda: ProtocolModel(redis_url, kind),
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ),
+        settings=SETTINGS,
     )

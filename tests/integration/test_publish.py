@@ -13,12 +13,13 @@ from celery import Celery, group
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
-from celery_singleton_lock import DuplicateTaskError, SingletonTask, signals, skip_info
+from celery_singleton_lock import DuplicateTaskError, signals, skip_info
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.publish import dedup as publish
 from celery_singleton_lock.publish.dedup import marker_ttl_ms
-from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
+from tests.support.basic_app import SINGLETON_APP, close_app, history_key
+from tests.support.client_tasks import publish_client_app
 from tests.support.history import load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -28,27 +29,6 @@ def _signature(key: str, seconds: float = 0.0, retries: int = 0) -> None:
     """Same parameters as t.publish_hold."""
 
 
-def _client_app(redis_url: str, prefix: str, **options: Any) -> tuple[Celery, Any]:
-    """The client side of singleton_app with t.publish_hold defined on it (same keys)."""
-    app = make_app(redis_url, prefix)
-    app.conf.singleton_redis_url = redis_url
-    app.conf.singleton_key_prefix = f"{prefix}lock:"
-
-    @app.task(
-        bind=True,
-        base=SingletonTask,
-        name="t.publish_hold",
-        shared=False,
-        singleton_key_args=("key",),
-        singleton_lock_on="publish",
-        **options,
-    )
-    def publish_hold(self: Any, key: str, seconds: float = 0.0, retries: int = 0) -> None:
-        """Runs on the worker only."""
-
-    return app, publish_hold
-
-
 @pytest.fixture
 def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple[Celery, Any]]]:
     """Builds client apps with t.publish_hold (task options as keywords); purged and closed
@@ -56,7 +36,7 @@ def make_client(redis_url: str, key_prefix: str) -> Iterator[Callable[..., tuple
     apps: list[Celery] = []
 
     def make(**options: Any) -> tuple[Celery, Any]:
-        app, task = _client_app(redis_url, key_prefix, **options)
+        app, task = publish_client_app(redis_url, key_prefix, **options)
         apps.append(app)
         return app, task
 

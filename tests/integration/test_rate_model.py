@@ -26,8 +26,8 @@ from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from celery_singleton_lock.core.backend import Acquired, Contended, RateLimited, ReleaseStatus
 from celery_singleton_lock.core.rates import rate_key, starts
-from tests.integration.test_pending_model import SETTINGS, TTL_MS, _OnRedis
 from tests.support.history import server_time_us
+from tests.support.script_models import SETTINGS, TTL_MS, OnRedis
 
 LIMIT = 3
 PERIOD_MS = 100
@@ -38,7 +38,7 @@ def _in_window(times: list[int], now_ms: int) -> int:
     return sum(1 for t in times if now_ms - PERIOD_MS < t <= now_ms)
 
 
-class RateModel(_OnRedis):
+class RateModel(OnRedis):
     def __init__(self, redis_url: str, permits: int) -> None:
         super().__init__(redis_url)
         self.permits = permits

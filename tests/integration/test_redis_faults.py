@@ -16,7 +16,6 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -28,11 +27,12 @@ from celery_singleton_lock import LockUnavailableError, skip_info
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.connection import store_for
 from celery_singleton_lock.core.keys import lock_keys
-from tests.support.basic_app import RECORD_TASK, SINGLETON_APP, close_app, history_key, make_app
-from tests.support.history import Execution, assert_no_overlap, check_history, load_history
+from tests.support.basic_app import RECORD_TASK
+from tests.support.bed import Bed
+from tests.support.history import check_history
 from tests.support.servers import RedisServer, server_busy
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
+from tests.support.workers import WorkerProcess
 
 #: singleton_retry_countdown of every worker here: how often a run is requeued while Redis fails
 COUNTDOWN = 0.5
@@ -50,44 +50,6 @@ WRONG_PASSWORD = "Wr0ng-Pw-93d"
 # -- helpers ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Bed:
-    """The client app, the worker factory and the shared Redis, all on one key prefix."""
-
-    app: Celery
-    factory: WorkerFactory
-    shared: redis.Redis
-    prefix: str
-
-    def history(self) -> list[Execution]:
-        """Every execution the workers recorded (on the shared Redis)."""
-        return load_history(self.shared, history_key(self.prefix))
-
-    def runs(self, key: str) -> list[Execution]:
-        """The executions of lock argument ``key``."""
-        return [e for e in self.history() if e.key == key]
-
-    def assert_no_overlap(self) -> None:
-        """No two runs of one key at once, tokens increasing, every run finished."""
-        assert_no_overlap(check_history(self.history()), allow_unfinished=False)
-
-
-@pytest.fixture
-def bed(
-    redis_url: str, key_prefix: str, redis_client: redis.Redis, worker_factory: WorkerFactory
-) -> Iterator[Bed]:
-    """A client app of singleton_app on ``key_prefix``, its workers and the shared Redis.
-
-    The workers' logs are printed at teardown: pytest shows them for failed tests only.
-    """
-    app = make_app(redis_url, key_prefix)
-    try:
-        yield Bed(app, worker_factory, redis_client, key_prefix)
-    finally:
-        close_app(app)
-        print(worker_factory.logs())
-
-
 def start_worker(
     bed: Bed,
     lock_url: str,
@@ -95,19 +57,17 @@ def start_worker(
     concurrency: int = 2,
     **env: str,
 ) -> WorkerProcess:
-    """A prefork worker of singleton_app whose locks live at ``lock_url``; waits for ping."""
-    worker = bed.factory.start(
-        SINGLETON_APP,
-        pool="prefork",
+    """A prefork worker of singleton_app whose locks live at ``lock_url``; waits for ping and
+    for its pool's children."""
+    worker = bed.start(
         concurrency=concurrency,
+        ttl=ttl,
         env={
             "SINGLETON_TEST_LOCK_URL": lock_url,
-            "SINGLETON_TEST_TTL": str(ttl),
             "SINGLETON_TEST_RETRY_COUNTDOWN": str(COUNTDOWN),
             **env,
         },
     )
-    worker.wait_ready(bed.app)
     wait_for(lambda: len(worker.child_pids()) == concurrency, 10, "the pool", worker)
     return worker
 
@@ -421,19 +381,19 @@ def test_wrong_password_is_reported_without_the_password(
     wrong_url = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{private_redis.port}/0"
     right_url = f"redis://:{PASSWORD}@127.0.0.1:{private_redis.port}/0"
     try:
-        wrong = bed.factory.start(
-            SINGLETON_APP,
+        wrong = bed.start(
             concurrency=1,
             env={
                 "SINGLETON_TEST_LOCK_URL": wrong_url,
                 "SINGLETON_TEST_RETRY_COUNTDOWN": str(COUNTDOWN),
                 "SINGLETON_TEST_QUEUE": f"{bed.prefix}wrong",
             },
+            ready=False,
         )
-        right = bed.factory.start(
-            SINGLETON_APP,
+        right = bed.start(
             concurrency=1,
             env={"SINGLETON_TEST_LOCK_URL": right_url, "SINGLETON_TEST_QUEUE": f"{bed.prefix}ok"},
+            ready=False,
         )
         wrong.wait_ready(bed.app)
         right.wait_ready(bed.app)

@@ -11,17 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_singleton_lock.core.backend import (
     FENCE_MARGIN_MS,
@@ -31,7 +27,6 @@ from celery_singleton_lock.core.backend import (
     RenewItem,
     RenewStatus,
 )
-from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.redlock import RedlockStore
 from celery_singleton_lock.core.renewer import HeldLock, Renewer
 from celery_singleton_lock.core.store import LockStore
@@ -40,30 +35,14 @@ from tests.support.history import (
     assert_no_overlap,
     check_history,
     load_history,
-    record_end,
-    record_start,
 )
+from tests.support.redlock_race import PROCESSES, client_for, job_keys
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-PREFIX = "rl:"
 #: a master whose clock (and so its fencing counter) runs this far ahead, in microseconds
 SKEW_US = 10**12
-
-
-def client_for(url: str, timeout: float = 1.0) -> redis.Redis:
-    """A client as the store wants it: bounded timeouts, no retries."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
-
-
-def job_keys(name: str = "job") -> LockKeys:
-    return lock_keys(PREFIX, f"tests.{name}", name.encode())
 
 
 @dataclass
@@ -480,69 +459,6 @@ def test_renewer_keeps_a_redlock_and_reports_its_loss(three_masters: Masters) ->
 # -- a race of processes --------------------------------------------------------------------------
 
 
-PROCESSES = 20
-
-
-def race_worker(config: dict[str, Any], tag: str) -> None:
-    """One racing process: take the lock, record the run, hold it, release, again and again,
-    until the test says stop (or, if the test died, a minute has passed)."""
-    clients = [client_for(url) for url in config["masters"]]
-    store = RedlockStore(clients, master_timeout_s=1.0)
-    history = redis.Redis.from_url(config["history"])
-    keys = job_keys("race")
-    rng = random.Random(tag)
-    history.rpush("ready", tag)
-    give_up = time.monotonic() + 60  # the test died: do not wait for ever
-    while not history.exists("go"):
-        if time.monotonic() > give_up:
-            raise TimeoutError("no go")
-        time.sleep(0.005)
-    counts = {"runs": 0, "contended": 0, "unavailable": 0}
-    for attempt in itertools.count():
-        if history.exists("stop") or time.monotonic() > give_up:
-            break
-        owner = f"{tag}-{attempt}"
-        try:
-            outcome = store.acquire(keys, owner, 0, 5000)
-        except LockUnavailableError:
-            counts["unavailable"] += 1
-            time.sleep(0.01)
-            continue
-        if isinstance(outcome, Contended):
-            counts["contended"] += 1
-            time.sleep(rng.uniform(0.02, 0.2))
-            continue
-        exec_id = record_start(history, "history", keys.lock, outcome.token, tag, os.getpid())
-        time.sleep(0.02)
-        record_end(history, "history", exec_id)
-        history.incr("runs")
-        counts["runs"] += 1
-        with contextlib.suppress(LockUnavailableError):  # else it expires in its ttl
-            store.release(keys.lock, owner, 0)
-    history.rpush("counts", json.dumps(counts))
-
-
-def race_launcher(config_json: str) -> None:
-    """Fork the racing processes (imports done once, no thread running yet); exit 1 if any
-    of them failed."""
-    config = json.loads(config_json)
-    pids = []
-    for n in range(config["processes"]):
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                race_worker(config, f"p{n:02d}")
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    failures = sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids)
-    sys.exit(1 if failures else 0)
-
-
 @pytest.mark.slow(seconds=5)
 def test_twenty_processes_never_overlap(three_masters: Masters, private_redis: RedisServer) -> None:
     """20 processes racing for one lock over 3 masters (one killed after the 10th run and
@@ -558,7 +474,7 @@ def test_twenty_processes_never_overlap(three_masters: Masters, private_redis: R
         [
             sys.executable,
             "-c",
-            "import sys; from tests.integration.test_redlock import race_launcher; "
+            "import sys; from tests.support.redlock_race import race_launcher; "
             "race_launcher(sys.argv[1])",
             json.dumps(config),
         ],

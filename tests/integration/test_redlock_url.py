@@ -23,7 +23,8 @@ from celery_singleton_lock.core.redlock import RedlockStore
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.core.urls import parse_lock_url, redact_url
 from celery_singleton_lock.settings.options import read_options
-from tests.integration.test_beat_mixin import (
+from tests.support.basic_app import SINGLETON_APP, close_app, make_app
+from tests.support.recording_schedulers import (
     INTERVAL,
     RENEWAL_FAILS,
     check_leader_hand_over,
@@ -33,11 +34,9 @@ from tests.integration.test_beat_mixin import (
     labels,
     long_lease_leader_app,
     make_beat_app,
-    paused,
 )
-from tests.integration.test_coalesce import check_pending_scripts
-from tests.support.basic_app import SINGLETON_APP, close_app, make_app
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, paused
+from tests.support.store_checks import check_pending_scripts
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 

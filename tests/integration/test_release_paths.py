@@ -9,168 +9,22 @@ and, where the path has one, the worker's ``singleton: `` log line. See the tabl
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
-import uuid
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 from celery.result import AsyncResult
 
 from celery_singleton_lock import skip_info
-from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
-from tests.support.history import (
-    Execution,
-    assert_no_overlap,
-    check_history,
-    load_history,
-    server_time_us,
-)
-from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key, signals_key
+from tests.support.bed import Bed, assert_clean_log, new_key, wait_result
+from tests.support.history import assert_no_overlap, check_history
+from tests.support.singleton_app import RETRIED_QUEUE_SUFFIX, go_key
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess, is_alive
-
-#: Log lines that must never appear on a path that releases correctly.
-BAD_LINES = (
-    "singleton: lock lost",
-    "singleton: lock was no longer ours",
-    "singleton: release failed",
-    "singleton: could not release",
-)
-
-
-class Bed:
-    """The client-side app, a Redis client and the worker factory, all on one key prefix."""
-
-    def __init__(
-        self, app: Celery, client: redis.Redis, prefix: str, factory: WorkerFactory
-    ) -> None:
-        self.app = app
-        self.client = client
-        self.prefix = prefix
-        self.factory = factory
-
-    def start(
-        self,
-        pool: str = "prefork",
-        concurrency: int = 2,
-        ttl: float | None = None,
-        queues: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> WorkerProcess:
-        """Start a worker of the singleton app (on ``queues``, if given); wait for its ping."""
-        env = dict(env or {})
-        if ttl is not None:
-            env["SINGLETON_TEST_TTL"] = str(ttl)
-        extra = () if queues is None else ("-Q", queues)
-        worker = self.factory.start(
-            SINGLETON_APP, pool=pool, concurrency=concurrency, env=env, extra_args=extra
-        )
-        worker.wait_ready(self.app)
-        return worker
-
-    def send(self, name: str, *args: Any, **kwargs: Any) -> AsyncResult:
-        """Send task ``name`` by name."""
-        return self.app.send_task(name, args=args, kwargs=kwargs)
-
-    def locks(self) -> dict[str, dict[str, str]]:
-        """Every lock under the prefix: key -> its hash."""
-        found = {}
-        for raw in self.client.scan_iter(count=1000, match=f"{self.prefix}lock:*:lock"):
-            fields = self.client.hgetall(raw)
-            if fields:
-                found[raw.decode()] = {k.decode(): v.decode() for k, v in fields.items()}
-        return found
-
-    def lock(self, key: str) -> dict[str, str]:
-        """The hash of lock ``key``; empty when it is free."""
-        return {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
-
-    def lock_of(self, task_id: str) -> str | None:
-        """The key of the lock ``task_id`` holds, if any."""
-        for key, fields in self.locks().items():
-            if fields.get("owner") == task_id:
-                return key
-        return None
-
-    def wait_held(self, task_id: str, timeout: float = 15.0) -> str:
-        """Wait until ``task_id`` holds a lock; return its key."""
-        return wait_for(lambda: self.lock_of(task_id), timeout, f"a lock held by {task_id}")
-
-    def wait_gone(self, key: str, timeout: float) -> float:
-        """Wait until lock ``key`` is gone; return how long that took."""
-        started = time.monotonic()
-        wait_for(lambda: not self.client.exists(key), timeout, f"{key} to be released")
-        return time.monotonic() - started
-
-    def signals(self, entry: str) -> int:
-        """How often the worker's processes sent a library signal (``"<name> <task id>"``)."""
-        return bed_signals(self.client, self.prefix).count(entry)
-
-    def history(self) -> list[Execution]:
-        """Every execution the worker's tasks recorded."""
-        return load_history(self.client, history_key(self.prefix))
-
-    def logs(self) -> str:
-        """The tail of every worker's log (for failure messages)."""
-        return self.factory.logs()
-
-
-@pytest.fixture
-def bed(
-    redis_url: str, key_prefix: str, redis_client: redis.Redis, worker_factory: WorkerFactory
-) -> Iterator[Bed]:
-    """A client app and Redis client on ``key_prefix``.
-
-    The workers' logs are printed at teardown: pytest shows them for failed tests only.
-    """
-    app = make_app(redis_url, key_prefix)
-    bed = Bed(app, redis_client, key_prefix, worker_factory)
-    try:
-        yield bed
-    finally:
-        close_app(app)
-        print(worker_factory.logs())
-
-
-def bed_signals(client: redis.Redis, prefix: str) -> list[str]:
-    """The library signals singleton_app's workers logged, oldest first."""
-    return [raw.decode() for raw in client.lrange(signals_key(prefix), 0, -1)]
-
-
-def new_key() -> str:
-    """A lock key argument no other test uses."""
-    return f"k-{uuid.uuid4().hex[:8]}"
-
-
-def assert_clean_log(worker: WorkerProcess, allow: tuple[str, ...] = ()) -> None:
-    """No lost lock, no foreign lock at release, no failed release in the worker's log."""
-    log = worker.log_text()
-    lines = [line for line in log.splitlines() if not any(a in line for a in allow)]
-    bad = [line for line in lines if any(b in line for b in BAD_LINES)]
-    assert not bad, "\n".join(bad)
-
-
-def wait_result(result: AsyncResult, timeout: float = 20.0) -> AsyncResult:
-    """Wait until ``result`` is ready (success or failure)."""
-    wait_for(result.ready, timeout, f"the result of {result.id}")
-    return result
+from tests.support.workers import WorkerProcess, is_alive, kill_child
 
 
 def exc_name(result: AsyncResult) -> str:
     """Class name of a failed result's exception."""
     return type(result.result).__name__
-
-
-def kill_child(client: redis.Redis, pid: int) -> int:
-    """SIGKILL a pool child, wait until it is gone; return the server time (us) just after."""
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not is_alive(pid), 5, f"child {pid} to die")
-    return server_time_us(client)
 
 
 # -- 1. the run ends by itself ------------------------------------------------------------------
@@ -335,7 +189,7 @@ def test_hard_time_limit_releases_long_before_the_ttl(bed: Bed) -> None:
     # billiard turns the child's SIGTERM into SystemExit, so the child's own task_postrun may
     # release before its SIGKILL (0.1 s later); otherwise the main process releases for it
     time.sleep(1.0)  # the main process's release may come after a grace: let it land
-    assert bed.signals(f"lock_released {result.id}") == 1
+    assert bed.signals().count(f"lock_released {result.id}") == 1
     by_main = "singleton: released by main process after hard time limit" in worker.log_text()
     print(f"released by {'the main process' if by_main else 'the dying child'}")
     assert_clean_log(worker)
@@ -377,7 +231,7 @@ def test_revoke_terminate_releases(bed: Bed) -> None:
     assert bed.wait_gone(lock, 10.0) < 10.0
     wait_for(lambda: result.state == "REVOKED", 5, "REVOKED state")
     time.sleep(1.0)  # the main process's release may come after a grace: let it land
-    assert bed.signals(f"lock_released {result.id}") == 1
+    assert bed.signals().count(f"lock_released {result.id}") == 1
     assert_clean_log(worker)
 
 
@@ -388,7 +242,7 @@ def test_revoke_terminate_keeps_the_lock_through_the_child_cleanup(bed: Bed) -> 
     first = bed.send("t.hold_cleanup", key, seconds=10, cleanup=1.5)
     lock = bed.wait_held(first.id)
     pid = int(bed.lock(lock)["pid"])
-    wait_for(bed.history, 5, "the body (and its try block) to start")
+    bed.wait_started(key, timeout=5)  # the body, and its try block
 
     bed.app.control.revoke(first.id, terminate=True, destination=[worker.nodename])
     bed.wait_gone(lock, 5)
@@ -396,7 +250,7 @@ def test_revoke_terminate_keeps_the_lock_through_the_child_cleanup(bed: Bed) -> 
     duplicate = bed.send("t.hold_cleanup", key, seconds=0.2)
     wait_result(duplicate)
     wait_for(lambda: all(e.finished for e in bed.history()), 5, "the first run's cleanup")
-    assert_no_overlap(check_history(bed.history()), allow_unfinished=False)
+    bed.assert_no_overlap()
     by_main = "singleton: released by main process after terminate" in worker.log_text()
     assert not (by_main and child_alive), (
         f"the main process freed the lock while child {pid} still ran its finally block"
@@ -521,7 +375,7 @@ def start_retry_pair(bed: Bed) -> tuple[WorkerProcess, WorkerProcess]:
 
 def wait_task_failure(bed: Bed, task_id: str) -> None:
     """Wait until a main process sent task_failure for ``task_id`` (the library's handler ran)."""
-    wait_for(lambda: bed.signals(f"task_failure {task_id}"), 15, f"task_failure of {task_id}")
+    wait_for(lambda: f"task_failure {task_id}" in bed.signals(), 15, f"task_failure of {task_id}")
 
 
 def wait_success(result: AsyncResult, timeout: float = 30.0) -> None:
@@ -549,7 +403,7 @@ def assert_the_retry_runs_alone(bed: Bed, key: str, result: AsyncResult, lock: s
     bed.wait_gone(lock, 1.0)
     killed, retried = bed.history()
     assert retried.token > killed.token  # type: ignore[operator]
-    assert_no_overlap(check_history(bed.history()), allow_unfinished=False)
+    bed.assert_no_overlap()
 
 
 @pytest.mark.parametrize(("die", "reason"), [("kill", "worker lost"), ("limit", "hard time limit")])
@@ -688,7 +542,7 @@ def test_acks_late_redelivery_waits_for_the_old_lock(bed: Bed) -> None:
     lock = bed.wait_held(result.id)
     first = bed.lock(lock)
     pid = int(first["pid"])
-    wait_for(bed.history, 5, "the first run to start")
+    bed.wait_started(key, timeout=5)
 
     killed_at = kill_child(bed.client, pid)
     pttl = bed.client.pttl(lock)

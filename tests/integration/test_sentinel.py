@@ -33,14 +33,13 @@ from celery_singleton_lock.core.connection import new_store, prober_for, reset, 
 from celery_singleton_lock.core.keys import LockKeys, lock_keys
 from celery_singleton_lock.core.probe import probe
 from celery_singleton_lock.core.store import LockStore
-from tests.integration.test_beat_mixin import (
+from tests.support.recording_schedulers import (
     RENEWAL_FAILS,
     check_leadership_kept_after_a_failed_renewal,
     long_lease_leader_app,
-    paused,
 )
-from tests.integration.test_coalesce import check_pending_scripts
-from tests.integration.test_permits import check_permit_slots
+from tests.support.servers import paused
+from tests.support.store_checks import check_pending_scripts, check_permit_slots
 from tests.support.topologies import SentinelSet, wait_until
 
 #: store_for caches per URL and process: every test starts and ends without any

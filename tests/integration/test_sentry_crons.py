@@ -20,21 +20,17 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 
 from celery_singleton_lock.beat.claims import CLAIM_HEADER, RUN_HEADER
 from celery_singleton_lock.core.keys import run_claim_key
-from tests.conftest import private_prefix
-from tests.support.basic_app import BEAT_APP, close_app, history_key, make_app
-from tests.support.beats import BeatFactory, BeatProcess
-from tests.support.history import load_history
+from tests.support.basic_app import BEAT_APP
+from tests.support.beats import BeatProcess
+from tests.support.bed import Bed
 from tests.support.sentry_crons import CheckIn, load_checkins
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
 
 ENTRIES = (
     "crons-record",
@@ -53,57 +49,32 @@ DUPLICATE_LINES = (
 )
 
 
-@dataclass
-class Bed:
-    prefix: str
-    client: redis.Redis
-    worker: WorkerProcess
-    beats: BeatFactory
-
-    def checkins(self) -> list[CheckIn]:
-        return load_checkins(self.client, self.prefix)
+def checkins_of(bed: Bed) -> list[CheckIn]:
+    """The check-ins recorded since the test began."""
+    return load_checkins(bed.client, bed.prefix)
 
 
 @pytest.fixture(scope="module")
-def crons_worker(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str
-) -> Iterator[tuple[str, WorkerProcess]]:
-    """One prefork worker of beat_app with Sentry on, for the module's tests, on a private
-    prefix of the module's: the prefix and the worker."""
-    with private_prefix(redis_url) as prefix:
-        env = {"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
-        factory = WorkerFactory(Path(tmp_path_factory.mktemp("crons")), base_env=env)
-        app = make_app(redis_url, prefix)
-        try:
-            worker = factory.start(BEAT_APP, pool="prefork", concurrency=4, env=SENTRY_ENV)
-            worker.wait_ready(app)
-            yield prefix, worker
-        finally:
-            close_app(app)
-            factory.close()
+def crons_bed(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[Bed]:
+    """One prefork worker of beat_app with Sentry on, for the module's tests."""
+    work_dir = tmp_path_factory.mktemp("crons")
+    with Bed(redis_url, module_prefix, work_dir, env=SENTRY_ENV) as made:
+        made.start(BEAT_APP, concurrency=4)
+        yield made
 
 
 @pytest.fixture
-def bed(tmp_path: Path, redis_url: str, crons_worker: tuple[str, WorkerProcess]) -> Iterator[Bed]:
-    """The module's worker, beats of its own (Sentry on), and the check-ins recorded so far
-    cleared."""
-    module_prefix, worker = crons_worker
-    client = redis.Redis.from_url(redis_url)
-    beats = BeatFactory(
-        tmp_path / "beats",
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": module_prefix,
-            "SINGLETON_TEST_ROLE": "beat",
-            **SENTRY_ENV,
-        },
-    )
-    client.delete(f"{module_prefix}sentry-checkins")
+def bed(tmp_path: Path, crons_bed: Bed) -> Iterator[Bed]:
+    """The module's worker, beats of the test's own (Sentry on: :attr:`Bed.beats`), and the
+    check-ins recorded so far cleared."""
+    crons_bed.client.delete(f"{crons_bed.prefix}sentry-checkins")
+    beats = crons_bed.new_beats(tmp_path / "beats")
     try:
-        yield Bed(module_prefix, client, worker, beats)
+        yield crons_bed
     finally:
         beats.close()
-        client.close()
 
 
 def killed(beat: BeatProcess) -> tuple[float, float]:
@@ -136,10 +107,10 @@ def check_one_checkin_per_run(
     told to stop (:func:`killed`, :func:`terminate`)."""
 
     def all_closed() -> list[CheckIn] | None:
-        checkins = bed.checkins()
-        started = {c.check_in_id for c in checkins if c.status == "in_progress"}
-        closed = {c.check_in_id for c in checkins if c.status != "in_progress"}
-        return checkins if started <= closed else None
+        recorded = checkins_of(bed)
+        started = {c.check_in_id for c in recorded if c.status == "in_progress"}
+        closed = {c.check_in_id for c in recorded if c.status != "in_progress"}
+        return recorded if started <= closed else None
 
     checkins = wait_for(all_closed, 15, "every check-in closed", bed.worker, *bed.beats.beats)
     detail = "\n".join(map(str, checkins))
@@ -273,9 +244,7 @@ def test_leader_mode_only_the_leader_checks_in(bed: Bed) -> None:
 
 
 @pytest.mark.slow(seconds=8)
-def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(
-    bed: Bed, redis_url: str
-) -> None:
+def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(bed: Bed) -> None:
     """A run published twice (its beat died between publishing and confirming, and no worker
     had received it within the publish lease): the worker's witness drops the second message
     before it runs, and closes the check-in that message carries as ok, once."""
@@ -285,30 +254,23 @@ def test_a_runs_second_message_dropped_by_the_worker_closes_its_check_in(
     )[0]
     check_one_checkin_per_run(bed, published_by([beat]), [terminate(beat)])
     check_in_id = uuid.uuid4().hex
-    app = make_app(redis_url, bed.prefix)
-    try:
-        second = app.send_task(  # what the instance that publishes the run again sends
-            "b.record",
-            args=("crons-record",),
-            headers={
-                RUN_HEADER: published.label,
-                CLAIM_HEADER: run_claim_key(f"{bed.prefix}lock:", "crons-record", published.run),
-                "sentry-monitor-slug": "crons-record",
-                "sentry-monitor-check-in-id": check_in_id,
-            },
-        )
-        dropped = f"duplicate scheduled run dropped: run={published.label} task_id={second.id}"
-        bed.worker.wait_for_log(re.escape(dropped), 20)
-        closes = wait_for(
-            lambda: [c for c in bed.checkins() if c.check_in_id == check_in_id],
-            10,
-            "the dropped message's check-in closed",
-            bed.worker,
-        )
-    finally:
-        close_app(app)
+    second = bed.app.send_task(  # what the instance that publishes the run again sends
+        "b.record",
+        args=("crons-record",),
+        headers={
+            RUN_HEADER: published.label,
+            CLAIM_HEADER: run_claim_key(f"{bed.prefix}lock:", "crons-record", published.run),
+            "sentry-monitor-slug": "crons-record",
+            "sentry-monitor-check-in-id": check_in_id,
+        },
+    )
+    dropped = f"duplicate scheduled run dropped: run={published.label} task_id={second.id}"
+    bed.worker.wait_for_log(re.escape(dropped), 20)
+    closes = wait_for(
+        lambda: [c for c in checkins_of(bed) if c.check_in_id == check_in_id],
+        10,
+        "the dropped message's check-in closed",
+        bed.worker,
+    )
     assert [(c.role, c.slug, c.status) for c in closes] == [("worker", "crons-record", "ok")]
-    executions = [
-        e for e in load_history(bed.client, history_key(bed.prefix)) if e.key == published.label
-    ]
-    assert len(executions) == 1  # the run ran once, from its first message
+    assert len(bed.runs(published.label)) == 1  # the run ran once, from its first message

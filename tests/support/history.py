@@ -22,6 +22,8 @@ from typing import Any
 
 import redis
 
+from tests.support.waiting import wait_for
+
 Token = int | str | None
 
 
@@ -120,6 +122,29 @@ def parse_history(raw_events: Iterable[bytes | str]) -> list[Execution]:
 def load_history(client: redis.Redis, history_key: str) -> list[Execution]:
     """Every execution recorded under ``history_key``, ordered by start time."""
     return parse_history(client.lrange(history_key, 0, -1))
+
+
+def wait_started(
+    client: redis.Redis,
+    history_key: str,
+    key: str,
+    *workers: Any,
+    count: int = 1,
+    timeout: float = 20.0,
+) -> list[Execution]:
+    """Wait until ``count`` runs of ``key`` recorded their start under ``history_key``; return
+    the executions of ``key``. ``workers``' log tails are named if they do not.
+
+    This is how a test knows a holder's body started. Its lock is no proof: the lock is taken
+    before the body runs, and a run killed in between records nothing."""
+    what = "the holder's start" if count == 1 else f"{count} runs of {key} to start"
+
+    def started() -> list[Execution]:
+        runs = [e for e in load_history(client, history_key) if e.key == key]
+        return runs if len(runs) >= count else []
+
+    found: list[Execution] = wait_for(started, timeout, what, *workers)
+    return found
 
 
 @dataclass

@@ -6,8 +6,10 @@ signals sent to the test run never reach them, and are always killed at interpre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 
 import redis
 from redis.backoff import NoBackoff
@@ -26,7 +28,9 @@ __all__ = [
     "RedisServer",
     "find_server_binary",
     "free_port",
+    "paused",
     "ping",
+    "server_busy",
     "server_choice",
     "shared_redis_url",
 ]
@@ -157,3 +161,15 @@ def server_busy(url: str, timeout_s: float = 0.05) -> bool:
     finally:
         probe.close()
     return False
+
+
+@contextlib.contextmanager
+def paused(*servers: RedisServer) -> Iterator[None]:
+    """SIGSTOP ``servers`` for the block, SIGCONT after it."""
+    for server in servers:
+        server.pause()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.resume()

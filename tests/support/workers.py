@@ -9,6 +9,8 @@ the tests.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import time
@@ -25,6 +27,8 @@ from celery_singleton_lock._dev.process import (
     is_alive,
 )
 from tests.support import zygote
+from tests.support.history import server_time_us
+from tests.support.waiting import wait_for
 from tests.support.zygote import REPO_ROOT
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "children_of",
     "group_members",
     "is_alive",
+    "kill_child",
 ]
 
 
@@ -162,3 +167,11 @@ class WorkerFactory:
     def logs(self) -> str:
         """Every worker's log, for failure messages."""
         return "\n".join(f"===== {w.nodename} =====\n{w.log_tail(200)}" for w in self.workers)
+
+
+def kill_child(client: Any, pid: int) -> int:
+    """SIGKILL a pool child, wait until it is gone; return the Redis server's time (us, the
+    history's clock, read from ``client``) just after."""
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not is_alive(pid), 5, f"child {pid} to die")
+    return server_time_us(client)
