@@ -98,7 +98,8 @@ def test_a_burst_runs_once_after_it_with_the_last_arguments(bed: Bed, how: str) 
     wait_for(
         lambda: all(line in bed.log_text() for line in superseded), 10, "the lines", *bed.workers
     )
-    check_history(bed.history())
+    report = check_history(bed.history())
+    assert report.ok, report.summary()
 
 
 @pytest.mark.slow(seconds=6)
@@ -188,7 +189,8 @@ def test_a_bursts_run_that_meets_the_lock_waits_for_it_under_retry_not_debounced
     logs = bed.log_text()
     assert f"singleton: duplicate retried in 0.2s: t.debounce_wait[{second.id}]" in logs, logs
     assert logs.count(f"unless called again: t.debounce_wait[{second.id}]") == 1, logs
-    check_history(bed.history())
+    report = check_history(bed.history())
+    assert report.ok, report.summary()
 
 
 @pytest.mark.slow(seconds=12)

@@ -113,7 +113,8 @@ def test_a_burst_runs_every_call_in_the_order_it_reached_the_key(
     assert _order(client, module_prefix, key) == ["holder", *(f"c{i}" for i in range(10))]
     history = [e for e in load_history(client, history_key(module_prefix)) if e.key == key]
     assert len(history) == 11
-    check_history(history)
+    report = check_history(history)
+    assert report.ok, report.summary()
     tokens = [e.token for e in sorted(history, key=lambda e: e.start_us)]
     assert tokens == sorted(tokens)
     links = wait_for(
