@@ -49,16 +49,19 @@ from .backend import Client
 from .completion import ENDED_FIELD
 from .keys import check_prefix, keys_of, lock_key_problem, safe_name
 from .pending import HOLDERS_FIELD, PENDING_SUFFIX, holders_of, lock_key_of, pending_key
+from .queue import HANDED_FIELD, QUEUE_NAME, queue_keys
 
 __all__ = [
     "ForceStatus",
     "LockInfo",
     "Orphan",
+    "QueueOrphan",
     "Stats",
     "check_lock_key",
     "force_release",
     "iter_locks",
     "iter_orphans",
+    "iter_queue_orphans",
     "lock_pattern",
     "read_lock",
     "stale_reason",
@@ -115,6 +118,12 @@ class LockInfo:
     permit: int | None = None
     #: ... and how many runs the key admits at once; both None for a single lock
     permits: int | None = None
+    #: under the queue policy (core/queue.py): how many calls wait in the key's queue (one
+    #: queue per key: every slot shows the same), and the next one's task id
+    queue_length: int | None = None
+    queue_head: str | None = None
+    #: the lock was handed to the queued call ``owner``: it waits for that call's message
+    handed: bool = False
 
     @property
     def state(self) -> str:
@@ -170,8 +179,10 @@ def _info(  # noqa: PLR0917 - what one pipeline read of a lock gives
     now_ms: int,
     prefix: str,
     pending: Sequence[Any] = (None, None),
+    queue: Sequence[Any] = (0, ()),
 ) -> LockInfo:
     since = _int(fields.get("since"))
+    length, head = int(queue[0] or 0), list(queue[1] or ())
     lease = _int(fields.get("ttl"))
     return LockInfo(
         key=key,
@@ -192,6 +203,9 @@ def _info(  # noqa: PLR0917 - what one pipeline read of a lock gives
         pending_count=None if pending[1] is None else int(pending[1]),
         permit=_int(fields.get("permit")),
         permits=_int(fields.get("permits")),
+        queue_length=length or None,
+        queue_head=as_text(head[0]) if head else None,
+        handed=fields.get(HANDED_FIELD) is not None,
     )
 
 
@@ -201,24 +215,30 @@ def _server_ms(client: Client) -> int:
 
 
 def _read_batch(client: Client, keys: Sequence[str], prefix: str) -> list[LockInfo]:
-    """HGETALL and PTTL of every key, and its pending follow-up's id and count (coalesce), in one
-    pipeline; keys gone or not hashes are dropped."""
+    """HGETALL and PTTL of every key, its pending follow-up's id and count (coalesce) and its
+    queue's length and head (queue), in one pipeline; keys gone or not hashes are dropped."""
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.hgetall(key)
         pipe.pttl(key)
         pipe.hmget(pending_key(key), "id", "count")
+        line, _ = queue_keys(key)
+        pipe.zcard(line)
+        pipe.zrange(line, 0, 0)
     replies: list[Any] = pipe.execute(raise_on_error=False)
     now_ms = _server_ms(client)
     found: list[LockInfo] = []
     for index, key in enumerate(keys):
-        raw, pttl, pending = replies[3 * index : 3 * index + 3]
+        raw, pttl, pending, length, head = replies[5 * index : 5 * index + 5]
         if isinstance(raw, Exception) or isinstance(pttl, Exception) or not raw:
             continue  # expired since the SCAN, or not a lock hash
         fields = {as_text(k): as_text(v) for k, v in raw.items()}
         if isinstance(pending, Exception):
             pending = (None, None)
-        found.append(_info(key, fields, int(pttl), now_ms, prefix, pending))
+        waiting: Sequence[Any] = (length, head)
+        if isinstance(length, Exception) or isinstance(head, Exception):
+            waiting = (0, ())
+        found.append(_info(key, fields, int(pttl), now_ms, prefix, pending, waiting))
     return found
 
 
@@ -303,6 +323,47 @@ def iter_orphans(client: Client, prefix: str, batch: int = BATCH) -> Iterator[Or
         for _orphan, slots in read:
             pipe.exists(*slots)
         for (orphan, _slots), exists in zip(read, pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(exists, Exception) and not exists:
+                yield orphan
+
+
+@dataclass(frozen=True)
+class QueueOrphan:
+    """A key's queue (core/queue.py) whose lock is gone: the run holding it was lost with its
+    node, the lock expired (every permit slot of it), and no later call of the key came."""
+
+    lock_key: str
+    task: str | None
+    length: int
+    #: the key's ``singleton_permits``
+    permits: int = 1
+
+
+def iter_queue_orphans(client: Client, prefix: str, batch: int = BATCH) -> Iterator[QueueOrphan]:
+    """Every non-empty queue under ``prefix`` whose lock key (any permit slot: ``:lock*``)
+    does not exist; queues beside keys that are not lock keys of this library are skipped."""
+    suffix = ":" + QUEUE_NAME
+    pairs = ((k, k[: -len(suffix)] + ":lock") for k in _scan(client, f"{prefix}*{suffix}", batch))
+    found = ((key, lock) for key, lock in pairs if lock_key_problem(prefix, lock) is None)
+    for chunk in _batches(found, batch):
+        pipe = client.pipeline(transaction=False)
+        for key, lock in chunk:
+            pipe.zcard(key)
+            pipe.hmget(queue_keys(lock)[1], "task", "slots")
+        replies = pipe.execute(raise_on_error=False)
+        read: list[tuple[QueueOrphan, list[str]]] = []
+        for index, (_key, lock) in enumerate(chunk):
+            length, fields = replies[2 * index], replies[2 * index + 1]
+            if isinstance(length, Exception) or isinstance(fields, Exception) or not length:
+                continue
+            task, slots = fields
+            keys = keys_of(lock, int(slots or 1))
+            name = None if task is None else as_text(task)
+            read.append((QueueOrphan(lock, name, int(length), keys.permits), keys.slots))
+        pipe = client.pipeline(transaction=False)
+        for _orphan, held in read:
+            pipe.exists(*held)
+        for (orphan, _held), exists in zip(read, pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(exists, Exception) and not exists:
                 yield orphan
 

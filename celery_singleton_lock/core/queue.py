@@ -8,7 +8,8 @@ cluster slot; one queue per key, whatever its ``singleton_permits``):
 - ``{prefix}{tag}:queue``: a sorted set, member a waiting call's task id, score its place;
 - ``{prefix}{tag}:queue_calls``: a hash, task id -> ``<retries>|<record>``, the record opaque
   here (the Celery side writes what publishing the call again needs), and field ``#`` the last
-  place given.
+  place given, and fields ``task`` (the latest call's task name) and ``slots`` (how many
+  slots the key has: a CLI purge finds a queue whose lock is gone by them).
 
 Four scripts, each one round trip, each given the lock's key or a permit slot's:
 
@@ -38,6 +39,7 @@ from ._wire import Script, as_text, script
 from .keys import LockKeys, beside
 
 __all__ = [
+    "HANDED_FIELD",
     "QUEUE_CALLS_NAME",
     "QUEUE_NAME",
     "Handed",
@@ -53,6 +55,8 @@ __all__ = [
 #: what :func:`queue_keys` puts in place of a lock key's ``lock``
 QUEUE_NAME = "queue"
 QUEUE_CALLS_NAME = "queue_calls"
+#: the field of a lock handed to a queued call, waiting for that call's message
+HANDED_FIELD = "queued"
 
 #: ``run_script`` of a store (``LockBackend.run_script``)
 Run = Callable[[Script, Sequence[Any]], Any]
@@ -92,12 +96,15 @@ def enqueue(  # noqa: PLR0917 - the key, the call, and the queue's bounds
     record: bytes,
     max_length: int,
     keep_ms: int,
+    task_name: str = "",
 ) -> Queued:
-    """Queue the call ``task_id`` behind the runs holding ``keys`` (every slot held)."""
+    """Queue the call ``task_id`` (of ``task_name``) behind the runs holding ``keys`` (every
+    slot held)."""
     queue, calls = queue_keys(keys.lock)
     slots = keys.slots
     args = [2 + len(slots), queue, calls, *slots, task_id, int(retries), record]
-    reply = run(script("enqueue.lua"), [*args, int(max_length), max(0, int(keep_ms))])
+    args += [int(max_length), max(0, int(keep_ms)), task_name]
+    reply = run(script("enqueue.lua"), args)
     status = int(reply[0])
     if status == 0:
         return Queued(0, pttl_ms=int(reply[1]), finished=int(reply[2]) == 1)

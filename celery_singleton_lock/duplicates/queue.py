@@ -126,6 +126,7 @@ class QueuePolicy(Policy):
                 _record(task, request),
                 opts.queue_max,
                 QUEUE_KEEP_MS,
+                task.name,
             )
         except LOGGED_ERRORS as exc:
             logger.warning(
@@ -176,15 +177,19 @@ class QueuePolicy(Policy):
         if not length:
             return True
         keys = keys_of(key, opts.permits)
-        queued = enqueue(
-            store.run_script,
-            keys,
-            request.id,
-            int(request.retries or 0),
-            _record(task, request),
-            opts.queue_max + 1,  # its place was taken: never refused now
-            QUEUE_KEEP_MS,
-        )
+        try:
+            queued = enqueue(
+                store.run_script,
+                keys,
+                request.id,
+                int(request.retries or 0),
+                _record(task, request),
+                opts.queue_max + 1,  # its place was taken: never refused now
+                QUEUE_KEEP_MS,
+                task.name,
+            )
+        except LOGGED_ERRORS:  # the run goes on: it holds the key, the line goes on after it
+            return True
         if queued.status <= 0:
             return True
         logger.info(

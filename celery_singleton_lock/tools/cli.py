@@ -25,22 +25,21 @@ from ..core._pid import current_pid
 from ..core.admin import (
     ForceStatus,
     LockInfo,
-    Orphan,
     check_lock_key,
     force_release,
     iter_locks,
-    iter_orphans,
     read_lock,
     stale_reason,
     stats,
 )
 from ..core.backend import REDIS_ERRORS, Client
-from ..core.connection import client_for, store_for
-from ..core.keys import LockKeys, keys_of
+from ..core.connection import client_for
+from ..core.keys import keys_of
 from ..core.urls import redact_url, repr_without_password
 from ..errors import SingletonConfigError
 from ..settings.options import read_options
 from .columns import aligned, tab_separated
+from .waiting_calls import hand_on, orphaned_follow_ups, orphaned_queues, publish_pending
 
 __all__ = ["singleton"]
 
@@ -141,6 +140,7 @@ _COLUMNS = (
     "TOKEN",
     "RENEWED",
     "PENDING",
+    "QUEUE",
     "PERMIT",
     "ARGS",
     "KEY",
@@ -159,6 +159,7 @@ def _row(info: LockInfo) -> tuple[str, ...]:
         _text(info.token),
         "-" if info.ended_ms is not None else _seconds(info.renewed_s),
         _pending(info),
+        _queue(info),
         _permit(info),
         _text(info.args),
         info.key,
@@ -185,7 +186,12 @@ def _describe(info: LockInfo) -> str:
         lines.append(
             f"permit:    {info.permit} of {_text(info.permits)} (runs of this key at once)"
         )
-    if info.ended_ms is None:
+    if info.handed:  # nobody renews it until the call's message comes
+        lines.append(
+            f"state:     handed to the queued call {_text(info.owner)}: waits "
+            f"{_seconds(info.ttl_s)} more for its message"
+        )
+    elif info.ended_ms is None:
         lines.append(f"renewed:   {_ago(info.renewed_s)}")
         lines.append("state:     running")
     else:  # an at-least window: nobody renews it, it expires at the window's end
@@ -197,7 +203,19 @@ def _describe(info: LockInfo) -> str:
     if info.pending_follow_up is not None:
         who = "the run releases" if info.permit is None else "the first of the key's runs releases"
         lines.append(f"pending:   {_pending(info)} (published when {who})")
+    if info.queue_length:
+        lines.append(
+            f"queue:     {info.queue_length} calls wait, next {_text(info.queue_head)} (each "
+            "release hands the key to the next)"
+        )
     return "\n".join(lines)
+
+
+def _queue(info: LockInfo) -> str:
+    """The calls waiting in line for the key: ``<n> next=<id>``, else ``-``."""
+    if not info.queue_length:
+        return "-"
+    return f"{info.queue_length} next={_text(info.queue_head)}"
 
 
 def _pending(info: LockInfo) -> str:
@@ -270,46 +288,6 @@ def _operator() -> str:
     return f"{user}@{socket.gethostname()}:{current_pid()}"
 
 
-def _publish_pending(  # noqa: PLR0917 - the lock, its follow-up, and who let it go
-    target: _Target,
-    keys: LockKeys,
-    task_name: str | None,
-    pending: str | None,
-    reason: str,
-    releaser: str | None = None,
-) -> bool:
-    """Publish the coalesced follow-up waiting beside a lock a release or purge freed
-    (duplicates/coalesce.py): ``releaser`` is the owner of the lock released (None: an orphan's,
-    whose
-    lock is gone); a follow-up it supersedes is not published. Without the task in this app,
-    say where it stays. True when published."""
-    task = None if target.app is None else target.app.tasks.get(task_name or "")
-    if task is None:
-        click.echo(
-            f"{keys.lock}: its pending follow-up {pending} was left: task {task_name!r} is not "
-            "in this app (-A); the key's next run publishes it",
-            err=True,
-        )
-        return False
-    from ..duplicates.coalesce import publish_follow_up  # the Celery side, only when there is one
-
-    run = store_for(target.redis_url).run_script
-    try:
-        taken = publish_follow_up(task, run, keys, reason, releaser)
-    except REDIS_ERRORS as exc:
-        target.fail(exc)
-    if taken is None:
-        return False
-    if taken.superseded_by is not None:
-        click.echo(
-            f"{keys.lock}: its pending follow-up {taken.follow_up} was superseded by the newer "
-            f"run {taken.superseded_by}: not published (its result is the skip marker)"
-        )
-        return False
-    click.echo(f"{keys.lock}: published its pending follow-up {taken.follow_up}")
-    return True
-
-
 def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
     """Compare-and-delete ``info``'s lock; log and signal what happened."""
     try:
@@ -336,7 +314,10 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
         )
         if info.pending_follow_up is not None:
             keys = keys_of(info.key, info.permits or 1)
-            _publish_pending(target, keys, info.task, info.pending_follow_up, reason, info.owner)
+            publish_pending(target, keys, info.task, info.pending_follow_up, reason, info.owner)
+        if info.queue_length:
+            keys = keys_of(info.key, info.permits or 1)
+            hand_on(target, keys, info.task, info.queue_length, reason, info.owner)
     elif status is ForceStatus.CHANGED:
         logger.warning(
             "singleton: force release skipped, the lock changed hands: key=%s owner=%s",
@@ -420,39 +401,39 @@ def purge(
         if reason is not None:
             chosen.append((info, reason))
             click.echo(f"{reason}\t" + "\t".join(_row(info)))
-    orphans = [o for o in _orphans(target) if task is None or o.task == task]
+    orphans = [o for o in orphaned_follow_ups(target) if task is None or o.task == task]
     for orphan in orphans:
         click.echo(f"orphaned follow-up\t{orphan.follow_up}\t{orphan.task}\t{orphan.lock_key}")
-    if not chosen and not orphans:
+    lines = [q for q in orphaned_queues(target) if task is None or q.task == task]
+    for line in lines:
+        click.echo(f"orphaned queue\t{line.length} calls\t{line.task}\t{line.lock_key}")
+    if not chosen and not orphans and not lines:
         click.echo("nothing to purge")
         return
     if dry_run:
+        queues = f", {len(lines)} orphaned queue(s) handed on" if lines else ""
         click.echo(
             f"{len(chosen)} lock(s) would be released, {len(orphans)} orphaned follow-up(s) "
-            "published (dry run)"
+            f"published{queues} (dry run)"
         )
         return
     if not yes:
+        queues = f", hand on {len(lines)} queue(s)" if lines else ""
         click.confirm(
-            f"Force-release these {len(chosen)} lock(s), publish {len(orphans)} follow-up(s)?",
+            f"Force-release these {len(chosen)} lock(s), publish {len(orphans)} "
+            f"follow-up(s){queues}?",
             abort=True,
         )
     released = sum(_force(target, info, reason) is ForceStatus.RELEASED for info, reason in chosen)
     click.echo(f"released {released} of {len(chosen)} lock(s)")
     if orphans:
         published = sum(
-            _publish_pending(target, keys_of(o.lock_key, o.permits), o.task, o.follow_up, "purge")
+            publish_pending(target, keys_of(o.lock_key, o.permits), o.task, o.follow_up, "purge")
             for o in orphans
         )
         click.echo(f"published {published} of {len(orphans)} orphaned follow-up(s)")
-
-
-def _orphans(target: _Target) -> list[Orphan]:
-    """Pending follow-ups whose lock is gone (an expired lock nobody released)."""
-    try:
-        return list(iter_orphans(target.client, target.prefix))
-    except REDIS_ERRORS as exc:
-        target.fail(exc)
+    for line in lines:  # each says where its calls went, or that they stay
+        hand_on(target, keys_of(line.lock_key, line.permits), line.task, line.length, "purge")
 
 
 @singleton.command(name="stats")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ from tests.support.basic_app import close_app, history_key, make_app
 from tests.support.history import check_history, load_history
 from tests.support.queue_app import order_key
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
+from tests.support.workers import REPO_ROOT, WorkerFactory, WorkerProcess
 
 QUEUE_APP = "tests.support.queue_app"
 
@@ -239,3 +241,134 @@ def test_a_full_queue_refuses_the_call(
     assert [w.get(timeout=20)["payload"] for w in waiting] == ["c0", "c1"]
     logs = "".join(w.log_text() for w in workers)
     assert f"singleton: queue full, raised: q.short[{refused.id}]" in logs
+
+
+def _cli(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.support.queue_app singleton <args>`` as a real process."""
+    env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", QUEUE_APP, "singleton", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.slow(seconds=10)
+def test_the_cli_shows_the_queue_and_a_release_hands_the_key_to_the_next_call(
+    bed: tuple[Celery, list[WorkerProcess]],
+    client: redis.Redis,
+    module_prefix: str,
+    redis_url: str,
+) -> None:
+    """``list`` and ``show`` give the queue's length and its next call; a forced ``release``
+    of the holder's lock hands the key to that call (it runs, the holder still running, as the
+    operator asked), and says so; the calls behind it go on in order."""
+    app, workers = bed
+    key = _key()
+    lock = _lock(module_prefix, "q.line", key)
+    holder = app.send_task("q.line", (key, "holder", -1))
+    _started(client, module_prefix, key, workers)
+    calls = []
+    for i in range(2):
+        calls.append(app.send_task("q.line", (key, f"c{i}", 0.1)))
+        wait_for(lambda n=i + 1: _queued(client, lock) >= n, 10, f"call {i} queued", *workers)
+    listed = _cli(redis_url, module_prefix, "list")
+    row = next(line for line in listed.stdout.splitlines() if lock in line)
+    assert f"2 next={calls[0].id}" in row, listed.stdout
+    shown = _cli(redis_url, module_prefix, "show", lock)
+    assert f"queue:     2 calls wait, next {calls[0].id}" in shown.stdout, shown.stdout
+    released = _cli(redis_url, module_prefix, "release", lock, "--yes")
+    assert released.returncode == 0, released.stderr
+    assert f"{lock}: handed to the next queued call; 1 wait behind it" in released.stdout
+    assert [c.get(timeout=30)["payload"] for c in calls] == ["c0", "c1"]
+    client.rpush(f"{key}:go", 1)
+    holder.get(timeout=20)  # its own release finds the lock another's: left alone
+    _released(client, lock, workers)
+
+
+@pytest.mark.slow(seconds=10)
+def test_purge_hands_on_a_queue_whose_lock_expired(
+    bed: tuple[Celery, list[WorkerProcess]],
+    client: redis.Redis,
+    module_prefix: str,
+    redis_url: str,
+) -> None:
+    """A queue whose holder was lost with its node (the lock gone, no later call): ``purge``
+    finds it and hands the key to its next call; the calls run in order."""
+    app, workers = bed
+    key = _key()
+    lock = _lock(module_prefix, "q.line", key)
+    holder = app.send_task("q.line", (key, "holder", -1))
+    _started(client, module_prefix, key, workers)
+    calls = []
+    for i in range(2):
+        calls.append(app.send_task("q.line", (key, f"c{i}", 0.1)))
+        wait_for(lambda n=i + 1: _queued(client, lock) >= n, 10, f"call {i} queued", *workers)
+    client.delete(lock)  # as if it expired: its node died
+    dry = _cli(redis_url, module_prefix, "purge", "--dry-run")
+    assert f"orphaned queue\t2 calls\tq.line\t{lock}" in dry.stdout, dry.stdout
+    purged = _cli(redis_url, module_prefix, "purge", "--yes")
+    assert f"{lock}: handed to the next queued call; 1 wait behind it" in purged.stdout
+    assert [c.get(timeout=30)["payload"] for c in calls] == ["c0", "c1"]
+    client.rpush(f"{key}:go", 1)
+    holder.get(timeout=20)
+    _released(client, lock, workers)
+
+
+@pytest.fixture(scope="module")
+def pool_workers(
+    bed: tuple[Celery, list[WorkerProcess]],
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+    module_prefix: str,
+) -> Iterator[dict[str, WorkerProcess]]:
+    """A threads worker and a gevent worker, each on a queue of its own."""
+    app, _ = bed
+    factory = WorkerFactory(
+        Path(tmp_path_factory.mktemp("queue-pools")),
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
+    )
+    main = app.conf.task_default_queue
+    try:
+        started = {
+            pool: factory.start(
+                QUEUE_APP, pool=pool, concurrency=4, extra_args=("-Q", f"{main}-{pool}")
+            )
+            for pool in ("threads", "gevent")
+        }
+        for worker in started.values():
+            worker.wait_ready(app)
+        yield started
+    finally:
+        factory.close()
+
+
+@pytest.mark.slow(seconds=6)
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_a_burst_keeps_its_order_in_the_threads_and_gevent_pools(
+    bed: tuple[Celery, list[WorkerProcess]],
+    pool_workers: dict[str, WorkerProcess],
+    client: redis.Redis,
+    module_prefix: str,
+    pool: str,
+) -> None:
+    app, _ = bed
+    worker = pool_workers[pool]
+    queue = f"{app.conf.task_default_queue}-{pool}"
+    key = _key()
+    lock = _lock(module_prefix, "q.line", key)
+    holder = app.send_task("q.line", (key, "holder", -1), queue=queue)
+    _started(client, module_prefix, key, [worker])
+    calls = []
+    for i in range(5):
+        calls.append(app.send_task("q.line", (key, f"c{i}", 0.05), queue=queue))
+        wait_for(lambda n=i + 1: _queued(client, lock) >= n, 10, f"call {i} queued", worker)
+    client.rpush(f"{key}:go", 1)
+    holder.get(timeout=20)
+    assert [c.get(timeout=30)["payload"] for c in calls] == [f"c{i}" for i in range(5)]
+    assert _order(client, module_prefix, key) == ["holder", *(f"c{i}" for i in range(5))]
+    _released(client, lock, [worker])

@@ -3,14 +3,16 @@
 -- after the release that would have handed the key to it (queue_release.lua).
 --
 -- KEYS[1]   the key's queue: a sorted set, member a waiting call's task id, score its place
--- KEYS[2]   the queued calls (same hash slot): a hash, task id -> '<retries>|<record>', and
---           field '#' the last place given
+-- KEYS[2]   the queued calls (same hash slot): a hash, task id -> '<retries>|<record>', field
+--           '#' the last place given, fields 'task' (the latest call's task name) and
+--           'slots' (how many slots the key has)
 -- KEYS[3..] the lock (a hash written by acquire.lua), or the N permit slots of the key
 -- ARGV[1]   the call's task id
 -- ARGV[2]   its retries count
 -- ARGV[3]   its record (opaque bytes: what publishing it again needs)
 -- ARGV[4]   the most calls the queue holds
 -- ARGV[5]   keep the queue this long past the longest-held slot's expiry, ms
+-- ARGV[6]   the call's task name (what a CLI purge hands an orphaned queue on with)
 -- return    {1, place}             queued, place in line (1: next)
 --           {2, place}             already queued (a copy of its message): nothing written
 --           {0, pttl_ms, finished} not queued: a slot is free (pttl -2), or an at-least window
@@ -40,7 +42,8 @@ if length >= tonumber(ARGV[4]) then
 end
 local place = redis.call('HINCRBY', KEYS[2], '#', 1)
 redis.call('ZADD', KEYS[1], place, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. '|' .. ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. '|' .. ARGV[3], 'task', ARGV[6],
+  'slots', #KEYS - 2)
 local keep = longest + tonumber(ARGV[5])
 for i = 1, 2 do
   if redis.call('PTTL', KEYS[i]) < keep then
