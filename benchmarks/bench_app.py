@@ -94,6 +94,10 @@ DEBOUNCE = "bench.debounce"
 SCOPED = "bench.scoped"
 ACKED_LATE = "bench.acked_late"
 PERMITS = "bench.permits"
+QUEUE_BURST = "bench.queue_burst"
+RETRY_BURST = "bench.retry_burst"
+#: the list each run of a burst appends ``<payload> <start µs> <end µs>`` to (server clock)
+BURST_RUNS_KEY = "bench-burst-runs:"
 MEM_SINGLETON = "bench.mem_singleton"
 MEM_CELERY_SINGLETON = "bench.mem_celery_singleton"
 MEM_CELERY_ONCE = "bench.mem_celery_once"
@@ -400,3 +404,41 @@ COUNTED_ONLY: dict[str, Any] = {
     "SingletonTask with singleton_permits=3": permits,
     "SingletonTask with coalesce (no duplicate)": coalesce,
 }
+
+
+def _burst_run(key: str, payload: int, seconds: float) -> None:
+    """One run of a burst's key: its start and end on the server's clock, appended in order.
+    The first call (payload 0) holds the key until the bench pushes to ``<key>:go``."""
+    if _counted.client is None:
+        _counted.client = redis.Redis.from_url(app.conf.broker_url)
+    client = _counted.client
+    start = client.time()
+    if payload == 0:  # the burst's holder: until every other call reached the key
+        client.blpop([BURST_RUNS_KEY + key + ":go"], timeout=60)
+    else:
+        time.sleep(seconds)
+    end = client.time()
+    started, ended = start[0] * 1_000_000 + start[1], end[0] * 1_000_000 + end[1]
+    client.rpush(BURST_RUNS_KEY + key, f"{payload} {started} {ended}")
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=QUEUE_BURST,
+    base=SingletonTask,
+    singleton_key_args=("key",),
+    singleton_on_duplicate="queue",
+    ignore_result=True,
+)
+def queue_burst(key: str, payload: int, seconds: float = 0.05) -> None:
+    _burst_run(key, payload, seconds)
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=RETRY_BURST,
+    base=SingletonTask,
+    singleton_key_args=("key",),
+    singleton_on_duplicate="retry",
+    singleton_retry_countdown=0.5,
+)
+def retry_burst(key: str, payload: int, seconds: float = 0.05) -> None:
+    _burst_run(key, payload, seconds)

@@ -46,6 +46,7 @@ SECTIONS = (
     "child_loss",
     "rejections",
     "memory",
+    "queue_burst",
 )
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
@@ -311,6 +312,11 @@ class Runner:
         sizes = self.sizes
         args = ["--calls", str(sizes.rejections), "--repeat", str(sizes.task_repeats)]
         for table in _in_own_process("benchmarks.rejections", args):
+            self.show(table)
+
+    def queue_burst(self) -> None:
+        args = ["--repeat", str(max(1, self.sizes.task_repeats))]
+        for table in _in_own_process("benchmarks.queue_burst", args):
             self.show(table)
 
     def memory(self) -> None:

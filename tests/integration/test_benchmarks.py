@@ -95,3 +95,30 @@ def test_the_rate_check_adds_no_round_trip() -> None:
     assert trips[rate.OURS_LOCK_RATE] == trips[rate.OURS_LOCK] == 2
     assert trips[rate.OURS_RATE] == trips[rate.OURS_OVER] == 1
     assert trips[rate.HEIMDALL] == 2
+
+
+@pytest.mark.slow(seconds=25)
+def test_the_queue_burst_keeps_arrival_order_and_polls_nothing(tmp_path: Path) -> None:
+    """Section 9: under "queue" every call of the burst runs in the order it reached the key,
+    and each sends two messages in all (its own, and its turn's), none to poll; "retry" polls."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "benchmarks.run", "--quick", "--no-plot", "--only", "queue_burst"),
+            *("--json", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (table,) = json.loads(out.read_text())["tables"]
+    order = _column(table, "runs in the order sent (of 20)")
+    messages = _column(table, "broker messages per call")
+    queue, retry = '"queue"', '"retry" (countdown 0.5 s)'
+    assert order[queue] == "20 to 20", order
+    assert messages[queue] == 2.0, messages
+    assert messages[retry] > messages[queue], messages
