@@ -40,6 +40,7 @@ __all__ = [
     "queue_full",
     "rate_limited",
     "redelivery_dropped",
+    "stop_asked",
 ]
 
 lock_acquired = Signal(name="singleton_lock_acquired")
@@ -55,6 +56,7 @@ duplicate_raised = Signal(name="singleton_duplicate_raised")
 duplicate_joined = Signal(name="singleton_duplicate_joined")
 duplicate_queued = Signal(name="singleton_duplicate_queued")
 queue_full = Signal(name="singleton_queue_full")
+stop_asked = Signal(name="singleton_stop_asked")
 duplicate_not_published = Signal(name="singleton_duplicate_not_published")
 redelivery_dropped = Signal(name="singleton_redelivery_dropped")
 rate_limited = Signal(name="singleton_rate_limited")

@@ -156,6 +156,8 @@ class RenewStatus(enum.IntEnum):
     RENEWED = 1
     GONE = 0
     TAKEN = -1
+    #: renewed, and a newer call asked the holder to stop (``singleton_on_duplicate="cancel"``)
+    STOP_ASKED = 2
 
 
 class ReleaseStatus(enum.IntEnum):

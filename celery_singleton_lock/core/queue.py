@@ -24,6 +24,9 @@ Four scripts, each one round trip, each given the lock's key or a permit slot's:
 - ``queue_pass.lua`` (:func:`pass_to_next`) does the same when no run's end does: a lock that
   is free (its run lost) or that waits for a queued call that will not run (revoked, expired).
 - ``queue_put_back.lua`` (:func:`put_back`) returns a handed-over call whose publish failed.
+- ``supersede.lua`` (:func:`supersede`): latest wins (``"cancel"``): a newer call takes the
+  place of every waiting call, and asks the run holding the key to stop (the lock's field
+  ``cancel``, which ``renew.lua`` reports to the holder).
 
 The queue outlives the lock by the keep its caller gives, so calls waiting behind a run whose
 node died stay for whoever takes the key next, or a CLI purge. Knows nothing of Celery.
@@ -49,6 +52,7 @@ __all__ = [
     "put_back",
     "queue_keys",
     "release_to_next",
+    "supersede",
     "waiting",
 ]
 
@@ -109,6 +113,33 @@ def enqueue(  # noqa: PLR0917 - the key, the call, and the queue's bounds
     if status == 0:
         return Queued(0, pttl_ms=int(reply[1]), finished=int(reply[2]) == 1)
     return Queued(status, int(reply[1]))
+
+
+def supersede(  # noqa: PLR0917 - the key, the newer call, and what it does
+    run: Run,
+    lock_key: str,
+    task_id: str,
+    retries: int,
+    record: bytes,
+    keep_ms: int,
+    task_name: str,
+    *,
+    wait: bool,
+) -> tuple[int, list[Handed]]:
+    """Latest wins (``supersede.lua``): the newer call ``task_id`` takes the place of every call
+    waiting for ``lock_key`` and, with ``wait``, waits itself and asks the holder to stop.
+    ``(1, superseded)``; ``(0, [])`` with ``wait`` when the key is free (nothing written)."""
+    queue, calls = queue_keys(lock_key)
+    args = [3, queue, calls, lock_key, task_id, int(retries), record, max(0, int(keep_ms))]
+    reply = run(script("supersede.lua"), [*args, task_name, "wait" if wait else "run"])
+    if int(reply[0]) != 1:
+        return 0, []
+    superseded = []
+    for i in range(1, len(reply), 2):
+        value = reply[i + 1] if isinstance(reply[i + 1], bytes) else str(reply[i + 1]).encode()
+        retries_text, _, body = value.partition(b"|")
+        superseded.append(Handed(as_text(reply[i]), int(retries_text), body))
+    return 1, superseded
 
 
 def release_to_next(  # noqa: PLR0917 - release.lua's arguments, and the hand-over's

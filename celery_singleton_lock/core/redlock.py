@@ -111,7 +111,7 @@ class RedlockStore(RedlockAcquire):
             for j, item in enumerate(items):
                 ident = (item.key, item.owner, item.generation)
                 per_master = [answer[j] for answer in answers]
-                renewed = per_master.count(RenewStatus.RENEWED)
+                renewed = per_master.count(RenewStatus.RENEWED)  # "cancel" refuses Redlock
                 drift_ms = self.drift_ms(item.ttl_ms)
                 if renewed >= self.quorum and item.ttl_ms - elapsed_ms - drift_ms > 0:
                     self._valid_until[ident] = start + (item.ttl_ms - drift_ms) / 1000

@@ -64,6 +64,8 @@ class HeldLock:
     acquired_at: float
     max_hold_s: float | None = None
     lost: bool = False
+    #: a renewal found that a newer call asked this run to stop (RenewStatus.STOP_ASKED)
+    stop_asked: bool = False
     renewals: int = 0
     context: Any = field(default=None, repr=False)
     ending: Ending | None = field(default=None, repr=False)
@@ -373,6 +375,11 @@ class Renewer:
             return self.error_retry_s
         self.round_trips += 1
         renewed = RenewStatus.RENEWED
+        if RenewStatus.STOP_ASKED in statuses:  # renewed, and a newer call asks the run to stop
+            for index, status in enumerate(statuses):
+                if status is RenewStatus.STOP_ASKED:
+                    held[index].stop_asked = True  # the run reads it when it checks
+                    statuses[index] = renewed
         for h, status in zip(held, statuses, strict=True):
             if status is renewed:
                 interval = h.interval

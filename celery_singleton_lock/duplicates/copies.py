@@ -74,13 +74,21 @@ _CARRIED = (DEBOUNCE_HEADER,)
 
 
 def publish_copy(
-    task: Task, request: Context, countdown: float, headers: Mapping[str, Any] | None = None
+    task: Task,
+    request: Context,
+    countdown: float,
+    headers: Mapping[str, Any] | None = None,
+    *,
+    task_id: str | None = None,
 ) -> None:
     """Publish a copy of the message of ``request``, due in ``countdown`` seconds, with
-    ``headers`` added to the ones it keeps. Raises what publishing raises."""
+    ``headers`` added to the ones it keeps (under another ``task_id``, if given: a message of
+    the library's own that never runs the body). Raises what publishing raises."""
     extra = {name: request.get(name) for name in _CARRIED if request.get(name) is not None}
     extra.update(headers or {})
     options: dict[str, Any] = {"countdown": countdown, **copy_options(request)}
+    if task_id is not None:
+        options["task_id"] = task_id
     if extra:  # else Celery's own copy of the request's headers (x-death filtered out)
         options["headers"] = {**(request.headers or {}), **extra}
     task.signature_from_request(request, **options).apply_async()

@@ -191,6 +191,10 @@ class Policy(Part):
     #: its runs' ends owe calls that wait beside the key (a follow-up, joiners): every task of a
     #: scope must then use it, or a run of another policy would leave them waiting
     owes_waiting_calls: ClassVar[bool] = False
+    #: under publish-time dedup, a newer call takes the place of an older one still in the
+    #: broker's queue (it is published, the older revoked), and is published while a run holds
+    #: the key (it meets the run on the worker)
+    replaces_queued: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

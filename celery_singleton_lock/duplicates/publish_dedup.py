@@ -48,6 +48,7 @@ class PublishDedup(Part):
             send,
             refuses=policy.refuses_at_publish,
             publishes_canvas=policy.publishes_canvas,
+            replaces=policy.replaces_queued,
         )
 
     def on_decided(self, task: Any, task_id: str, keys: LockKeys, fate: Fate) -> None:

@@ -301,11 +301,14 @@ def publish(  # noqa: PLR0917 - the task, its call, and Celery's own publish
     *,
     refuses: bool,
     publishes_canvas: bool,
+    replaces: bool = False,
 ) -> Any:
     """Publish unless the lock is held or the same call is queued; return the AsyncResult.
     ``send(args, kwargs, task_id, **options)`` is Celery's own apply_async. ``refuses``: a
     duplicate raises (the policy's ``refuses_at_publish``); ``publishes_canvas``: a call that
-    starts a canvas of its own is always published (its ``publishes_canvas``)."""
+    starts a canvas of its own is always published (its ``publishes_canvas``); ``replaces``: the
+    call takes the place of a queued one, which is revoked, and is published while a run holds
+    the key (latest wins: the policy's ``replaces_queued``)."""
     if (
         task.app.conf.task_always_eager
         or (task_id is not None and task_id == task.request.id)
@@ -340,6 +343,10 @@ def publish(  # noqa: PLR0917 - the task, its call, and Celery's own publish
             extra=about(task.name, task_id),
         )
         return send(args, kwargs, task_id, **options)
+    if found is not None and replaces:
+        found = _replace(task, run, keys, task_id, ttl_ms, found)
+        if found is None or found.state == "running":  # a run: the call asks it to stop
+            return send(args, kwargs, task_id, **options)
     if found is None:
         try:
             return send(args, kwargs, task_id, **options)
@@ -348,6 +355,27 @@ def publish(  # noqa: PLR0917 - the task, its call, and Celery's own publish
             raise
     holder = not_published(task, task.name, refuses, keys.lock, task_id, found)
     return task.AsyncResult(holder)
+
+
+def _replace(  # noqa: PLR0917 - the call, and what it found
+    task: Task, run: RunScript, keys: LockKeys, task_id: str, ttl_ms: int, found: Queued
+) -> Queued | None:
+    """Latest wins: take the queued marker over from the older call it names, and revoke that
+    call's message (it never runs); None when taken. A run holding the key is left as found."""
+    if found.state != "queued":
+        return found
+    taken = mark_queued(run, keys, task_id, ttl_ms, lambda holder: True, Unfinished(trust_s=0))
+    if taken is None:
+        task.app.control.revoke(found.holder)
+        task_logger.info(
+            "singleton: queued call replaced by a newer one, revoked: %s[%s] key=%s by=%s",
+            task.name,
+            found.holder,
+            keys.lock,
+            task_id,
+            extra=about(task.name, task_id),
+        )
+    return taken
 
 
 def forget(task: Task, task_id: str, keys: LockKeys, reason: str) -> None:

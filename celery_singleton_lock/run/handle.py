@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
+from celery.exceptions import Ignore, TaskRevokedError
+
+from ..core._wire import as_text
+from ..core.connection import store_for
 from ..core.renewer import HeldLock, Renewer
+from .log import LOGGED_ERRORS, about, logger
+from .task_events import run_sink
 
-__all__ = ["NOT_HELD", "LockHandle", "handle_of"]
+__all__ = ["NOT_HELD", "Cancelled", "LockHandle", "handle_of"]
+
+
+class Cancelled(Ignore):  # type: ignore[misc]
+    """How a run that a newer call asked to stop ends (``LockHandle.end_cancelled``): its
+    result stored ``REVOKED`` first, then acknowledged, nothing more stored, no link called."""
 
 
 class LockHandle:
@@ -45,6 +56,46 @@ class LockHandle:
     def lost(self) -> bool:
         """True once a renewal found the lock gone or taken, or max_hold stopped renewing it."""
         return self._held is not None and self._held.lost
+
+    @property
+    def cancelled(self) -> bool:
+        """True once a newer call of the key asked this run to stop
+        (``singleton_on_duplicate="cancel"``): seen at the run's next renewal, at most a third of
+        the ttl after the newer call reached a worker, with no round trip of its own. The run
+        decides what to do: :meth:`end_cancelled` ends it."""
+        return self._held is not None and self._held.stop_asked
+
+    def end_cancelled(self) -> NoReturn:
+        """End this run as cancelled: its state ``REVOKED``, its result
+        ``TaskRevokedError("cancelled: superseded by <newer task id>")``, no link called, its
+        chain stopped (as Celery ends a revoked task); the release hands the key to the newer
+        call. Raises; call it from the task's body."""
+        held = self._held
+        task = None if held is None else held.context
+        if held is None or task is None or self.task_id is None:
+            raise RuntimeError("end_cancelled() needs a run that holds its lock")
+        newer = "a newer call"
+        try:
+            found = store_for(task.singleton_options().redis_url).client.hget(held.key, "cancel")
+        except LOGGED_ERRORS:
+            found = None
+        if found is not None:
+            newer = as_text(found)
+        reason = f"cancelled: superseded by {newer}"
+        task.backend.mark_as_revoked(self.task_id, reason, request=task.request)
+        logger.info(
+            "singleton: run cancelled, a newer call takes the key: %s[%s] key=%s by=%s",
+            task.name,
+            self.task_id,
+            self.key,
+            newer,
+            extra=about(task.name, self.task_id),
+        )
+        send_events = run_sink(task)
+        if send_events is not None:  # Flower: REVOKED, as for Celery's own revoke
+            fields = {"terminated": False, "signum": None, "expired": False}
+            send_events([("task-revoked", self.task_id, fields)])
+        raise Cancelled(TaskRevokedError(reason))
 
     @property
     def renewals(self) -> int:

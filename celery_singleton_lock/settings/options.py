@@ -142,6 +142,8 @@ class Options:
     rate_limit: tuple[int, int] | None = None
     #: under ``"queue"``: the most calls one key's queue holds
     queue_max: int = 1000
+    #: under ``"cancel"``: seconds until a holder asked to stop is terminated (None: never)
+    cancel_grace: float | None = None
 
     #: None when read without a task (the banner): it depends on the task's acks_late
     completion_ttl: float | None = None

@@ -44,7 +44,7 @@ __all__ = [
     "permits_text",
 ]
 
-POLICIES = ("skip", "retry", "raise", "coalesce", "join", "queue")
+POLICIES = ("skip", "retry", "raise", "coalesce", "join", "queue", "cancel")
 LOCK_ON = ("execute", "publish")
 #: Old values of ``lock_on`` -> the value each is read as (with a DeprecationWarning): "both"
 #: never differed from "publish" (the run takes its lock on the worker under both)
@@ -315,9 +315,11 @@ SETTINGS: dict[str, Setting] = {
             '"raise" (fail with DuplicateTaskError), "coalesce" (finish at once like a skip; '
             "all duplicates met while one run holds the lock collapse into one follow-up run "
             "with the latest duplicate's arguments, published when the lock is released), "
-            '"join" (finish with the outcome of the run it met: its value, or its failure) or '
+            '"join" (finish with the outcome of the run it met: its value, or its failure), '
             '"queue" (wait in line, in no worker slot: every call runs, one at a time, in the '
-            "order it reached the key; each release hands the key to the next).",
+            'order it reached the key; each release hands the key to the next) or "cancel" '
+            "(latest wins: ask the running holder to stop, and run after its release; older "
+            "waiting calls end as skips naming the newest).",
         ),
         Setting(
             "queue_max",
@@ -325,6 +327,15 @@ SETTINGS: dict[str, Setting] = {
             _queue_max,
             'Under "queue": the most calls one key\'s queue holds. A call over it is refused as '
             '"raise" refuses a duplicate (DuplicateTaskError: the queue is full).',
+        ),
+        Setting(
+            "cancel_grace",
+            None,
+            _optional_positive,
+            'Under "cancel": seconds after a holder was asked to stop until it is ended with '
+            "Celery's revoke(terminate=True), if it has not stopped (prefork, gevent and eventlet "
+            "pools; a solo or threads worker refuses it at start). None: the holder is only "
+            "asked (self.singleton.cancelled), never ended.",
         ),
         Setting(
             "on_redis_error",

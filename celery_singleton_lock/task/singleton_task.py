@@ -55,10 +55,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: once, its result the skip marker), ``"retry"`` (requeued until it gets the key),
     #: ``"raise"`` (fails with DuplicateTaskError), ``"coalesce"`` (ends like a skip; the
     #: duplicates met during one run collapse into one follow-up run), ``"join"`` (ends with
-    #: the outcome of the run it met) or ``"queue"`` (waits in line; every call runs, in order).
+    #: the outcome of the run it met), ``"queue"`` (waits in line; every call runs, in order) or
+    #: ``"cancel"`` (latest wins: asks the running holder to stop, and runs after it).
     singleton_on_duplicate: ClassVar[str | None] = None
     #: Under ``"queue"``: the most calls one key's queue holds (default 1000).
     singleton_queue_max: ClassVar[int | None] = None
+    #: Under ``"cancel"``: seconds until a holder asked to stop is terminated (None: never).
+    singleton_cancel_grace: ClassVar[float | None] = None
     #: What a run does when Redis cannot be asked: ``"fail"`` (requeued) or ``"run"``.
     singleton_on_redis_error: ClassVar[str | None] = None
     #: The names of the arguments that make the key (None: all of them).

@@ -72,6 +72,7 @@ OUTCOMES: dict[str, str] = {
     "duplicate_joined": "joined",
     "duplicate_queued": "queued",
     "queue_full": "queue_full",
+    "stop_asked": "stop_asked",
     "rate_limited": "rate_limited",
     "redelivery_dropped": "redelivery_dropped",
 }

@@ -71,7 +71,7 @@ from ..settings.table import permits_text
 from ..task.endings import after_run, end_lost, release_lost, withdraw
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
-from .pools import check_pool, worker_pool_of
+from .pools import check_cancel_grace, check_pool, worker_pool_of
 from .reaper import ChildReaper
 from .scopes import check_scopes
 
@@ -320,6 +320,7 @@ def _check_and_announce(
                 check_key_args(task.run, task.singleton_options().key_args)
             check_scopes(tasks)
             check_pool(worker_pool_of(app.conf, options or {}))
+            check_cancel_grace(tasks, worker_pool_of(app.conf, options or {}))
             banner = banner_lines(app.conf, tasks)  # reads the app-wide settings too
     except SingletonConfigError as exc:
         raise SystemExit(f"celery_singleton_lock: invalid setting: {exc}") from None

@@ -21,7 +21,7 @@ See docs/deployments.md, "Worker pools".
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery.concurrency import ALIASES
@@ -29,7 +29,14 @@ from celery.concurrency import ALIASES
 from ..errors import SingletonConfigError
 from ..task.tracer import follows_threading_local
 
-__all__ = ["GREEN_POOLS", "check_pool", "pool_module", "worker_pool_of"]
+__all__ = [
+    "GREEN_POOLS",
+    "TERMINATING_POOLS",
+    "check_cancel_grace",
+    "check_pool",
+    "pool_module",
+    "worker_pool_of",
+]
 
 #: The green pools, by the module of their TaskPool: the name ``-P`` takes.
 GREEN_POOLS = {"celery.concurrency.gevent": "gevent", "celery.concurrency.eventlet": "eventlet"}
@@ -69,6 +76,26 @@ def check_pool(pool: Any) -> None:
         f"is not patched by Celery): start the worker with `celery worker -P {name}`, or "
         f"monkey-patch first thing in the program that starts it"
     )
+
+
+#: The pools whose runs Celery's ``revoke(terminate=True)`` can end, by their TaskPool's module.
+TERMINATING_POOLS = frozenset(
+    {"celery.concurrency.prefork", "celery.concurrency.gevent", "celery.concurrency.eventlet"}
+)
+
+
+def check_cancel_grace(tasks: Iterable[Any], pool: Any) -> None:
+    """Raise :class:`SingletonConfigError` when a task has ``singleton_cancel_grace`` (a holder
+    that does not stop is terminated) and ``pool`` cannot terminate a run (solo, threads)."""
+    if pool_module(pool) in TERMINATING_POOLS:
+        return
+    for task in tasks:
+        if task.singleton_options().cancel_grace is not None:
+            raise SingletonConfigError(
+                f"singleton_cancel_grace (task {task.name}) needs a pool that can terminate a "
+                f"run (prefork, gevent or eventlet), got {pool_module(pool).rpartition('.')[2]}"
+                ": drop the setting (the holder is still asked to stop) or change the pool"
+            )
 
 
 def _patched(name: str) -> bool:

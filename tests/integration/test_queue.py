@@ -336,7 +336,11 @@ def pool_workers(
     try:
         started = {
             pool: factory.start(
-                QUEUE_APP, pool=pool, concurrency=4, extra_args=("-Q", f"{main}-{pool}")
+                QUEUE_APP,
+                pool=pool,
+                concurrency=4,
+                extra_args=("-Q", f"{main}-{pool}"),
+                env={"SINGLETON_TEST_TERMINATES": "1" if pool == "gevent" else "0"},
             )
             for pool in ("threads", "gevent")
         }

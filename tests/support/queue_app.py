@@ -93,3 +93,68 @@ def after(self: Any, value: Any, tag: str = "") -> Any:
     client = _client(app.conf.singleton_test_redis_url)
     client.rpush(app.conf.singleton_test_prefix + "after", f"{tag}:{value['payload']}")
     return value
+
+
+def _until_cancelled(task: Any, key: str, payload: Any, stop: bool, budget: float) -> Any:
+    """Record the run; wait (at most ``budget`` s) for a newer call's stop request, noting when
+    it was seen; then end cancelled (``stop``) or finish."""
+    client = _client(app.conf.singleton_test_redis_url)
+    prefix = app.conf.singleton_test_prefix
+    hkey = history_key(prefix)
+    token = task.singleton.fencing_token
+    exec_id = record_start(client, hkey, key, token, str(task.request.hostname), os.getpid())
+    client.rpush(order_key(prefix, key), str(payload))
+    deadline = time.monotonic() + budget
+    while not task.singleton.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if task.singleton.cancelled:
+        seconds, micros = client.time()
+        client.rpush(f"{prefix}seen:{key}", f"{payload} {int(seconds) * 1_000_000 + int(micros)}")
+    record_end(client, hkey, exec_id)
+    if stop and task.singleton.cancelled:
+        task.singleton.end_cancelled()
+    return {"payload": payload, "cancelled": task.singleton.cancelled}
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="q.latest",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="cancel",
+)
+def latest(
+    self: Any, key: str, payload: Any = None, stop: bool = True, budget: float = 20.0
+) -> Any:
+    """Runs until a newer call of ``key`` asks it to stop (then ends cancelled, with ``stop``),
+    or ``budget`` seconds."""
+    return _until_cancelled(self, key, payload, stop, budget)
+
+
+if os.environ.get("SINGLETON_TEST_TERMINATES", "1") == "1":  # a solo or threads worker: "0"
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        name="q.latest_hard",
+        singleton_key_args=("key",),
+        singleton_on_duplicate="cancel",
+        singleton_cancel_grace=1.0,
+    )
+    def latest_hard(self: Any, key: str, payload: Any = None, seconds: float = 30.0) -> Any:
+        """Never checks for a stop request: a newer call's stop check terminates it after 1 s
+        (a worker whose pool cannot terminate a run refuses it at start)."""
+        return _run(self, key, seconds, payload)
+
+
+@app.task(
+    bind=True,
+    base=SingletonTask,
+    name="q.latest_publish",
+    singleton_key_args=("key",),
+    singleton_on_duplicate="cancel",
+    singleton_lock_on="publish",
+)
+def latest_publish(self: Any, key: str, payload: Any = None, seconds: float = 0.0) -> Any:
+    """``q.latest`` deduplicated at publish too: a newer call replaces a queued one."""
+    return _run(self, key, seconds, payload)

@@ -40,7 +40,7 @@ def _decide(outcome: object, policy: str, call: Call = CALL, **more: object) -> 
     return decide(outcome, call, opts, policies()[policy])  # type: ignore[arg-type]
 
 
-ALL = ["skip", "retry", "raise", "coalesce", "join", "queue"]
+ALL = ["skip", "retry", "raise", "coalesce", "join", "queue", "cancel"]
 
 
 @pytest.mark.parametrize("policy", ALL)
@@ -75,6 +75,7 @@ def test_redis_down_is_by_on_redis_error(policy: str) -> None:
         ("coalesce", Fate.POLICY, Fate.POLICY),
         ("join", Fate.POLICY, Fate.RAISE),
         ("queue", Fate.POLICY, Fate.RAISE),
+        ("cancel", Fate.POLICY, Fate.RAISE),
     ],
 )
 def test_a_duplicate_meets_its_policy(policy: str, fate: Fate, eager_fate: Fate) -> None:

@@ -10,11 +10,13 @@
 --               redelivered copy of the message, same owner and generation, is another run)
 -- return        {i, status, ...} for the locks NOT renewed only (an empty list when all were):
 --               status 0 gone (or an at-least window: its run released it), -1 held by
---               another run. A window (field 'ended') is never written to
+--               another run; and 2 for a lock renewed whose holder a newer call asked to stop
+--               (field 'cancel', singleton_on_duplicate="cancel"). A window (field 'ended') is
+--               never written to
 local result = {}
 local ttl = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local held = redis.call('HMGET', KEYS[i], 'owner', 'gen', 'token', 'ended')
+  local held = redis.call('HMGET', KEYS[i], 'owner', 'gen', 'token', 'ended', 'cancel')
   local token = ARGV[3 * i + 1]
   if not held[1] or held[4] then
     result[#result + 1] = i
@@ -23,6 +25,10 @@ for i = 1, #KEYS do
       and (token == '' or held[3] == token) then
     if redis.call('PTTL', KEYS[i]) < ttl then
       redis.call('PEXPIRE', KEYS[i], ttl)
+    end
+    if held[5] then
+      result[#result + 1] = i
+      result[#result + 1] = 2
     end
   else
     result[#result + 1] = i
