@@ -47,6 +47,7 @@ SECTIONS = (
     "rejections",
     "memory",
     "queue_burst",
+    "cancel_cost",
 )
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "performance.png"
 
@@ -317,6 +318,11 @@ class Runner:
     def queue_burst(self) -> None:
         args = ["--repeat", str(max(1, self.sizes.task_repeats))]
         for table in _in_own_process("benchmarks.queue_burst", args):
+            self.show(table)
+
+    def cancel_cost(self) -> None:
+        rounds = 10 if self.sizes.task_repeats < 5 else 50
+        for table in _in_own_process("benchmarks.cancel_cost", ["--rounds", str(rounds)]):
             self.show(table)
 
     def memory(self) -> None:
