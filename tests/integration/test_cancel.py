@@ -11,24 +11,23 @@ The lock ttl is 2 s: a renewal every 0.67 s.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 from celery.exceptions import TaskRevokedError
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.keys import derive_keys, queued_key
 from celery_singleton_lock.core.queue import queue_keys
 from tests.support.basic_app import close_app, history_key, make_app
+from tests.support.bed import Bed, new_key
 from tests.support.history import check_history, load_history
 from tests.support.queue_app import order_key
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerFactory, WorkerProcess
+from tests.support.workers import WorkerProcess
 
 QUEUE_APP = "tests.support.queue_app"
 TTL_S = 2.0
@@ -40,48 +39,30 @@ SEEN_WITHIN_S = TTL_S / 3 + 0.5
 @pytest.fixture(scope="module")
 def bed(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
-) -> Iterator[tuple[Celery, dict[str, WorkerProcess]]]:
-    factory = WorkerFactory(
-        Path(tmp_path_factory.mktemp("cancel")),
-        base_env={
-            "SINGLETON_TEST_REDIS_URL": redis_url,
-            "SINGLETON_TEST_PREFIX": module_prefix,
-            "SINGLETON_TEST_TTL": str(TTL_S),
-        },
-    )
-    app = make_app(redis_url, module_prefix)
-    main = app.conf.task_default_queue
-    try:
-        workers = {
-            "prefork": factory.start(QUEUE_APP, pool="prefork", concurrency=2),
-            "gevent": factory.start(
-                QUEUE_APP, pool="gevent", concurrency=4, extra_args=("-Q", f"{main}-gevent")
-            ),
-            "threads": factory.start(
-                QUEUE_APP,
-                pool="threads",
-                concurrency=4,
-                extra_args=("-Q", f"{main}-threads"),
-                env={"SINGLETON_TEST_TERMINATES": "0"},
-            ),
-        }
-        for worker in workers.values():
-            worker.wait_ready(app)
-        yield app, workers
-    finally:
-        close_app(app)
-        factory.close()
+) -> Iterator[Bed]:
+    """A prefork worker on the default queue, a gevent and a threads worker on their own."""
+    with Bed(redis_url, module_prefix, tmp_path_factory.mktemp("cancel")) as made:
+        made.start(QUEUE_APP, pool="prefork", concurrency=2, ttl=TTL_S)
+        made.start(
+            QUEUE_APP, pool="gevent", concurrency=4, ttl=TTL_S, queues=_pool_queue(made, "gevent")
+        )
+        made.start(
+            QUEUE_APP,
+            pool="threads",
+            concurrency=4,
+            ttl=TTL_S,
+            queues=_pool_queue(made, "threads"),
+            env={"SINGLETON_TEST_TERMINATES": "0"},
+        )
+        yield made
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    made = redis.Redis.from_url(redis_url)
-    yield made
-    made.close()
+def _pool_queue(bed: Bed, pool: str) -> str:
+    return f"{bed.app.conf.task_default_queue}-{pool}"
 
 
-def _key() -> str:
-    return f"k-{uuid.uuid4().hex[:8]}"
+def _worker(bed: Bed, pool: str) -> WorkerProcess:
+    return next(w for w in bed.workers if w.pool == pool)
 
 
 def _signature(key: str, payload: object = None, stop: bool = True, budget: float = 0) -> None:
@@ -96,26 +77,21 @@ def _order(client: redis.Redis, prefix: str, key: str) -> list[str]:
     return [v.decode() for v in client.lrange(order_key(prefix, key), 0, -1)]
 
 
-def _queue_for(app: Celery, pool: str) -> dict[str, str]:
-    return {} if pool == "prefork" else {"queue": f"{app.conf.task_default_queue}-{pool}"}
+def _queue_for(bed: Bed, pool: str) -> dict[str, str]:
+    return {} if pool == "prefork" else {"queue": _pool_queue(bed, pool)}
 
 
 @pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("pool", ["prefork", "gevent", "threads"])
-def test_a_newer_call_stops_the_holder_and_runs_after_it(
-    bed: tuple[Celery, dict[str, WorkerProcess]],
-    client: redis.Redis,
-    module_prefix: str,
-    pool: str,
-) -> None:
+def test_a_newer_call_stops_the_holder_and_runs_after_it(bed: Bed, pool: str) -> None:
     """The holder sees the stop request within one renewal interval of the newer call
     reaching its key, ends cancelled (REVOKED, its link not called); the newer call then runs
     with its own outcome. Never two runs at once."""
-    app, workers = bed
-    worker = workers[pool]
-    key = _key()
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, pool)
+    key = new_key()
     lock = _lock(module_prefix, "q.latest", key)
-    route = _queue_for(app, pool)
+    route = _queue_for(bed, pool)
     link = app.signature("q.after", kwargs={"tag": key})
     holder = app.signature("q.latest", (key, "old")).apply_async(link=link, **route)
     wait_for(lambda: _order(client, module_prefix, key), 20, "the holder's start", worker)
@@ -148,15 +124,13 @@ def test_a_newer_call_stops_the_holder_and_runs_after_it(
 
 
 @pytest.mark.slow(seconds=6)
-def test_the_calls_that_waited_end_as_skips_naming_the_newest(
-    bed: tuple[Celery, dict[str, WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_the_calls_that_waited_end_as_skips_naming_the_newest(bed: Bed) -> None:
     """A holder that finishes anyway (it does not end cancelled); three calls come while it
     runs: each of the first two ends skipped, naming the newer call that took its place, and
     the last runs after the holder."""
-    app, workers = bed
-    worker = workers["prefork"]
-    key = _key()
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, "prefork")
+    key = new_key()
     lock = _lock(module_prefix, "q.latest", key)
     holder = app.send_task("q.latest", (key, "holder", False, 3.0))
     wait_for(lambda: _order(client, module_prefix, key), 20, "the holder's start", worker)
@@ -180,15 +154,13 @@ def test_the_calls_that_waited_end_as_skips_naming_the_newest(
 
 
 @pytest.mark.slow(seconds=8)
-def test_a_holder_that_never_checks_is_terminated_after_the_grace(
-    bed: tuple[Celery, dict[str, WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_a_holder_that_never_checks_is_terminated_after_the_grace(bed: Bed) -> None:
     """``singleton_cancel_grace=1``: the holder never reads the request; one second after it
     was asked, the newer call's stop check revokes it with ``terminate=True``: it ends
     REVOKED, its lock goes, and the newer call runs."""
-    app, workers = bed
-    worker = workers["prefork"]
-    key = _key()
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, "prefork")
+    key = new_key()
     holder = app.send_task("q.latest_hard", (key, "stuck", 30.0))
     wait_for(lambda: _order(client, module_prefix, key), 20, "the holder's start", worker)
     newer = app.send_task("q.latest_hard", (key, "new", 0.1))
@@ -201,18 +173,13 @@ def test_a_holder_that_never_checks_is_terminated_after_the_grace(
 
 
 @pytest.mark.slow(seconds=6)
-def test_under_publish_dedup_a_newer_call_replaces_a_queued_one(
-    bed: tuple[Celery, dict[str, WorkerProcess]],
-    client: redis.Redis,
-    module_prefix: str,
-    redis_url: str,
-) -> None:
+def test_under_publish_dedup_a_newer_call_replaces_a_queued_one(bed: Bed, redis_url: str) -> None:
     """Two calls published to a queue no worker reads yet: the second takes the place of the
     first, which is revoked. Once a worker reads the queue, the first is discarded (REVOKED)
     and only the second runs."""
-    app, workers = bed
-    worker = workers["prefork"]
-    key = _key()
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, "prefork")
+    key = new_key()
     parked = f"{app.conf.task_default_queue}-parked-{key}"
     publisher = make_app(redis_url, module_prefix)  # dedup at publish: the task is the caller's
     publisher.conf.update(
@@ -248,16 +215,12 @@ def test_under_publish_dedup_a_newer_call_replaces_a_queued_one(
 
 
 def test_a_threads_worker_refuses_the_cancel_grace_at_start(
-    bed: tuple[Celery, dict[str, WorkerProcess]], tmp_path: Path, redis_url: str, module_prefix: str
+    bed: Bed, tmp_path: Path, redis_url: str
 ) -> None:
     """A holder that does not stop cannot be terminated in the threads pool: a worker of an app
     with ``singleton_cancel_grace`` refuses to start there, in one line naming the setting."""
-    factory = WorkerFactory(
-        tmp_path,
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
-    )
-    try:
-        worker = factory.start(QUEUE_APP, pool="threads", concurrency=2)
+    with Bed(redis_url, bed.prefix, tmp_path) as own:
+        worker = own.start(QUEUE_APP, pool="threads", concurrency=2, ready=False)
         assert worker.wait(timeout=60) != 0
         log = worker.log_text()
         assert (
@@ -265,5 +228,3 @@ def test_a_threads_worker_refuses_the_cancel_grace_at_start(
             "q.latest_hard) needs a pool that can terminate a run (prefork, gevent or "
             "eventlet), got thread"
         ) in log, log
-    finally:
-        factory.close()

@@ -14,22 +14,20 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from celery import Celery
 
 from celery_singleton_lock import DuplicateTaskError
 from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.queue import queue_keys
-from tests.support.basic_app import close_app, history_key, make_app
-from tests.support.history import check_history, load_history
+from tests.support.basic_app import history_key
+from tests.support.bed import Bed, new_key
+from tests.support.history import check_history, load_history, wait_started
 from tests.support.queue_app import order_key
 from tests.support.waiting import wait_for
-from tests.support.workers import REPO_ROOT, WorkerFactory, WorkerProcess
+from tests.support.workers import REPO_ROOT, WorkerProcess
 
 QUEUE_APP = "tests.support.queue_app"
 
@@ -37,31 +35,32 @@ QUEUE_APP = "tests.support.queue_app"
 @pytest.fixture(scope="module")
 def bed(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
-) -> Iterator[tuple[Celery, list[WorkerProcess]]]:
-    factory = WorkerFactory(
-        Path(tmp_path_factory.mktemp("queue")),
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
-    )
-    app = make_app(redis_url, module_prefix)
-    try:
-        workers = [factory.start(QUEUE_APP, pool="prefork", concurrency=2) for _ in range(2)]
-        for worker in workers:
-            worker.wait_ready(app)
-        yield app, workers
-    finally:
-        close_app(app)
-        factory.close()
+) -> Iterator[Bed]:
+    """Two prefork workers of two processes each on the default queue, then a threads and a
+    gevent worker on queues of their own (:func:`_pool_queue`)."""
+    with Bed(redis_url, module_prefix, tmp_path_factory.mktemp("queue")) as made:
+        for _ in range(2):
+            made.start(QUEUE_APP, pool="prefork", concurrency=2)
+        yield made
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    made = redis.Redis.from_url(redis_url)
-    yield made
-    made.close()
+@pytest.fixture(scope="module")
+def pool_workers(bed: Bed) -> dict[str, WorkerProcess]:
+    """A threads worker and a gevent worker, each on a queue of its own."""
+    return {
+        pool: bed.start(
+            QUEUE_APP,
+            pool=pool,
+            concurrency=4,
+            queues=_pool_queue(bed, pool),
+            env={"SINGLETON_TEST_TERMINATES": "1" if pool == "gevent" else "0"},
+        )
+        for pool in ("threads", "gevent")
+    }
 
 
-def _key() -> str:
-    return f"k-{uuid.uuid4().hex[:8]}"
+def _pool_queue(bed: Bed, pool: str) -> str:
+    return f"{bed.app.conf.task_default_queue}-{pool}"
 
 
 def _lock(prefix: str, task: str, key: str) -> str:
@@ -86,18 +85,17 @@ def _released(client: redis.Redis, lock: str, workers: list[WorkerProcess]) -> N
 
 
 def _started(client: redis.Redis, prefix: str, key: str, workers: list[WorkerProcess]) -> None:
-    wait_for(lambda: _order(client, prefix, key), 20, "the holder's start", *workers)
+    """The holder's body started (its own record: its lock is no proof)."""
+    wait_started(client, history_key(prefix), key, *workers)
 
 
 @pytest.mark.slow(seconds=8)
-def test_a_burst_runs_every_call_in_the_order_it_reached_the_key(
-    bed: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_a_burst_runs_every_call_in_the_order_it_reached_the_key(bed: Bed) -> None:
     """A holder, then ten calls sent one after another while it runs: each waits in line (in
     no worker slot), and each runs in turn, in the order it was sent, across two workers; each
     call's own result, and its link called with it; nothing left in Redis."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -135,14 +133,12 @@ def test_a_burst_runs_every_call_in_the_order_it_reached_the_key(
 
 
 @pytest.mark.slow(seconds=6)
-def test_two_permits_run_two_at_a_time_in_order(
-    bed: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_two_permits_run_two_at_a_time_in_order(bed: Bed) -> None:
     """Two permits: two holders, four calls waiting; they are handed the key two by two, in
     the order they came (the two handed it at once start in either order), never three runs at
     once."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     holders = [app.send_task("q.line2", (key, f"h{i}", -1)) for i in range(2)]
     wait_for(lambda: len(_order(client, module_prefix, key)) >= 2, 20, "two holders", *workers)
     lock = _lock(module_prefix, "q.line2", key)
@@ -163,13 +159,11 @@ def test_two_permits_run_two_at_a_time_in_order(
 
 
 @pytest.mark.slow(seconds=8)
-def test_revoked_and_expired_waiting_calls_leave_the_line_without_running(
-    bed: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_revoked_and_expired_waiting_calls_leave_the_line_without_running(bed: Bed) -> None:
     """Four calls wait; the second is revoked and the third expires while they wait: at their
     turn they are passed over (REVOKED, no run, no link); the others run in order."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -199,13 +193,11 @@ def test_revoked_and_expired_waiting_calls_leave_the_line_without_running(
 
 
 @pytest.mark.slow(seconds=8)
-def test_a_holder_killed_passes_the_key_to_the_next_call(
-    bed: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
+def test_a_holder_killed_passes_the_key_to_the_next_call(bed: Bed) -> None:
     """The holder's pool child is SIGKILLed while two calls wait: the worker's main process
     releases its lock and hands the key to the next call; both run, in order."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -223,11 +215,9 @@ def test_a_holder_killed_passes_the_key_to_the_next_call(
 
 
 @pytest.mark.slow(seconds=5)
-def test_a_full_queue_refuses_the_call(
-    bed: tuple[Celery, list[WorkerProcess]], client: redis.Redis, module_prefix: str
-) -> None:
-    app, workers = bed
-    key = _key()
+def test_a_full_queue_refuses_the_call(bed: Bed) -> None:
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.short", key)
     holder = app.send_task("q.short", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -259,16 +249,13 @@ def _cli(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess
 
 @pytest.mark.slow(seconds=10)
 def test_the_cli_shows_the_queue_and_a_release_hands_the_key_to_the_next_call(
-    bed: tuple[Celery, list[WorkerProcess]],
-    client: redis.Redis,
-    module_prefix: str,
-    redis_url: str,
+    bed: Bed, redis_url: str
 ) -> None:
     """``list`` and ``show`` give the queue's length and its next call; a forced ``release``
     of the holder's lock hands the key to that call (it runs, the holder still running, as the
     operator asked), and says so; the calls behind it go on in order."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -291,16 +278,11 @@ def test_the_cli_shows_the_queue_and_a_release_hands_the_key_to_the_next_call(
 
 
 @pytest.mark.slow(seconds=10)
-def test_purge_hands_on_a_queue_whose_lock_expired(
-    bed: tuple[Celery, list[WorkerProcess]],
-    client: redis.Redis,
-    module_prefix: str,
-    redis_url: str,
-) -> None:
+def test_purge_hands_on_a_queue_whose_lock_expired(bed: Bed, redis_url: str) -> None:
     """A queue whose holder was lost with its node (the lock gone, no later call): ``purge``
     finds it and hands the key to its next call; the calls run in order."""
-    app, workers = bed
-    key = _key()
+    app, workers, client, module_prefix = bed.app, bed.workers, bed.client, bed.prefix
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1))
     _started(client, module_prefix, key, workers)
@@ -319,51 +301,15 @@ def test_purge_hands_on_a_queue_whose_lock_expired(
     _released(client, lock, workers)
 
 
-@pytest.fixture(scope="module")
-def pool_workers(
-    bed: tuple[Celery, list[WorkerProcess]],
-    tmp_path_factory: pytest.TempPathFactory,
-    redis_url: str,
-    module_prefix: str,
-) -> Iterator[dict[str, WorkerProcess]]:
-    """A threads worker and a gevent worker, each on a queue of its own."""
-    app, _ = bed
-    factory = WorkerFactory(
-        Path(tmp_path_factory.mktemp("queue-pools")),
-        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
-    )
-    main = app.conf.task_default_queue
-    try:
-        started = {
-            pool: factory.start(
-                QUEUE_APP,
-                pool=pool,
-                concurrency=4,
-                extra_args=("-Q", f"{main}-{pool}"),
-                env={"SINGLETON_TEST_TERMINATES": "1" if pool == "gevent" else "0"},
-            )
-            for pool in ("threads", "gevent")
-        }
-        for worker in started.values():
-            worker.wait_ready(app)
-        yield started
-    finally:
-        factory.close()
-
-
 @pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("pool", ["threads", "gevent"])
 def test_a_burst_keeps_its_order_in_the_threads_and_gevent_pools(
-    bed: tuple[Celery, list[WorkerProcess]],
-    pool_workers: dict[str, WorkerProcess],
-    client: redis.Redis,
-    module_prefix: str,
-    pool: str,
+    bed: Bed, pool_workers: dict[str, WorkerProcess], pool: str
 ) -> None:
-    app, _ = bed
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
     worker = pool_workers[pool]
-    queue = f"{app.conf.task_default_queue}-{pool}"
-    key = _key()
+    queue = _pool_queue(bed, pool)
+    key = new_key()
     lock = _lock(module_prefix, "q.line", key)
     holder = app.send_task("q.line", (key, "holder", -1), queue=queue)
     _started(client, module_prefix, key, [worker])
