@@ -1,0 +1,135 @@
+"""The library's features together, on real workers: each duplicate policy with each modifier,
+each policy and each modifier meeting each event a waiting call can meet (but a redelivered
+copy: tests/integration/test_matrix_redelivery.py), and the combinations refused at worker
+start. The cells are declared in tests/support/matrix.py (docs/compatibility.md's tables
+follow them); their scenarios and checks are in tests/support/matrix_run.py.
+
+Two workers serve the module: a threads worker for most cells, a prefork worker for the cells
+that kill the pool child running a holder. Each test runs its cells at once, each on keys of
+its own; a known failure of a cell is a test of its own, marked xfail, reading the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.matrix import Cell, cells_of, refused_cells
+from tests.support.matrix_app import MATRIX_APP
+from tests.support.matrix_run import Beds, CellRun, assert_cells, known_failure
+from tests.support.workers import WorkerFactory
+
+THREADS = "matrix"
+PREFORK = "matrix-prefork"
+INVALID = "celery_singleton_lock: invalid setting: "
+
+#: the sets of cells run together, each by a test of its own
+GROUPS = {
+    "PxM": cells_of(table="PxM"),
+    "revoke": cells_of(event="revoke"),
+    "expires": cells_of(event="expires"),
+    "kill": cells_of(event="kill"),
+    "refused_retry": cells_of(event="refused_retry"),
+}
+
+
+def _queue(cell: Cell) -> str:
+    return PREFORK if cell.event == "kill" else THREADS
+
+
+@pytest.fixture(scope="module")
+def factory(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str
+) -> Iterator[WorkerFactory]:
+    made = WorkerFactory(
+        Path(tmp_path_factory.mktemp("matrix")),
+        base_env={"SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": module_prefix},
+    )
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def beds(factory: WorkerFactory, redis_url: str, module_prefix: str) -> Iterator[Beds]:
+    made = Beds(
+        factory,
+        redis_url,
+        module_prefix,
+        {THREADS: ("threads", 32), PREFORK: ("prefork", 14)},
+    )
+    yield made
+    made.close()
+
+
+def _group(beds: Beds, name: str) -> list[CellRun]:
+    return beds.runs(name, GROUPS[name], _queue)
+
+
+def _expected_to_work(runs: list[CellRun]) -> list[CellRun]:
+    return [run for run in runs if run.cell.known_failure is None]
+
+
+@pytest.mark.slow(seconds=20)
+def test_each_policy_with_each_modifier(beds: Beds) -> None:
+    assert_cells(_expected_to_work(_group(beds, "PxM")))
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_waiting_call_revoked(beds: Beds) -> None:
+    assert_cells(_expected_to_work(_group(beds, "revoke")))
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_waiting_call_whose_expires_passes(beds: Beds) -> None:
+    assert_cells(_expected_to_work(_group(beds, "expires")))
+
+
+@pytest.mark.slow(seconds=10)
+def test_the_holders_pool_child_killed(beds: Beds) -> None:
+    assert_cells(_expected_to_work(_group(beds, "kill")))
+
+
+@pytest.mark.slow(seconds=10)
+def test_the_holders_retry_refused(beds: Beds) -> None:
+    assert_cells(_expected_to_work(_group(beds, "refused_retry")))
+
+
+@pytest.mark.parametrize(
+    ("group", "cell"),
+    [
+        pytest.param(name, cell, marks=known_failure(cell), id=cell.id)
+        for name, cells in GROUPS.items()
+        for cell in cells
+        if cell.known_failure is not None
+    ],
+)
+def test_a_known_failure(beds: Beds, group: str, cell: Cell) -> None:
+    """A cell that shows a defect of the library, run with the others of its group."""
+    (run,) = [run for run in _group(beds, group) if run.cell is cell]
+    assert_cells([run])
+
+
+@pytest.mark.slow(seconds=8)
+def test_refused_combinations_stop_the_worker_at_start(factory: WorkerFactory) -> None:
+    """A worker whose app holds only a refused cell's task exits at start, with one line naming
+    both settings."""
+    started = [
+        (
+            cell,
+            factory.start(MATRIX_APP, concurrency=1, env={"SINGLETON_TEST_MATRIX_ONLY": cell.id}),
+        )
+        for cell in refused_cells()
+    ]
+    for cell, worker in started:
+        code = worker.wait(timeout=60)
+        log = worker.log_text()
+        assert code != 0, log
+        lines = [line for line in log.splitlines() if INVALID in line]
+        assert len(lines) == 1, log
+        assert f"task {cell.task}:" in lines[0], lines[0]
+        for setting in cell.refused:
+            assert setting in lines[0], (cell.id, lines[0])
+        assert " ready." not in log
+        assert "Traceback" not in log
