@@ -306,7 +306,7 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=LOST, D=COALESCED, F=RAN),
     ),
     ("join", "kill"): (
-        "works: the joined call runs in the holder's place, one ttl after it joined",
+        "works: the joined call runs in the holder's place, within a ttl",
         _e(H=LOST, D=RAN),
     ),
     ("skip", "redelivered"): ("works", _e(H=RAN, D=SKIPPED)),
