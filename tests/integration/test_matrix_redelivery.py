@@ -50,21 +50,22 @@ def _runs(beds: Beds) -> list[CellRun]:
     return beds.runs("redelivered", CELLS, lambda cell: QUEUE)
 
 
-@pytest.mark.slow(seconds=12)
+@pytest.mark.slow(seconds=15)
 def test_a_waiting_calls_message_redelivered(beds: Beds) -> None:
     runs = _runs(beds)
     assert_cells([run for run in runs if run.cell.known_failure is None])
 
 
-@pytest.mark.parametrize(
-    "cell",
-    [
-        pytest.param(cell, marks=known_failure(cell), id=cell.id)
-        for cell in CELLS
-        if cell.known_failure is not None
-    ],
-)
-def test_a_known_failure(beds: Beds, cell: Cell) -> None:
-    """A cell that shows a defect of the library, run with the others."""
-    (run,) = [run for run in _runs(beds) if run.cell is cell]
-    assert_cells([run])
+_KNOWN = [
+    pytest.param(cell, marks=known_failure(cell), id=cell.id)
+    for cell in CELLS
+    if cell.known_failure is not None
+]
+
+if _KNOWN:  # none while every redelivery cell works
+
+    @pytest.mark.parametrize("cell", _KNOWN)
+    def test_a_known_failure(beds: Beds, cell: Cell) -> None:
+        """A cell that shows a defect of the library, run with the others."""
+        (run,) = [run for run in _runs(beds) if run.cell is cell]
+        assert_cells([run])

@@ -76,7 +76,7 @@ HANDLED = (*MET, "rate_limited", "call_debounced", "redelivery_dropped", "lock_a
 #: a worker's log line for each delivery of a message
 _RECEIVED = re.compile(r"Task [\w.]+\[([0-9a-f-]+)\] received")
 #: how much later than its acquire a run may record its start (a round trip, a busy CPU)
-SLACK_S = 0.1
+SLACK_S = 0.25
 #: the keys beside a lock that must be gone once every call ended; and those that may stay,
 #: each with a ttl
 GONE = ("lock", "pending", "joiners", "queued")
