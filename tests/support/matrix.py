@@ -275,7 +275,8 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=RAN, D=COALESCED, F=REVOKED),
     ),
     ("join", "revoke"): (
-        "not yet: the revoked call still ends with the holder's value, its `link` called",
+        "not yet: the revoked call ends `REVOKED`, then `SUCCESS` with the holder's value, "
+        "its `link` called",
         _e(H=RAN, D=REVOKED),
     ),
     ("skip", "expires"): (
@@ -398,9 +399,9 @@ _MXE[("publish", "refused_retry")] = (
 #: the cells that show a defect of the library, and which
 KNOWN_FAILURES = {
     "PxE-join-revoke": (
-        "duplicates/join.py: a joined call revoked while it waits is still completed by the "
-        "holder's end (SUCCESS with the holder's value, its link called); only its watch copy "
-        "is discarded as revoked, later"
+        "duplicates/join.py: a joined call revoked while it waits ends REVOKED, then the "
+        "holder's end completes it all the same: SUCCESS with the holder's value overwrites "
+        "REVOKED, and its link is called"
     ),
 }
 

@@ -486,6 +486,7 @@ def _meets(run: CellRun) -> Scenario:
             yield run.ready(duplicate)
             target = run.follow_up(duplicate)
         run.revoke(target)
+        yield run.ready(target)  # REVOKED (Celery 5.7 marks it at once), before the holder ends
     elif event == "expires":
         yield run.passed(sent + options["expires"])
     elif event == "kill":
