@@ -11,14 +11,16 @@ its own; a known failure of a cell is a test of its own, marked xfail, reading t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.matrix import Cell, cells_of, refused_cells
-from tests.support.matrix_app import MATRIX_APP
+from tests.support.matrix_app import MATRIX_APP, go_key
 from tests.support.matrix_run import Beds, CellRun, assert_cells, known_failure
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
 
 THREADS = "matrix"
@@ -140,3 +142,37 @@ def test_refused_combinations_stop_the_worker_at_start(factory: WorkerFactory) -
             assert setting in lines[0], (cell.id, lines[0])
         assert " ready." not in log
         assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_copy_of_a_duplicate_that_ended_is_dropped_not_run(beds: Beds, policy: str) -> None:
+    """A regression the redelivery column found (a copy of a skipped duplicate's eta message
+    that Redis handed out again ran once the holder had ended): a duplicate sent with a
+    countdown, skipped or raised, records its message as completed, as a run does; a copy of
+    that message delivered after the holder ended (here published again with its task id, as
+    the broker's redelivery is) is dropped, not run, and the duplicate's result stays."""
+    bed = beds.bed
+    task = beds.app.tasks[f"m.{policy}"]
+    key = f"copy-{policy}-{uuid.uuid4().hex[:8]}"
+    holder = task.apply_async((key,), {"hold": "H"}, queue=THREADS)
+
+    def seen(predicate: Callable[[], bool], what: str) -> None:
+        def check() -> bool:
+            bed.refresh()
+            return predicate()
+
+        wait_for(check, 20, what, *bed.workers.values())
+
+    seen(lambda: holder.id in bed.starts, "the holder's start")
+    duplicate = task.apply_async((key,), countdown=0.5, queue=THREADS)
+    wait_for(duplicate.ready, 20, "the duplicate's end", *bed.workers.values())
+    ended = bed.metas([duplicate.id])[duplicate.id]
+    assert ended is not None
+    bed.client.rpush(go_key(bed.prefix, key, "H"), 1)
+    wait_for(holder.ready, 20, "the holder's end", *bed.workers.values())
+    task.apply_async((key,), task_id=duplicate.id, queue=THREADS)  # its message, again
+    seen(lambda: bed.signals[("redelivery_dropped", duplicate.id)] == 1, "the copy dropped")
+    assert duplicate.id not in bed.starts
+    again = bed.metas([duplicate.id])[duplicate.id]
+    assert again is not None
+    assert (again["status"], repr(again["result"])) == (ended["status"], repr(ended["result"]))
