@@ -43,7 +43,11 @@ EXPIRES_S = 2.5
 DEBOUNCE_EXPIRES_S = 0.8
 #: a waiting call's countdown in the redelivery cells: the broker (visibility_timeout 1 s,
 #: swept every second) hands its message out again before it is due
-REDELIVERED_COUNTDOWN_S = 3.5
+REDELIVERED_COUNTDOWN_S = 5.0
+#: the countdown of a queued call that publish-time dedup's marker stands for, revoked or
+#: expiring (``QUEUED_EXPIRES_S``) before it is due
+QUEUED_COUNTDOWN_S = 2.0
+QUEUED_EXPIRES_S = 1.0
 
 #: each modifier's task options
 MODIFIER_OPTIONS: Mapping[str, Mapping[str, Any]] = {

@@ -39,7 +39,7 @@ from celery import Celery, states
 
 from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import queued_key
-from tests.support.basic_app import history_key
+from tests.support.basic_app import close_app, history_key
 from tests.support.chaos import Kill, close_killed, sigkill_pid
 from tests.support.history import Execution, check_history, max_at_once, parse_history
 from tests.support.matrix import (
@@ -51,6 +51,8 @@ from tests.support.matrix import (
     JOINED_FAILURE,
     LOST,
     NOT_PUBLISHED,
+    QUEUED_COUNTDOWN_S,
+    QUEUED_EXPIRES_S,
     RAISED_AT_PUBLISH,
     RAN,
     RATE_ERROR,
@@ -63,9 +65,9 @@ from tests.support.matrix import (
     WINDOW_S,
     Cell,
 )
-from tests.support.matrix_app import LINK_TASK, go_key, links_key, signals_key
+from tests.support.matrix_app import LINK_TASK, MATRIX_APP, build, go_key, links_key, signals_key
 from tests.support.waiting import wait_for
-from tests.support.workers import WorkerProcess
+from tests.support.workers import WorkerFactory, WorkerProcess
 
 __test__ = False
 
@@ -130,7 +132,6 @@ class Bed:
         self.app, self.client, self.prefix = app, client, prefix
         #: the worker consuming each queue
         self.workers = workers
-        self.lock_prefix = f"{prefix}lock:"
         self._raw_history: list[bytes] = []
         #: start events by task id
         self.starts: dict[str, list[dict[str, Any]]] = {}
@@ -501,9 +502,10 @@ def _publish_meets(run: CellRun) -> Scenario:
     meanwhile is not published; a new call after the event is."""
     event = run.cell.event
     if event in ("revoke", "expires", "redelivered"):
-        options: dict[str, Any] = {"countdown": REDELIVERED_COUNTDOWN_S}
+        countdown = REDELIVERED_COUNTDOWN_S if event == "redelivered" else QUEUED_COUNTDOWN_S
+        options: dict[str, Any] = {"countdown": countdown}
         if event == "expires":
-            options["expires"] = 1.0
+            options["expires"] = QUEUED_EXPIRES_S
         holder = run.send("H", **options)
         run.send("D")
         if event == "revoke":
@@ -771,19 +773,19 @@ def assert_cells(runs: Iterable[CellRun]) -> None:
 
 
 class Beds:
-    """A module's workers (each consuming a queue of its own) and a client app, all on the
-    module's prefix; each set of cells run once (:meth:`runs`), however many tests read it."""
+    """A module's workers and a client app, all on the module's prefix: ``pools`` maps each
+    queue to the pool and concurrency of the worker that consumes it (the first queue is the
+    app's default one, where the links go). Each set of cells is run once (:meth:`runs`),
+    however many tests read it."""
 
     def __init__(
         self,
-        factory: Any,
+        factory: WorkerFactory,
         redis_url: str,
         prefix: str,
         pools: dict[str, tuple[str, int]],
         env: dict[str, str] | None = None,
     ) -> None:
-        from tests.support.matrix_app import MATRIX_APP, build
-
         first = next(iter(pools))
         self.app = build(redis_url, prefix, first)
         self.client = redis.Redis.from_url(redis_url)
@@ -811,7 +813,5 @@ class Beds:
         return self._runs[name]
 
     def close(self) -> None:
-        from tests.support.basic_app import close_app
-
         close_app(self.app)
         self.client.close()
