@@ -246,6 +246,18 @@ class CellRun:
         self.calls[role] = call
         return call
 
+    def send_copy(self, call: Call) -> None:
+        """Publish the message of ``call`` again (its task id, arguments and link), as a
+        broker's redelivery hands it out."""
+        link_to = self.bed.app.signature(LINK_TASK, kwargs={"tag": call.sent_id})
+        self.task.apply_async(
+            (self.key,),
+            {"hold": None, "end": "ok"},
+            task_id=call.sent_id,
+            link=link_to if call.linked else None,
+            queue=self.queue,
+        )
+
     def go(self, *roles: str) -> None:
         for role in roles:
             self.bed.client.rpush(go_key(self.bed.prefix, self.key, role), 1)
@@ -493,7 +505,30 @@ def _meets(run: CellRun) -> Scenario:
     elif event == "kill":
         run.kill(holders[0])
         released.remove(holders[0].role)
+    elif event == "redelivered" and cell.policy == "join":
+        yield from _copy_as_the_holder_ends(run, duplicate, released)
+        return
     run.go(*released)
+
+
+#: the calls that join beside the redelivered one, so that the holder's end takes a while to
+#: complete them all
+EXTRA_JOINERS = 40
+
+
+def _copy_as_the_holder_ends(run: CellRun, joined: Call, holders: list[str]) -> Scenario:
+    """Under "join", a copy of the joined call's message also comes as the holder ends, as one
+    Redis hands out while the worker acknowledges the copies that came due (seen in this
+    column): many calls joined beside it (their completions take a while), the holder let go,
+    and the copy published the moment its lock is gone."""
+    extra = [run.send(f"X{i}", link=False) for i in range(1, EXTRA_JOINERS + 1)]
+    for call in extra:
+        yield run.met(call)
+    run.go(*holders)
+    deadline = time.monotonic() + 20
+    while run.bed.client.exists(run.lock) and time.monotonic() < deadline:
+        pass
+    run.send_copy(joined)
 
 
 def _publish_meets(run: CellRun) -> Scenario:
@@ -696,16 +731,22 @@ def _outcome(run: CellRun, call: Call) -> str:
     return f"{status} {result!r}"
 
 
+def _base(role: str) -> str:
+    """The role a call's expectation is declared for: ``F`` for each follow-up (``F``, ``F2``,
+    ...), ``X`` for each call joined beside another (``X1``, ...)."""
+    return role[0] if role[0] in "FX" else role
+
+
 def _check_calls(run: CellRun) -> list[str]:
     failures = []
     expect = run.cell.expect
-    roles = {role.rstrip("0123456789") if role.startswith("F") else role for role in run.calls}
+    roles = {_base(role) for role in run.calls}
     missing = set(expect) - roles
     if missing:
         failures.append(f"the scenario made no call {sorted(missing)}")
     for role, call in run.calls.items():
         outcome = _outcome(run, call)
-        allowed = expect.get("F" if role.startswith("F") else role, frozenset())
+        allowed = expect.get(_base(role), frozenset())
         if outcome not in allowed:
             failures.append(f"{role} ended {outcome!r}, expected one of {sorted(allowed)}")
         ran = len(run.bed.starts.get(call.sent_id, []))
