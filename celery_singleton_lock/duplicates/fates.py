@@ -20,10 +20,12 @@ from celery.exceptions import Ignore, Retry
 from .. import signals
 from ..beat.crons import close_skipped, requeued
 from ..core.backend import Completed, Contended
+from ..core.completion import done_key
+from ..core.connection import store_for
 from ..core.keys import LockKeys
 from ..errors import DuplicateTaskError, LockUnavailableError, RateLimitedError
 from ..run.completion import drop_completed
-from ..run.log import logger
+from ..run.log import LOGGED_ERRORS, logger
 from .canvas import store_skip as store_canvas_skip
 from .copies import WAITING_HEADER, publish_copy, seconds_left, waiting_since
 from .gate import Outcome
@@ -32,7 +34,14 @@ from .raising import RaisePolicy
 from .rate import rate_text
 from .skips import Skipped, skip_marker
 
-__all__ = ["carry_out", "report_skip", "requeue", "skip_marker_of", "store_skip"]
+__all__ = [
+    "carry_out",
+    "record_ended",
+    "report_skip",
+    "requeue",
+    "skip_marker_of",
+    "store_skip",
+]
 
 
 def carry_out(  # noqa: PLR0917 - the call, and what it met
@@ -80,6 +89,10 @@ def carry_out(  # noqa: PLR0917 - the call, and what it met
     if fate is Fate.REQUEUE:
         _report_requeue(task, keys, action, task_id, error)
         requeue(task, action.countdown, error)
+    if isinstance(error, DuplicateTaskError | RateLimitedError) and (
+        task.singleton_options().failure_is_final  # its FAILURE ends its message
+    ):
+        record_ended(task, keys, request)
     _report_raise(task, keys, action, task_id)
     raise error
 
@@ -254,8 +267,10 @@ def store_skip(
     task: Any, keys: LockKeys, action: Action, task_id: str, request: Any
 ) -> dict[str, Any]:
     """Store a skipped call's result (SUCCESS, the skip marker) and return it; so is that of
-    each canvas task that will not run after it (duplicates/canvas.py). ``request`` is the
-    call's, current."""
+    each canvas task that will not run after it (duplicates/canvas.py). Then its message is
+    recorded as completed (:func:`record_ended`; not when storing failed: Celery's tracer,
+    which then takes the call over, must not find it completed). ``request`` is the call's,
+    current."""
     marker = skip_marker_of(keys, action, task_id)
     if not request.is_eager or task.app.conf.task_store_eager_result:
         stopped = store_canvas_skip(task, task_id, marker, request)
@@ -269,7 +284,36 @@ def store_skip(
                 keys.lock,
                 action.holder,
             )
+    record_ended(task, keys, request)
     return marker
+
+
+def record_ended(task: Any, keys: LockKeys, request: Any) -> None:
+    """Record the message of a call that ended without running (skipped, raised) as
+    completed, as a run's release records its own (run/completion.py): a copy of it that a
+    broker delivers later (an eta or ``acks_late`` message handed out again) is then dropped,
+    not run once the key is free. Only where a run would record one (its completion ttl);
+    never for an eager call. A Redis error is logged: the call ends all the same."""
+    if request.is_eager:
+        return
+    opts = task.singleton_options()
+    keep_ms = round(opts.completion_ttl_of(bool(request.eta)) * 1000)
+    if keep_ms <= 0:
+        return
+    generation = int(request.retries or 0)
+    try:
+        store_for(opts.redis_url).client.set(
+            done_key(keys.lock, request.id), generation, px=keep_ms
+        )
+    except LOGGED_ERRORS as exc:
+        logger.warning(
+            "singleton: could not record ended duplicate as completed, a copy of it may run: "
+            "%s[%s] key=%s: %s",
+            task.name,
+            request.id,
+            keys.lock,
+            exc,
+        )
 
 
 def report_skip(task: Any, keys: LockKeys, action: Action, task_id: str) -> None:
