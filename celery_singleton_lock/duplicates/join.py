@@ -61,7 +61,13 @@ from .copies import (
     watch_countdown,
     watch_serial,
 )
-from .join_completion import complete_joiners, keep_ms, record_of, take_ended_joiners
+from .join_completion import (
+    complete_joiners,
+    keep_ms,
+    mark_taken,
+    record_of,
+    take_ended_joiners,
+)
 from .policy import Action, Call, Fate, Policy, Why
 
 __all__ = [
@@ -282,11 +288,14 @@ class JoinPolicy(Policy):
         retval: Any = None,
     ) -> None:
         """Released now, and the joiners completed at once with the run's outcome: taken while
-        the lock is held (a watch copy that takes the released lock finds its record gone and
-        waits for its completion, instead of running itself), and again after the release
-        (those that joined in the round trip between)."""
+        the lock is held and recorded as completed before the release (a copy of a joiner's
+        message that takes the released lock is dropped, or finds its record gone and waits for
+        its completion, instead of running itself), and again after the release (those that
+        joined in the round trip between)."""
         ends = state in (states.SUCCESS, states.FAILURE) and not eager
         taken = take_ended_joiners(task, held.key, held.owner) if ends else []
+        if taken:
+            mark_taken(task, held.key, taken)
         on_released(held, renewer.release_now(held), state)
         if ends:
             taken += take_ended_joiners(task, held.key, held.owner)

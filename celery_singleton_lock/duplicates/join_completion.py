@@ -12,6 +12,7 @@ not completed, and is recorded all the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -24,6 +25,7 @@ from celery.utils.saferepr import saferepr
 from kombu.serialization import loads, prepare_accept_content
 from kombu.utils.encoding import safe_repr
 
+from ..core.completion import done_key
 from ..core.connection import store_for
 from ..core.joiners import Joiner, record_done, take_joiners
 from ..run.log import LOGGED_ERRORS, about, logger
@@ -31,7 +33,7 @@ from ..run.task_events import EventSink
 from .coalesce import task_dumps
 from .copies import seconds_left
 
-__all__ = ["complete_joiners", "keep_ms", "record_of", "take_ended_joiners"]
+__all__ = ["complete_joiners", "keep_ms", "mark_taken", "record_of", "take_ended_joiners"]
 
 #: The request fields a joiner's completion needs (Celery's tracer reads the same).
 _FIELDS = (
@@ -86,6 +88,29 @@ def take_ended_joiners(task: Task, lock_key: str, ended: str) -> list[Joiner]:
         return []
 
 
+def mark_taken(task: Task, lock_key: str, joiners: list[Joiner]) -> None:
+    """Record ``joiners`` (just taken) as completed runs before the release that follows, so a
+    copy of one's message that comes once the key is free (its original, handed out again by
+    the broker; a watch copy) is dropped, not run beside its completion. One whose completion
+    then fails has its record taken back (:func:`complete_joiners`): its watch copy runs it.
+    Redis failing here leaves them as before: recorded after their completion."""
+    done = [(j.task_id, r) for j in joiners if (r := _retries_of(task, j)) is not None]
+    if not done:
+        return
+    opts = task.singleton_options()
+    try:
+        record_done(store_for(opts.redis_url).run_script, lock_key, done, keep_ms(opts) * 2)
+    except LOGGED_ERRORS:  # recorded after their completion, as before
+        return
+
+
+def _retries_of(task: Task, joiner: Joiner) -> int | None:
+    try:
+        return int(_request_of(task, joiner.record).retries or 0)
+    except Exception:  # unreadable: the completion logs it
+        return None
+
+
 def complete_joiners(  # noqa: PLR0917 - the run that ended, its joiners, its outcome
     task: Task,
     lock_key: str,
@@ -109,13 +134,19 @@ def complete_joiners(  # noqa: PLR0917 - the run that ended, its joiners, its ou
     run = store_for(opts.redis_url).run_script
     done: list[tuple[str, int]] = []
     completed: list[str] = []
+    failed: list[str] = []
     for joiner in joiners:
         outcome = _completed(task, joiner, state, retval, lock_key, ended)
-        if outcome is not None:
+        if outcome is None:
+            failed.append(joiner.task_id)
+        else:
             request, was_completed = outcome
             done.append((joiner.task_id, int(request.retries or 0)))
             if was_completed:
                 completed.append(joiner.task_id)
+    if failed:  # recorded before the release (mark_taken): their watch copies must run them
+        with contextlib.suppress(*LOGGED_ERRORS):
+            store_for(opts.redis_url).client.delete(*(done_key(lock_key, i) for i in failed))
     if completed and send_events is not None:
         event = _event_of(task, state, retval)
         send_events([(event[0], task_id, event[1]) for task_id in completed])

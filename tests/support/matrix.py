@@ -279,8 +279,7 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=RAN, D=COALESCED, F=REVOKED),
     ),
     ("join", "revoke"): (
-        "not yet: the revoked call ends `REVOKED`, then `SUCCESS` with the holder's value, "
-        "its `link` called",
+        "works: the revoked call stays `REVOKED`, its `link` not called",
         _e(H=RAN, D=REVOKED),
     ),
     ("skip", "expires"): (
@@ -322,7 +321,7 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=RAN, D=COALESCED, F=RAN),
     ),
     ("join", "redelivered"): (
-        "not yet: a copy that comes as the holder ends runs too, and the `link` is called twice",
+        "works: a copy that comes as the holder ends is dropped; the call ends once",
         _e(H=RAN, D=JOINED, X=JOINED),
     ),
     ("skip", "refused_retry"): ("works", _e(H=REFUSED, D=SKIPPED)),
@@ -401,19 +400,7 @@ _MXE[("publish", "refused_retry")] = (
 
 
 #: the cells that show a defect of the library, and which
-KNOWN_FAILURES = {
-    "PxE-join-revoke": (
-        "duplicates/join.py: a joined call revoked while it waits ends REVOKED, then the "
-        "holder's end completes it all the same: SUCCESS with the holder's value overwrites "
-        "REVOKED, and its link is called"
-    ),
-    "PxE-join-redelivered": (
-        "duplicates/join.py: a copy of a joined call's message (a broker's redelivery, no "
-        "watch-copy header) that arrives between the holder's release and the joiners' "
-        "completion record takes the free lock and runs, while the holder's end completes the "
-        "call too: its body runs and its link is called twice"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _cells() -> tuple[Cell, ...]:
