@@ -20,8 +20,8 @@ from celery.exceptions import Ignore, Retry
 from .. import signals
 from ..beat.crons import close_skipped, requeued
 from ..core.backend import Completed, Contended
-from ..core.completion import done_key
 from ..core.connection import store_for
+from ..core.joiners import record_done
 from ..core.keys import LockKeys
 from ..errors import DuplicateTaskError, LockUnavailableError, RateLimitedError
 from ..run.completion import drop_completed
@@ -294,17 +294,13 @@ def record_ended(task: Any, keys: LockKeys, request: Any) -> None:
     broker delivers later (an eta or ``acks_late`` message handed out again) is then dropped,
     not run once the key is free. Only where a run would record one (its completion ttl);
     never for an eager call. A Redis error is logged: the call ends all the same."""
-    if request.is_eager:
+    opts = task._singleton_opts or task.singleton_options()
+    keep_s = opts.delayed_completion_ttl if request.eta else opts.completion_ttl
+    if not keep_s or request.is_eager:  # most skips: a task acked early, no eta
         return
-    opts = task.singleton_options()
-    keep_ms = round(opts.completion_ttl_of(bool(request.eta)) * 1000)
-    if keep_ms <= 0:
-        return
-    generation = int(request.retries or 0)
-    try:
-        store_for(opts.redis_url).client.set(
-            done_key(keys.lock, request.id), generation, px=keep_ms
-        )
+    done = [(request.id, int(request.retries or 0))]
+    try:  # as a run's release writes it: a larger generation recorded is kept
+        record_done(store_for(opts.redis_url).run_script, keys.lock, done, round(keep_s * 1000))
     except LOGGED_ERRORS as exc:
         logger.warning(
             "singleton: could not record ended duplicate as completed, a copy of it may run: "
