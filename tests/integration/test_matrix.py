@@ -59,7 +59,7 @@ def beds(factory: WorkerFactory, redis_url: str, module_prefix: str) -> Iterator
         factory,
         redis_url,
         module_prefix,
-        {THREADS: ("threads", 32), PREFORK: ("prefork", 14)},
+        {THREADS: ("threads", 48), PREFORK: ("prefork", 16)},
     )
     yield made
     made.close()
