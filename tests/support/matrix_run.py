@@ -369,6 +369,15 @@ class CellRun:
 
         return Wait(done, f"{call.role} to wait in its key's queue")
 
+    def copy_handled(self, call: Call) -> Wait:
+        """A copy of the message of ``call``, which ran, was dropped (or ran again)."""
+
+        def done() -> bool:
+            dropped = self.bed.signals[("redelivery_dropped", call.sent_id)]
+            return dropped >= 1 or len(self.bed.starts.get(call.sent_id, [])) >= 2
+
+        return Wait(done, f"a copy of {call.role}'s message to be dropped")
+
     def saw_cancel(self, call: Call) -> Wait:
         """The holding body of ``call`` saw a newer call's request to stop."""
         return Wait(lambda: call.id in self.bed.saw_cancel, f"{call.role} to see the stop request")
@@ -634,7 +643,9 @@ def _copy_as_the_holder_ends(run: CellRun, joined: Call, holders: list[str]) -> 
 def _in_line_meets(run: CellRun) -> Scenario:
     """Under "queue" and "cancel": the duplicate that meets the event waits in its key's queue.
     Under "queue" a second call waits behind it (but behind a redelivered copy); under
-    "cancel" an older call waited before it came, and made way for it."""
+    "cancel" an older call waited before it came, and made way for it. A redelivered call's
+    message comes once more after it ran (published again with its task id, as the broker's
+    redelivery is): the copy must be dropped."""
     event = run.cell.event
     cancel = run.cell.policy == "cancel"
     (holder,) = yield from _hold(run, end="refuse" if event == "refused_retry" else "ok")
@@ -665,6 +676,10 @@ def _in_line_meets(run: CellRun) -> Scenario:
         run.kill(holder)
         return
     yield from _let_go(run, "H")
+    if event == "redelivered":  # one more copy of its message, once it ran: dropped
+        yield run.ready(duplicate)
+        run.send_copy(duplicate)
+        yield run.copy_handled(duplicate)
 
 
 def _publish_meets(run: CellRun) -> Scenario:
