@@ -393,8 +393,7 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=LOST, D=RAN, D2=RAN),
     ),
     ("queue", "redelivered"): (
-        "not yet: a copy of its message that comes after it ran runs "
-        "it again, its `link` called twice",
+        "works: a copy is not queued twice, nor run once the call ran; the call runs once",
         _e(H=RAN, D=RAN),
     ),
     ("queue", "refused_retry"): (
@@ -417,8 +416,7 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         _e(H=LOST, W=OVERTAKEN, D=RAN),
     ),
     ("cancel", "redelivered"): (
-        "not yet: a copy of its message that comes after it ran runs "
-        "it again, its `link` called twice",
+        "works: each copy asks again, one after the run is dropped; the call runs once",
         _e(H=CANCELLED, W=OVERTAKEN, D=RAN),
     ),
     ("cancel", "refused_retry"): (
@@ -497,19 +495,7 @@ _MXE[("publish", "refused_retry")] = (
 
 
 #: the cells that show a defect of the library, and which
-KNOWN_FAILURES: dict[str, str] = {
-    "PxE-queue-redelivered": (
-        "duplicates/queue.py: a queued call runs from its message published again at its turn, "
-        "with no eta, so its run records no completion; a copy of its original (countdown) "
-        "message that comes after it ran takes the free key and runs it again, its link "
-        "called twice"
-    ),
-    "PxE-cancel-redelivered": (
-        "duplicates/queue.py (cancel's release is queue's): a copy of the newest call's original "
-        "(countdown) message that comes after it ran takes the free key and runs it again, its "
-        "link called twice"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _cells() -> tuple[Cell, ...]:
