@@ -7,13 +7,13 @@ holds until the test pushes to its go list), one or two duplicates sent meanwhil
 released. A scenario is a generator that yields :class:`Wait` conditions; :func:`run_cells`
 polls every cell's current condition in one loop (one thread: Celery's result backend is
 per thread), reading what the workers wrote (the history, the signal log, the link log, the
-results) once per round. Then, with every call ready, it waits until the broker holds no
-message of the prefix (queued, or reserved unacknowledged: an eta, a watch copy, a link still
-running) and no cell's lock, slot, pending, joiners or queued key is left, and checks each
-cell:
+holders' log of the requests to stop they saw, the results) once per round. Then, with every
+call ready, it waits until the broker holds no message of the prefix (queued, or reserved
+unacknowledged: an eta, a watch copy, a link still running) and no cell's lock, slot,
+pending, joiners, queued marker or key's queue is left, and checks each cell:
 
 1. one run at a time per key (two with ``singleton_permits=2``), a rate's and a window's
-   starts apart as they say;
+   starts apart as they say, the runs its cell orders started in that order;
 2. each call ended once: its state when first ready is its state at the end; its link was
    called once if it ended ``SUCCESS`` with a real value, else never; it ran at most once; it
    ended as its cell expects of its role;
@@ -642,7 +642,7 @@ def _copy_as_the_holder_ends(run: CellRun, joined: Call, holders: list[str]) -> 
 
 def _in_line_meets(run: CellRun) -> Scenario:
     """Under "queue" and "cancel": the duplicate that meets the event waits in its key's queue.
-    Under "queue" a second call waits behind it (but behind a redelivered copy); under
+    Under "queue" a second call waits behind it (not behind a redelivered one); under
     "cancel" an older call waited before it came, and made way for it. A redelivered call's
     message comes once more after it ran (published again with its task id, as the broker's
     redelivery is): the copy must be dropped."""
