@@ -242,9 +242,12 @@ _PXM: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         "works: over the rate, `RateLimitedError`",
         _e(H=RAN, D1=DUPLICATE_ERROR, D2=(RATE_ERROR, RAN)),
     ),
+    # the follow-up, requeued to the next allowed start, and D2 (over the rate after the
+    # holder's end: the key's next follow-up) both come due then; the one that takes the key
+    # runs, and a follow-up that meets D2's run ends a skip naming it (never coalesced again)
     ("coalesce", "rate"): (
         "works: the first call over the rate is the follow-up",
-        _e(H=RAN, D1=COALESCED, D2=(RAN, COALESCED), F=RAN),
+        _e(H=RAN, D1=COALESCED, D2=(RAN, COALESCED), F=(RAN, OVERTAKEN)),
     ),
     ("join", "rate"): (
         "works: a call over the rate has no run to join, and waits as under retry",
