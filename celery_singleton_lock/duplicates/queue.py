@@ -48,6 +48,7 @@ from ..core.queue import Handed, enqueue, pass_to_next, put_back, release_to_nex
 from ..core.renewer import HeldLock, Renewer
 from ..errors import LockUnavailableError
 from ..run.callrepr import copy_options
+from ..run.completion import ending_for
 from ..run.events import on_released
 from ..run.log import LOGGED_ERRORS, about, logger
 from ..settings.options import Options
@@ -217,14 +218,21 @@ class QueuePolicy(Policy):
         eager: bool,
         retval: Any = None,
     ) -> None:
-        """Released now and handed to the next call in line, whose message is published."""
+        """Released now and handed to the next call in line, whose message is published. A run
+        the key was handed to records its completion as the run of a delayed message does: its
+        original message, acknowledged when it was queued, may still come again (an eta or
+        countdown message a Redis broker handed out again), and is then dropped, not run."""
         renewer.remove(held)
-        self._release(task, held, state)
+        was_queued = not eager and bool(task.request.get(QUEUED_HEADER))
+        self._release(task, held, state, was_queued=was_queued)
 
-    def _release(self, task: Any, held: HeldLock, state: str) -> None:
+    def _release(self, task: Any, held: HeldLock, state: str, *, was_queued: bool = False) -> None:
         opts: Options = task.singleton_options()
         ending = held.ending
         completion_ms = 0 if ending is None else ending.completion_ttl_ms
+        if was_queued and ending is not None:
+            delayed = ending_for(opts.completion_ttl_of(True), 0.0, state, opts.failure_is_final)
+            completion_ms = max(completion_ms, delayed.completion_ttl_ms)
         try:
             status, handed = release_to_next(
                 store_for(opts.redis_url).run_script,

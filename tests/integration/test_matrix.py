@@ -59,7 +59,7 @@ def beds(factory: WorkerFactory, redis_url: str, module_prefix: str) -> Iterator
         factory,
         redis_url,
         module_prefix,
-        {THREADS: ("threads", 32), PREFORK: ("prefork", 14)},
+        {THREADS: ("threads", 48), PREFORK: ("prefork", 16)},
     )
     yield made
     made.close()
@@ -176,3 +176,44 @@ def test_a_copy_of_a_duplicate_that_ended_is_dropped_not_run(beds: Beds, policy:
     again = bed.metas([duplicate.id])[duplicate.id]
     assert again is not None
     assert (again["status"], repr(again["result"])) == (ended["status"], repr(ended["result"]))
+
+
+@pytest.mark.parametrize("policy", ["queue", "cancel"])
+def test_a_copy_of_a_queued_call_that_ran_is_dropped_not_run(beds: Beds, policy: str) -> None:
+    """A regression the redelivery column found (a copy of a queued call's eta message that
+    Redis handed out again ran a second time once the call had run, its link called twice): a
+    call that waited in its key's queue and was handed the key records its run as completed, as
+    the run of a delayed message does (its own message, published again at its turn, carries
+    no eta); a copy of its original message delivered after it ran (here published again with
+    its task id, as the broker's redelivery is) is dropped, not run, and its result stays."""
+    bed = beds.bed
+    task = beds.app.tasks[f"m.{policy}"]
+    key = f"copy-{policy}-{uuid.uuid4().hex[:8]}"
+    holder = task.apply_async((key,), {"hold": "H"}, queue=THREADS)
+
+    def seen(predicate: Callable[[], bool], what: str) -> None:
+        def check() -> bool:
+            bed.refresh()
+            return predicate()
+
+        wait_for(check, 20, what, *bed.workers.values())
+
+    seen(lambda: holder.id in bed.starts, "the holder's start")
+    waiting = task.apply_async((key,), countdown=0.5, queue=THREADS)
+    met = "duplicate_queued" if policy == "queue" else "stop_asked"
+    seen(lambda: bed.signals[(met, waiting.id)] >= 1, "the call waiting in line")
+    if policy == "cancel":  # the holder, asked to stop, ends cancelled once it saw the request
+        seen(lambda: holder.id in bed.saw_cancel, "the holder to see the stop request")
+    bed.client.rpush(go_key(bed.prefix, key, "H"), 1)
+    wait_for(waiting.ready, 20, "the waiting call's run", *bed.workers.values())
+    ran = bed.metas([waiting.id])[waiting.id]
+    assert ran is not None
+    assert ran["result"] == {"ran": waiting.id, "key": key}
+    task.apply_async((key,), task_id=waiting.id, queue=THREADS)  # its message, again
+    dropped = ("redelivery_dropped", waiting.id)
+    seen(lambda: bed.signals[dropped] or len(bed.starts[waiting.id]) > 1, "the copy handled")
+    assert len(bed.starts[waiting.id]) == 1, "the copy ran"
+    assert bed.signals[dropped] == 1
+    again = bed.metas([waiting.id])[waiting.id]
+    assert again is not None
+    assert (again["status"], again["result"]) == (ran["status"], ran["result"])

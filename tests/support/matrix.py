@@ -16,7 +16,7 @@ from typing import Any
 
 __test__ = False
 
-POLICIES = ("skip", "retry", "raise", "coalesce", "join")
+POLICIES = ("skip", "retry", "raise", "coalesce", "join", "queue", "cancel")
 MODIFIERS = ("permits", "rate", "debounce", "window", "publish")
 EVENTS = ("revoke", "expires", "kill", "redelivered", "refused_retry")
 
@@ -75,6 +75,8 @@ LABELS = {
     "raise": '`"raise"`',
     "coalesce": '`"coalesce"`',
     "join": '`"join"`',
+    "queue": '`"queue"`',
+    "cancel": '`"cancel"`',
     "permits": "`singleton_permits=2`",
     "rate": "`singleton_rate_limit`",
     "debounce": "`singleton_debounce`",
@@ -94,11 +96,17 @@ JOINED = "joined"  #: SUCCESS with the value of the run it joined; never ran; li
 JOINED_FAILURE = "joined failure"  #: FAILURE with the exception of the run it joined; never ran
 SKIPPED = "skipped"  #: SUCCESS, the skip marker (no follow-up); never ran; no link
 SUPERSEDED = "superseded"  #: SUCCESS, the skip marker of a debounced call a later one superseded
+#: SUCCESS, the skip marker naming a call sent after it (``"cancel"``: that newer call took
+#: its place in line); never ran; no link
+OVERTAKEN = "overtaken"
 COALESCED = "coalesced"  #: SUCCESS, the skip marker naming a follow-up, which ends as "F" says
 DUPLICATE_ERROR = "DuplicateTaskError"  #: FAILURE with DuplicateTaskError; never ran
 RATE_ERROR = "RateLimitedError"  #: FAILURE with RateLimitedError; never ran
 REVOKED = "revoked"  #: REVOKED; never ran; no link
 LOST = "lost"  #: FAILURE with WorkerLostError: its pool child was killed while it ran
+#: REVOKED by its own body's ``self.singleton.end_cancelled()``, naming a call sent after it
+#: (``"cancel"``: asked to stop, it stopped); ran once; no link
+CANCELLED = "cancelled"
 REFUSED = "refused"  #: FAILURE with MaxRetriesExceededError: it ran, and Celery refused its retry
 NOT_PUBLISHED = "not published"  #: publish-time dedup: ``apply_async`` returned the holder's result
 RAISED_AT_PUBLISH = "raised at publish"  #: ``apply_async`` raised DuplicateTaskError
@@ -109,11 +117,13 @@ OUTCOMES = (
     JOINED_FAILURE,
     SKIPPED,
     SUPERSEDED,
+    OVERTAKEN,
     COALESCED,
     DUPLICATE_ERROR,
     RATE_ERROR,
     REVOKED,
     LOST,
+    CANCELLED,
     REFUSED,
     NOT_PUBLISHED,
     RAISED_AT_PUBLISH,
@@ -127,9 +137,11 @@ class Cell:
 
     ``expect`` maps each role of the scenario (``H`` the holder, ``H1``/``H2`` with two
     permits, ``D``/``D1``/``D2`` duplicates, ``F`` the follow-up a coalesced duplicate names,
-    ``N`` a new call after the event) to the outcomes it may end in; more than one where the
-    machine's timing decides which path a call takes (a rate or a window met, or not yet),
-    each checked on the path the call took.
+    ``N`` a new call after the event, ``W`` a call that waited before a newer one came,
+    ``Q`` a queued call a newer one replaced at publish) to the outcomes it may end in; more
+    than one where the machine's timing decides which path a call takes (a rate or a window
+    met, or not yet), each checked on the path the call took. ``order``: roles whose runs must
+    start in that order (``"queue"``: the order they reached the key).
     """
 
     table: str
@@ -142,6 +154,7 @@ class Cell:
     refused: tuple[str, ...] = ()
     #: a defect of the library this cell shows (pytest.mark.xfail(strict=True, reason=...))
     known_failure: str | None = None
+    order: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -196,6 +209,20 @@ _REFUSED_WHY = {
     ("coalesce", "publish"): "refused: a duplicate is coalesced on the worker, where it runs",
     ("join", "permits"): "refused: a duplicate joins the one run holding its key; here two may",
     ("join", "window"): "refused: a call met in the window has no run left to join",
+    ("queue", "rate"): "refused: a call handed the key over the rate would wait out of line",
+    ("queue", "window"): (
+        "refused: each release hands the key to the next call; a window would hold it with no run"
+    ),
+    ("queue", "publish"): "refused: every call must reach a worker to take its place in line",
+    ("cancel", "permits"): (
+        "refused: a newer call asks the one run holding its key to stop; here two may"
+    ),
+    ("cancel", "rate"): (
+        "refused: the newer call handed the key over the rate would wait out of line"
+    ),
+    ("cancel", "window"): (
+        "refused: the newer call runs at the holder's release; a window would hold it with no run"
+    ),
 }
 
 _PXM: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
@@ -215,9 +242,12 @@ _PXM: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         "works: over the rate, `RateLimitedError`",
         _e(H=RAN, D1=DUPLICATE_ERROR, D2=(RATE_ERROR, RAN)),
     ),
+    # the follow-up, requeued to the next allowed start, and D2 (over the rate after the
+    # holder's end: the key's next follow-up) both come due then; the one that takes the key
+    # runs, and a follow-up that meets D2's run ends a skip naming it (never coalesced again)
     ("coalesce", "rate"): (
         "works: the first call over the rate is the follow-up",
-        _e(H=RAN, D1=COALESCED, D2=(RAN, COALESCED), F=RAN),
+        _e(H=RAN, D1=COALESCED, D2=(RAN, COALESCED), F=(RAN, OVERTAKEN)),
     ),
     ("join", "rate"): (
         "works: a call over the rate has no run to join, and waits as under retry",
@@ -259,6 +289,23 @@ _PXM: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         "works: a call with a `link` is published and joins; a plain one returns the holder's "
         "result",
         _e(H=RAN, D=JOINED, D2=NOT_PUBLISHED),
+    ),
+    ("queue", "permits"): (
+        "works: the waiting calls run in the order they came, as slots free",
+        _e(H1=RAN, H2=RAN, D1=RAN, D2=RAN),
+    ),
+    ("queue", "debounce"): (
+        "works: the burst's last call takes its place in line when it comes due",
+        _e(H=RAN, D1=SUPERSEDED, D2=RAN),
+    ),
+    ("cancel", "debounce"): (
+        "works: the burst's last call asks the holder to stop when it comes due",
+        _e(H=CANCELLED, D1=SUPERSEDED, D2=RAN),
+    ),
+    ("cancel", "publish"): (
+        "works: a newer call replaces a queued one, which is revoked; one sent while a run "
+        "holds the key is published and asks it to stop",
+        _e(Q=REVOKED, H=CANCELLED, D=RAN),
     ),
 }
 
@@ -335,6 +382,57 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
         "works: the joined call fails with the holder's error",
         _e(H=REFUSED, D=JOINED_FAILURE),
     ),
+    # "queue": a second call waits behind the one that meets the event (not behind a copy)
+    ("queue", "revoke"): (
+        "works: the revoked call is passed over at its turn; the call behind it runs",
+        _e(H=RAN, D=REVOKED, D2=RAN),
+    ),
+    ("queue", "expires"): (
+        "works: the expired call is passed over at its turn, `REVOKED`; the call behind it runs",
+        _e(H=RAN, D=REVOKED, D2=RAN),
+    ),
+    ("queue", "kill"): (
+        "works: the worker hands the key on; the waiting calls run in order",
+        _e(H=LOST, D=RAN, D2=RAN),
+    ),
+    ("queue", "redelivered"): (
+        "works: a copy is not queued twice, nor run once the call ran; the call runs once",
+        _e(H=RAN, D=RAN),
+    ),
+    ("queue", "refused_retry"): (
+        "works: the failed run's release hands the key on; the waiting calls run in order",
+        _e(H=REFUSED, D=RAN, D2=RAN),
+    ),
+    # "cancel": an older call waits first, and makes way for the one that meets the event; the
+    # holder's body ends cancelled once asked, unless it fails first or is killed
+    ("cancel", "revoke"): (
+        "works: the holder, asked already, ends cancelled; the revoked call is passed over",
+        _e(H=CANCELLED, W=OVERTAKEN, D=REVOKED),
+    ),
+    ("cancel", "expires"): (
+        "works: the holder, asked already, ends cancelled; the expired call is passed over, "
+        "`REVOKED`",
+        _e(H=CANCELLED, W=OVERTAKEN, D=REVOKED),
+    ),
+    ("cancel", "kill"): (
+        "works: the newest call runs in the holder's place",
+        _e(H=LOST, W=OVERTAKEN, D=RAN),
+    ),
+    ("cancel", "redelivered"): (
+        "works: each copy asks again, one after the run is dropped; the call runs once",
+        _e(H=CANCELLED, W=OVERTAKEN, D=RAN),
+    ),
+    ("cancel", "refused_retry"): (
+        "works: the newest call runs after the failed holder",
+        _e(H=REFUSED, W=OVERTAKEN, D=RAN),
+    ),
+}
+
+#: the roles whose runs must start in the order given (a cell's ``order``)
+_ORDER: dict[str, tuple[str, ...]] = {
+    "PxM-queue-permits": ("D1", "D2"),
+    "PxE-queue-kill": ("D", "D2"),
+    "PxE-queue-refused_retry": ("D", "D2"),
 }
 
 # -- modifiers x events (under "retry": the policy that leaves a call waiting) ------------
@@ -423,9 +521,7 @@ def _cells() -> tuple[Cell, ...]:
             doc, expect = _MXE[(modifier, event)]
             cells.append(Cell("MxE", modifier, event, MXE_POLICY[modifier], doc, expect))
     return tuple(
-        cell
-        if cell.id not in KNOWN_FAILURES
-        else replace(cell, known_failure=KNOWN_FAILURES[cell.id])
+        replace(cell, known_failure=KNOWN_FAILURES.get(cell.id), order=_ORDER.get(cell.id, ()))
         for cell in cells
     )
 

@@ -11,8 +11,11 @@ Configured from the environment like ``basic_app`` (``SINGLETON_TEST_REDIS_URL``
 
 Every task keys on ``key``. Its body records its start (with its task id) and end in the
 history (tests/support/history.py); with ``hold=<name>`` it holds until the test pushes to
-:func:`go_key` of that name; with ``end="refuse"`` it then asks for a retry that
-``max_retries=0`` refuses. It returns ``{"ran": <its task id>, "key": key}``. ``m.link``
+:func:`go_key` of that name, and logs its task id to :func:`cancels_key` once it sees a newer
+call's request to stop (``self.singleton.cancelled``, ``"cancel"``) while it holds; with
+``end="refuse"`` it then asks for a retry that ``max_retries=0`` refuses; else, asked to stop,
+it ends cancelled (``self.singleton.end_cancelled()``: REVOKED). It returns
+``{"ran": <its task id>, "key": key}``. ``m.link``
 records the tag it is given each time it is called (acked late, so a call of it still running
 keeps its message in the broker's unacked hash). Each library signal a worker sends is logged
 to :func:`signals_key` as ``"<signal> <task id>"``.
@@ -37,11 +40,18 @@ __test__ = False
 
 MATRIX_APP = "tests.support.matrix_app"
 LINK_TASK = "m.link"
+#: how often a holding body looks for its go, and for a request to stop (s)
+HOLD_POLL_S = 0.2
 
 
 def go_key(prefix: str, key: str, name: str) -> str:
     """The list a holder ``hold=name`` of ``key`` waits on."""
     return f"{prefix}go:{key}:{name}"
+
+
+def cancels_key(prefix: str) -> str:
+    """The list a holding body appends its task id to once it sees a request to stop."""
+    return f"{prefix}cancels"
 
 
 def links_key(prefix: str) -> str:
@@ -102,12 +112,18 @@ def _define(app: Celery, name: str, options: dict[str, Any]) -> None:
         exec_id = record_start(client, hkey, key, self.singleton.fencing_token, who, os.getpid())
         if hold is not None:  # short blocking reads: redis-py gives up on one past 5 s
             deadline = time.monotonic() + 60
-            while not client.blpop([go_key(prefix, key, hold)], timeout=1):
+            seen = False
+            while not client.blpop([go_key(prefix, key, hold)], timeout=HOLD_POLL_S):
+                if not seen and self.singleton.cancelled:
+                    client.rpush(cancels_key(prefix), self.request.id)
+                    seen = True
                 if time.monotonic() > deadline:
                     break
         record_end(client, hkey, exec_id)
         if end == "refuse":
             raise self.retry(countdown=60, max_retries=0)
+        if self.singleton.cancelled:
+            self.singleton.end_cancelled()
         return {"ran": self.request.id, "key": key}
 
 

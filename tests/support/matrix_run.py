@@ -7,13 +7,13 @@ holds until the test pushes to its go list), one or two duplicates sent meanwhil
 released. A scenario is a generator that yields :class:`Wait` conditions; :func:`run_cells`
 polls every cell's current condition in one loop (one thread: Celery's result backend is
 per thread), reading what the workers wrote (the history, the signal log, the link log, the
-results) once per round. Then, with every call ready, it waits until the broker holds no
-message of the prefix (queued, or reserved unacknowledged: an eta, a watch copy, a link still
-running) and no cell's lock, slot, pending, joiners or queued key is left, and checks each
-cell:
+holders' log of the requests to stop they saw, the results) once per round. Then, with every
+call ready, it waits until the broker holds no message of the prefix (queued, or reserved
+unacknowledged: an eta, a watch copy, a link still running) and no cell's lock, slot,
+pending, joiners, queued marker or key's queue is left, and checks each cell:
 
 1. one run at a time per key (two with ``singleton_permits=2``), a rate's and a window's
-   starts apart as they say;
+   starts apart as they say, the runs its cell orders started in that order;
 2. each call ended once: its state when first ready is its state at the end; its link was
    called once if it ended ``SUCCESS`` with a real value, else never; it ran at most once; it
    ended as its cell expects of its role;
@@ -39,10 +39,12 @@ from celery import Celery, states
 
 from celery_singleton_lock import DuplicateTaskError, skip_info
 from celery_singleton_lock.core.keys import queued_key
+from celery_singleton_lock.core.queue import queue_keys
 from tests.support.basic_app import close_app, history_key
 from tests.support.chaos import Kill, close_killed, sigkill_pid
 from tests.support.history import Execution, check_history, max_at_once, parse_history
 from tests.support.matrix import (
+    CANCELLED,
     COALESCED,
     DEBOUNCE_EXPIRES_S,
     DUPLICATE_ERROR,
@@ -51,6 +53,7 @@ from tests.support.matrix import (
     JOINED_FAILURE,
     LOST,
     NOT_PUBLISHED,
+    OVERTAKEN,
     QUEUED_COUNTDOWN_S,
     QUEUED_EXPIRES_S,
     RAISED_AT_PUBLISH,
@@ -65,14 +68,30 @@ from tests.support.matrix import (
     WINDOW_S,
     Cell,
 )
-from tests.support.matrix_app import LINK_TASK, MATRIX_APP, build, go_key, links_key, signals_key
+from tests.support.matrix_app import (
+    LINK_TASK,
+    MATRIX_APP,
+    build,
+    cancels_key,
+    go_key,
+    links_key,
+    signals_key,
+)
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
 
 __test__ = False
 
-#: the signals a duplicate sends when it meets its key's policy
-MET = ("duplicate_skipped", "duplicate_retried", "duplicate_raised", "duplicate_joined")
+#: the signals a duplicate sends when it meets its key's policy (``stop_asked``: it waits,
+#: under ``"cancel"``)
+MET = (
+    "duplicate_skipped",
+    "duplicate_retried",
+    "duplicate_raised",
+    "duplicate_joined",
+    "duplicate_queued",
+    "stop_asked",
+)
 #: the signals a delivery of a message sends once a worker took it up
 HANDLED = (*MET, "rate_limited", "call_debounced", "redelivery_dropped", "lock_acquired")
 #: a worker's log line for each delivery of a message
@@ -81,7 +100,7 @@ _RECEIVED = re.compile(r"Task [\w.]+\[([0-9a-f-]+)\] received")
 SLACK_S = 0.25
 #: the keys beside a lock that must be gone once every call ended; and those that may stay,
 #: each with a ttl
-GONE = ("lock", "pending", "joiners", "queued")
+GONE = ("lock", "pending", "joiners", "queued", "queue", "queue_calls")
 KEPT = ("fence", "done", "rate", "rate_next", "debounce")
 
 Scenario = Generator["Wait", None, None]
@@ -139,6 +158,9 @@ class Bed:
         self._signal_count = 0
         self.links: Counter[str] = Counter()
         self._link_count = 0
+        #: the holders that saw a request to stop while they held (``"cancel"``)
+        self.saw_cancel: set[str] = set()
+        self._cancel_count = 0
         #: how many times each task id was received by a worker (its log's lines)
         self.received: Counter[str] = Counter()
         self._log_offsets: dict[str, int] = {}
@@ -148,7 +170,8 @@ class Bed:
         pipe.lrange(history_key(self.prefix), len(self._raw_history), -1)
         pipe.lrange(signals_key(self.prefix), self._signal_count, -1)
         pipe.lrange(links_key(self.prefix), self._link_count, -1)
-        history, signals, links = pipe.execute()
+        pipe.lrange(cancels_key(self.prefix), self._cancel_count, -1)
+        history, signals, links, cancels = pipe.execute()
         for raw in history:
             self._raw_history.append(raw)
             event = json.loads(raw)
@@ -160,6 +183,8 @@ class Bed:
             self.signals[(name, task_id)] += 1
         self._link_count += len(links)
         self.links.update(raw.decode() for raw in links)
+        self._cancel_count += len(cancels)
+        self.saw_cancel.update(raw.decode() for raw in cancels)
         for worker in dict.fromkeys(self.workers.values()):
             self._read_log(worker)
 
@@ -319,6 +344,44 @@ class CellRun:
         """``call`` met its key's policy (or its rate)."""
         return self.signalled(call, *MET, "rate_limited")
 
+    def waiting(self, call: Call) -> Wait:
+        """``call`` waits in its key's queue (``"queue"``, ``"cancel"``). Read in the order the
+        worker writes: the signal it sends once the queue holds it; then the queue has it, its
+        state is still PENDING (nothing stored), and under ``"cancel"`` the lock asks its
+        holder to stop in its name (the scenario lets no holder go before)."""
+        met = self.signalled(call, *MET)
+        queue, _ = queue_keys(self.lock)
+
+        def done() -> bool:
+            if not met.done():
+                return False
+            pipe = self.bed.client.pipeline(transaction=False)
+            pipe.zscore(queue, call.id)
+            pipe.hget(self.lock, "cancel")
+            place, asked = pipe.execute()
+            assert place is not None, f"{call.role} met its key's policy, not in its queue"
+            meta = self.bed.metas([call.id])[call.id]
+            assert meta is None or meta["status"] == states.PENDING, (call.role, meta)
+            if self.cell.policy == "cancel":
+                assert asked is not None, f"{call.role} waits, no holder asked to stop"
+                assert asked.decode() == call.id, (call.role, asked)
+            return True
+
+        return Wait(done, f"{call.role} to wait in its key's queue")
+
+    def copy_handled(self, call: Call) -> Wait:
+        """A copy of the message of ``call``, which ran, was dropped (or ran again)."""
+
+        def done() -> bool:
+            dropped = self.bed.signals[("redelivery_dropped", call.sent_id)]
+            return dropped >= 1 or len(self.bed.starts.get(call.sent_id, [])) >= 2
+
+        return Wait(done, f"a copy of {call.role}'s message to be dropped")
+
+    def saw_cancel(self, call: Call) -> Wait:
+        """The holding body of ``call`` saw a newer call's request to stop."""
+        return Wait(lambda: call.id in self.bed.saw_cancel, f"{call.role} to see the stop request")
+
     def ready(self, call: Call) -> Wait:
         return Wait(lambda: call.first is not None, f"{call.role} to be ready")
 
@@ -404,9 +467,30 @@ def scenario(run: CellRun) -> Scenario:
         yield from _WITH_MODIFIER[cell.col](run)
     elif cell.row == "publish":
         yield from _publish_meets(run)
+    elif cell.policy in _IN_LINE:
+        yield from _in_line_meets(run)
     else:
         yield from _meets(run)
     yield run.all_ready()
+
+
+#: the policies under which a duplicate waits in its key's queue (a record, its message
+#: acknowledged, PENDING) until a release hands it the key
+_IN_LINE = ("queue", "cancel")
+
+
+def _met(run: CellRun, call: Call) -> Wait:
+    """``call`` met its key's policy; in its key's queue, under the policies that queue it."""
+    return run.waiting(call) if run.cell.policy in _IN_LINE else run.met(call)
+
+
+def _let_go(run: CellRun, *roles: str) -> Scenario:
+    """Let the holders ``roles`` go; one that is to end cancelled first saw the request to stop
+    (a renewal reports it, a third of the ttl at most after it was made)."""
+    for role in roles:
+        if CANCELLED in run.cell.expect.get(role, ()):
+            yield run.saw_cancel(run.calls[role])
+    run.go(*roles)
 
 
 def _holders(run: CellRun) -> tuple[str, ...]:
@@ -424,6 +508,15 @@ def _hold(run: CellRun, end: str = "ok") -> Generator[Wait, None, list[Call]]:
 
 def _with_permits(run: CellRun) -> Scenario:
     yield from _hold(run)
+    if run.cell.policy == "queue":  # two calls in line; the slot freed goes to each in turn
+        first = run.send("D1")
+        yield run.waiting(first)
+        second = run.send("D2")
+        yield run.waiting(second)
+        run.go("H1")
+        yield run.ready(second)
+        run.go("H2")
+        return
     duplicate = run.send("D")
     yield run.met(duplicate)
     run.go("H1", "H2")
@@ -447,18 +540,34 @@ def _with_debounce(run: CellRun) -> Scenario:
     yield run.signalled(first, "call_debounced")
     second = run.send("D2")
     yield run.signalled(second, "call_debounced")
-    yield run.met(second)
+    yield _met(run, second)
     yield run.ready(first)
-    run.go("H")
+    yield from _let_go(run, "H")
 
 
 def _with_publish(run: CellRun) -> Scenario:
+    if run.cell.policy == "cancel":
+        yield from _replaced_at_publish(run)
+        return
     yield from _hold(run)
     duplicate = run.send("D")
     if run.cell.policy == "join":  # a call with a link is published, and joins
         yield run.met(duplicate)
         run.send("D2", link=False)
     run.go("H")
+
+
+def _replaced_at_publish(run: CellRun) -> Scenario:
+    """Under "cancel": a call published while an older one waits in the broker (both with a
+    countdown) takes its place, the older one revoked; the newer one holds the key when due; a
+    call sent while it runs is published (a run holds the key) and asks it to stop."""
+    older = run.send("Q", countdown=QUEUED_COUNTDOWN_S)
+    holder = run.send("H", hold="H", countdown=QUEUED_COUNTDOWN_S)
+    yield run.ready(older)
+    yield run.started(holder)
+    duplicate = run.send("D")
+    yield run.waiting(duplicate)
+    yield from _let_go(run, "H")
 
 
 _WITH_MODIFIER: dict[str, Callable[[CellRun], Scenario]] = {
@@ -529,6 +638,48 @@ def _copy_as_the_holder_ends(run: CellRun, joined: Call, holders: list[str]) -> 
     while run.bed.client.exists(run.lock) and time.monotonic() < deadline:
         pass
     run.send_copy(joined)
+
+
+def _in_line_meets(run: CellRun) -> Scenario:
+    """Under "queue" and "cancel": the duplicate that meets the event waits in its key's queue.
+    Under "queue" a second call waits behind it (not behind a redelivered one); under
+    "cancel" an older call waited before it came, and made way for it. A redelivered call's
+    message comes once more after it ran (published again with its task id, as the broker's
+    redelivery is): the copy must be dropped."""
+    event = run.cell.event
+    cancel = run.cell.policy == "cancel"
+    (holder,) = yield from _hold(run, end="refuse" if event == "refused_retry" else "ok")
+    if cancel:
+        older = run.send("W")
+        yield run.waiting(older)
+    options: dict[str, Any] = {}
+    if event == "expires":
+        options["expires"] = EXPIRES_S
+    if event == "redelivered":
+        options["countdown"] = REDELIVERED_COUNTDOWN_S
+    sent = time.monotonic()
+    duplicate = run.send("D", **options)
+    if event == "redelivered":  # the broker handed its message out again before it was due
+        yield run.redelivered(duplicate)
+        yield run.signalled(duplicate, *HANDLED, count=2)
+    yield run.waiting(duplicate)
+    if cancel:
+        yield run.ready(older)  # a skip naming the newer call
+    elif event != "redelivered":
+        yield run.waiting(run.send("D2"))
+    if event == "revoke":
+        run.revoke(duplicate)
+        yield run.ready(duplicate)  # REVOKED while it waits, before the holder ends
+    elif event == "expires":
+        yield run.passed(sent + EXPIRES_S)
+    elif event == "kill":
+        run.kill(holder)
+        return
+    yield from _let_go(run, "H")
+    if event == "redelivered":  # one more copy of its message, once it ran: dropped
+        yield run.ready(duplicate)
+        run.send_copy(duplicate)
+        yield run.copy_handled(duplicate)
 
 
 def _publish_meets(run: CellRun) -> Scenario:
@@ -675,6 +826,14 @@ def _check_history(run: CellRun) -> list[str]:
         close = [(a, b) for a, b in itertools.pairwise(starts) if b - a < WINDOW_S - SLACK_S]
         if close:
             failures.append(f"a start inside the window of the one before: {close}")
+    ran = [
+        role
+        for role in run.cell.order
+        if role in run.calls and run.bed.starts.get(run.calls[role].sent_id)
+    ]
+    firsts = {role: min(e["ts"] for e in run.bed.starts[run.calls[role].sent_id]) for role in ran}
+    if list(firsts.values()) != sorted(firsts.values()):  # one that did not run: its outcome
+        failures.append(f"runs started out of order: {sorted(firsts, key=firsts.__getitem__)}")
     known = {c.sent_id for c in run.calls.values()}
     stray = [i for e in executions for i in [_task_id(run, e)] if i not in known]
     if stray:
@@ -700,7 +859,14 @@ def _outcome(run: CellRun, call: Call) -> str:
     status, result = meta["status"], meta["result"]
     ran = len(run.bed.starts.get(call.sent_id, []))
     if status == states.REVOKED:
-        return REVOKED
+        if not ran:
+            return REVOKED
+        reason = str(result)
+        if reason.startswith(_CANCELLED_BY) and reason[len(_CANCELLED_BY) :] in _sent_after(
+            run, call
+        ):
+            return CANCELLED
+        return f"REVOKED {result!r} after it ran"
     if status == states.FAILURE:
         name = type(result).__name__
         if name in ("DuplicateTaskError", "RateLimitedError"):
@@ -720,7 +886,9 @@ def _outcome(run: CellRun, call: Call) -> str:
         if info is not None:
             if info.reason == "debounced":
                 return SUPERSEDED
-            return SKIPPED if info.follow_up is None else COALESCED
+            if info.follow_up is not None:
+                return COALESCED
+            return OVERTAKEN if info.holder in _sent_after(run, call) else SKIPPED
         if isinstance(result, dict) and result.get("ran") == call.sent_id:
             return RAN
         if isinstance(result, dict) and result.get("ran") in {
@@ -731,10 +899,24 @@ def _outcome(run: CellRun, call: Call) -> str:
     return f"{status} {result!r}"
 
 
+#: how the result of a run that ended with ``self.singleton.end_cancelled()`` begins
+_CANCELLED_BY = "cancelled: superseded by "
+
+
+def _sent_after(run: CellRun, call: Call) -> set[str]:
+    """The task ids of the calls the scenario sent after ``call``."""
+    calls = list(run.calls.values())
+    return {c.sent_id for c in calls[calls.index(call) + 1 :]}
+
+
 def _base(role: str) -> str:
     """The role a call's expectation is declared for: ``F`` for each follow-up (``F``, ``F2``,
     ...), ``X`` for each call joined beside another (``X1``, ...)."""
     return role[0] if role[0] in "FX" else role
+
+
+#: the outcomes of a call that ran
+_RUNS = (RAN, LOST, REFUSED, CANCELLED)
 
 
 def _check_calls(run: CellRun) -> list[str]:
@@ -752,9 +934,9 @@ def _check_calls(run: CellRun) -> list[str]:
         ran = len(run.bed.starts.get(call.sent_id, []))
         if ran > 1:
             failures.append(f"{role} ran {ran} times")
-        if outcome in (RAN, LOST, REFUSED) and ran != 1:
+        if outcome in _RUNS and ran != 1:
             failures.append(f"{role} ended {outcome!r} but ran {ran} times")
-        if outcome not in (RAN, LOST, REFUSED) and ran:
+        if outcome not in _RUNS and ran:
             failures.append(f"{role} ended {outcome!r} but ran {ran} times")
         links = run.bed.links[call.sent_id]
         meta = call.first if call.published else None
