@@ -30,8 +30,9 @@ from .log import logger
 
 __all__ = ["FINAL_STATES", "drop_completed", "dropped", "ending_for", "report_drop"]
 
-#: The states after which the message will not run again: a completion is recorded.
-FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
+#: The states after which the message will not run again: a completion is recorded. REVOKED is
+#: a run that ended cancelled (``self.singleton.end_cancelled()``), whose copy must not run.
+FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE, states.REVOKED})
 
 
 @functools.lru_cache(maxsize=256)

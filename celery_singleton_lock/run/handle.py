@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import contextlib
+from typing import Any
 
 from celery.exceptions import Ignore, TaskRevokedError
+from celery.states import READY_STATES
 
-from ..core._wire import as_text
+from ..core._wire import as_text, script
 from ..core.connection import store_for
 from ..core.renewer import HeldLock, Renewer
 from .log import LOGGED_ERRORS, about, logger
 from .task_events import run_sink
 
 __all__ = ["NOT_HELD", "Cancelled", "LockHandle", "handle_of"]
+
+
+
+def _ended(task: Any, task_id: str) -> bool:
+    """Whether ``task_id``'s result says it ended (revoked: Celery 5.7 stores REVOKED at once)."""
+    try:
+        return task.backend.get_state(task_id) in READY_STATES
+    except Exception:  # no backend to read, or it failed: the request stands
+        return False
 
 
 class Cancelled(Ignore):  # type: ignore[misc]
@@ -65,22 +76,39 @@ class LockHandle:
         decides what to do: :meth:`end_cancelled` ends it."""
         return self._held is not None and self._held.stop_asked
 
-    def end_cancelled(self) -> NoReturn:
+    def end_cancelled(self) -> None:
         """End this run as cancelled: its state ``REVOKED``, its result
         ``TaskRevokedError("cancelled: superseded by <newer task id>")``, no link called, its
         chain stopped (as Celery ends a revoked task); the release hands the key to the newer
-        call. Raises; call it from the task's body."""
+        call. Raises; call it from the task's body.
+
+        Returns instead (and :attr:`cancelled` is False again) when the newer call that asked
+        was revoked, or ended otherwise, meanwhile: its request is void, and the run goes on."""
         held = self._held
         task = None if held is None else held.context
         if held is None or task is None or self.task_id is None:
             raise RuntimeError("end_cancelled() needs a run that holds its lock")
         newer = "a newer call"
+        store = store_for(task.singleton_options().redis_url)
         try:
-            found = store_for(task.singleton_options().redis_url).client.hget(held.key, "cancel")
+            found = store.client.hget(held.key, "cancel")
         except LOGGED_ERRORS:
             found = None
         if found is not None:
             newer = as_text(found)
+            if _ended(task, newer):  # revoked while it waited: its request is withdrawn
+                with contextlib.suppress(*LOGGED_ERRORS):
+                    store.run_script(script("withdraw_stop.lua"), [1, held.key, newer])
+                held.stop_asked = False
+                logger.info(
+                    "singleton: stop request withdrawn, the newer call ended: %s[%s] key=%s by=%s",
+                    task.name,
+                    self.task_id,
+                    self.key,
+                    newer,
+                    extra=about(task.name, self.task_id),
+                )
+                return
         reason = f"cancelled: superseded by {newer}"
         task.backend.mark_as_revoked(self.task_id, reason, request=task.request)
         logger.info(

@@ -26,7 +26,7 @@ from ..core.backend import ReleaseStatus, release_lost_slot
 from ..core.connection import store_for
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import ending_for
-from ..run.handle import LockHandle, handle_of
+from ..run.handle import Cancelled, LockHandle, handle_of
 from ..run.handover import hand_over
 from ..run.log import about, logger
 from ..run.release import release_run
@@ -59,6 +59,8 @@ def after_run(task: Any, state: str, retval: Any = None) -> None:
     ):
         hand_over(task, handle, retval.when)
         return
+    if state == states.IGNORED and isinstance(retval, Cancelled):  # stored REVOKED: final
+        state = states.REVOKED
     release(task, handle, state, eager=request.is_eager, delayed=bool(request.eta), retval=retval)
 
 

@@ -228,3 +228,47 @@ def test_a_threads_worker_refuses_the_cancel_grace_at_start(
             "q.latest_hard) needs a pool that can terminate a run (prefork, gevent or "
             "eventlet), got thread"
         ) in log, log
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_copy_of_a_cancelled_holders_message_is_dropped(bed: Bed) -> None:
+    """A holder sent with a countdown (its message is one Redis may hand out again) ends
+    cancelled: its end is recorded as its message's completion, so a copy of that message that
+    comes later is dropped, not run, and its REVOKED result stays."""
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, "prefork")
+    key = new_key()
+    holder = app.send_task("q.latest", (key, "old"), countdown=0.1)
+    wait_for(lambda: _order(client, module_prefix, key), 20, "the holder's start", worker)
+    newer = app.send_task("q.latest", (key, "new", True, 0.1))
+    assert newer.get(timeout=20)["payload"] == "new"
+    assert holder.state == "REVOKED"
+    copy = app.send_task("q.latest", (key, "old"), task_id=holder.id, countdown=0.1)
+    worker.wait_for_log(rf"already completed, redelivery dropped: q\.latest\[{copy.id}\]")
+    assert holder.state == "REVOKED"
+    assert _order(client, module_prefix, key) == ["old", "new"]
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_newer_call_revoked_while_it_waits_withdraws_its_stop_request(bed: Bed) -> None:
+    """The newer call asks the holder to stop, then is revoked before the holder ends: the
+    holder's ``end_cancelled()`` finds the request void and returns, so the holder ends as it
+    would have (SUCCESS); the revoked call is passed over at its turn (REVOKED, never runs)."""
+    app, client, module_prefix = bed.app, bed.client, bed.prefix
+    worker = _worker(bed, "prefork")
+    key = new_key()
+    lock = _lock(module_prefix, "q.latest", key)
+    holder = app.send_task("q.latest", (key, "old", True, 20.0, True))
+    wait_for(lambda: _order(client, module_prefix, key), 20, "the holder's start", worker)
+    newer = app.send_task("q.latest", (key, "new", True, 0.1))
+    wait_for(
+        lambda: client.lrange(f"{module_prefix}seen:{key}", 0, -1), 10, "the request seen", worker
+    )
+    app.control.revoke(newer.id)
+    wait_for(lambda: newer.state == "REVOKED", 10, "the newer call revoked", worker)
+    client.rpush(f"{key}:go", 1)
+    assert holder.get(timeout=20) == {"payload": "old", "cancelled": False}
+    worker.wait_for_log(rf"stop request withdrawn, the newer call ended: q\.latest\[{holder.id}\]")
+    assert newer.state == "REVOKED"
+    assert _order(client, module_prefix, key) == ["old"]
+    wait_for(lambda: not client.exists(lock, *queue_keys(lock)), 10, "the key released", worker)

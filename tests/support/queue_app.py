@@ -95,9 +95,12 @@ def after(self: Any, value: Any, tag: str = "") -> Any:
     return value
 
 
-def _until_cancelled(task: Any, key: str, payload: Any, stop: bool, budget: float) -> Any:
+def _until_cancelled(  # noqa: PLR0917 - the run, and what it does when asked to stop
+    task: Any, key: str, payload: Any, stop: bool, budget: float, pause: bool = False
+) -> Any:
     """Record the run; wait (at most ``budget`` s) for a newer call's stop request, noting when
-    it was seen; then end cancelled (``stop``) or finish."""
+    it was seen; with ``pause``, wait then for a push to ``<key>:go``; then end cancelled
+    (``stop``: ``end_cancelled()``, which goes on when the request was withdrawn) or finish."""
     client = _client(app.conf.singleton_test_redis_url)
     prefix = app.conf.singleton_test_prefix
     hkey = history_key(prefix)
@@ -110,6 +113,8 @@ def _until_cancelled(task: Any, key: str, payload: Any, stop: bool, budget: floa
     if task.singleton.cancelled:
         seconds, micros = client.time()
         client.rpush(f"{prefix}seen:{key}", f"{payload} {int(seconds) * 1_000_000 + int(micros)}")
+        if pause:
+            client.blpop([f"{key}:go"], timeout=30)
     record_end(client, hkey, exec_id)
     if stop and task.singleton.cancelled:
         task.singleton.end_cancelled()
@@ -123,12 +128,17 @@ def _until_cancelled(task: Any, key: str, payload: Any, stop: bool, budget: floa
     singleton_key_args=("key",),
     singleton_on_duplicate="cancel",
 )
-def latest(
-    self: Any, key: str, payload: Any = None, stop: bool = True, budget: float = 20.0
+def latest(  # noqa: PLR0917 - the call, and what it does when asked to stop
+    self: Any,
+    key: str,
+    payload: Any = None,
+    stop: bool = True,
+    budget: float = 20.0,
+    pause: bool = False,
 ) -> Any:
-    """Runs until a newer call of ``key`` asks it to stop (then ends cancelled, with ``stop``),
-    or ``budget`` seconds."""
-    return _until_cancelled(self, key, payload, stop, budget)
+    """Runs until a newer call of ``key`` asks it to stop (then ends cancelled, with ``stop``;
+    with ``pause`` once the test lets it go), or ``budget`` seconds."""
+    return _until_cancelled(self, key, payload, stop, budget, pause)
 
 
 if os.environ.get("SINGLETON_TEST_TERMINATES", "1") == "1":  # a solo or threads worker: "0"
