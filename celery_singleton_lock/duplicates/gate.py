@@ -40,7 +40,16 @@ from .copies import FOLLOW_UP_HEADER, WAITING_HEADER, is_follow_up, waiting_sinc
 from .policy import DROP, RUN, Action, Call, Fate, Policy, Why, parts_of
 from .retry import RetryPolicy
 
-__all__ = ["PARENT_WAITS", "Outcome", "abandon", "call_of", "decide", "meta_of", "take"]
+__all__ = [
+    "PARENT_WAITS",
+    "Outcome",
+    "abandon",
+    "call_of",
+    "decide",
+    "meta_of",
+    "take",
+    "worker_call",
+]
 
 #: Pauses (seconds) between the tries of a message whose lock is held by the run that published
 #: it (a chain step, a link callback); after them it is requeued like a redelivered message.
@@ -61,6 +70,20 @@ def call_of(request: Any) -> Call:
         bool(get("is_eager")),
         (get(FOLLOW_UP_HEADER) is not None or get("headers") is not None) and is_follow_up(request),
         get(WAITING_HEADER) is not None and waiting_since(request) is not None,
+    )
+
+
+def worker_call(task_id: str, generation: int, request: dict[str, Any]) -> Call:
+    """The :class:`Call` of a worker's request dict (in front of Celery's tracer, or in the
+    worker's main process), whose task id and retries count its caller has read already: never
+    eager, and the library's headers are fields of the dict itself."""
+    return Call(
+        task_id,
+        request.get("parent_id"),
+        generation,
+        False,
+        FOLLOW_UP_HEADER in request and is_follow_up(request),
+        WAITING_HEADER in request and waiting_since(request) is not None,
     )
 
 

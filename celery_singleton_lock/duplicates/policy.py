@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..errors import SingletonConfigError
-from ..run.release import release_run
 from ..settings.options import Options, refuse_with
 
 if TYPE_CHECKING:
@@ -234,10 +233,11 @@ class Policy(Part):
         eager: bool,
         retval: Any = None,
     ) -> None:
-        """The run's end (not a hand-over to its retry): release its lock, by default written
-        ahead off the run's path (run/release.py; task/endings.py calls that directly for a
-        policy that keeps this default)."""
-        release_run(held, renewer, state, eager=eager)
+        """The run's end (not a hand-over to its retry), for a policy whose end owes the calls
+        waiting on it (a follow-up, joiners, the next call in line): release ``held`` and serve
+        them. A policy that does not override this is released the usual way, written ahead
+        off the run's path (task/endings.py ``release``), without this call."""
+        raise NotImplementedError
 
     def after_release(
         self, task: Any, keys: LockKeys, reason: str, releaser: str | None = None

@@ -17,7 +17,6 @@ from .task_events import run_sink
 __all__ = ["NOT_HELD", "Cancelled", "LockHandle", "handle_of"]
 
 
-
 def _ended(task: Any, task_id: str) -> bool:
     """Whether ``task_id``'s result says it ended (revoked: Celery 5.7 stores REVOKED at once)."""
     try:

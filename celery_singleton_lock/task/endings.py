@@ -9,7 +9,7 @@ records its ending leaves, and what its policy owes the calls waiting beside the
   ran.
 
 What the release itself does is the policy's (duplicates/policy.py ``Policy.release``): by
-default it is written ahead, off the run's path (run/release.py); coalesce publishes its
+default it is written ahead, off the run's path (:func:`release`); coalesce publishes its
 follow-up, join completes its joiners.
 """
 
@@ -26,10 +26,10 @@ from ..core.backend import ReleaseStatus, release_lost_slot
 from ..core.connection import store_for
 from ..errors import LockUnavailableError, SingletonKeyError
 from ..run.completion import ending_for
+from ..run.events import on_released
 from ..run.handle import Cancelled, LockHandle, handle_of
 from ..run.handover import hand_over
 from ..run.log import about, logger
-from ..run.release import release_run
 from ..run.task_events import EventSink
 
 __all__ = ["after_run", "end_lost", "release", "release_lost", "withdraw"]
@@ -87,10 +87,16 @@ def release(
         opts.failure_is_final,
     )
     parts = task._singleton_parted
-    if parts.own_release:  # coalesce, join: what the end owes the calls waiting on it
+    if parts.own_release:  # coalesce, join, queue: what the end owes the calls waiting on it
         parts.policy.release(task, held, renewer, state, eager=eager, retval=retval)
-    else:
-        release_run(held, renewer, state, eager=eager)
+        return
+    # The usual release, off the run's critical path: written at once, its reply read later
+    # (``Renewer.release_later``; docs/internals.md, "Deferred release"). One that records a
+    # completion and cannot be written ahead (Cluster, Redlock, wait_replicas, a failed write)
+    # is made here, before the message's acknowledgement, which follows this hook.
+    if not eager and renewer.release_later(held, state, queue=not held.ending.completion_ttl_ms):
+        return
+    on_released(held, renewer.release_now(held), state)
 
 
 def release_lost(  # noqa: PLR0917 - the run, and why it is released from outside

@@ -20,7 +20,6 @@ from typing import Any
 from celery.exceptions import Ignore
 
 from .. import signals
-from ..core.backend import Acquired
 from ..core.keys import LockKeys
 from ..core.renewer import HeldLock, Renewer
 from ..duplicates.copies import waited
@@ -59,40 +58,50 @@ def start(task: Any, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any
             task, keys, task_id, generation, args, kwargs, request, opts, task._singleton_sleep
         )
         action = decide(outcome, call_of(request), opts, parts.policy)
+    if action is RUN:  # the common case: the lock is the run's
+        try:
+            hold(task, task_id, keys, outcome, renewer, request, opts, parts, first)
+        finally:  # what stood for the call until now is done with (publish-time dedup's marker)
+            if parts.on_decided and not request.is_eager:
+                _decided(task, task_id, keys, Fate.RUN, parts)
+        return
     fate = Fate.SKIP
     try:
         try:
-            if action is not RUN:  # the common case needs nothing carried out
-                action = carry_out(task, action, keys, outcome, request, parts.policy)
+            action = carry_out(task, action, keys, outcome, request, parts.policy)
             fate = action.fate
         except Skipped as skip:
             marker = skip.marker
         else:
-            if fate is Fate.RUN:
-                assert isinstance(outcome, Acquired)
+            if fate is Fate.RUN:  # the policy's own answer let it run (a slot came free)
                 hold(task, task_id, keys, outcome, renewer, request, opts, parts, first)
             return
-    finally:  # what stood for the call until now is done with (publish-time dedup's marker)
+    finally:
         if parts.on_decided and not request.is_eager:
-            for part in parts.on_decided:
-                part.on_decided(task, task_id, keys, fate)
+            _decided(task, task_id, keys, fate, parts)
     # Raised here, not where the skip was decided: Celery snapshots and formats the
     # traceback of an Ignore twice, and each frame in it costs (docs/performance.md).
     raise Skipped(marker) from None
+
+
+def _decided(task: Any, task_id: str, keys: LockKeys, fate: Fate, parts: Parts) -> None:
+    for part in parts.on_decided:
+        part.on_decided(task, task_id, keys, fate)
 
 
 def hold(  # noqa: PLR0917 - the run, its lock, and who holds it
     task: Any,
     task_id: str,
     keys: LockKeys,
-    outcome: Acquired,
+    outcome: Any,
     renewer: Renewer,
     request: Any,
     opts: Options,
     parts: Parts,
     first: FirstTry | None,
 ) -> None:
-    """Hold the lock the run took: its handle, renewed from now on until the run's end."""
+    """Hold the lock the run took (``outcome``: the acquire's :class:`Acquired`): its handle,
+    renewed from now on until the run's end."""
     if not keys.permits:  # a rate alone: the run started and holds no lock (core/rates.py)
         if first is not None:
             first.taken = True

@@ -56,7 +56,7 @@ from ..core.backend import Acquired, Completed, Contended
 from ..core.keys import LockKeys
 from ..core.renewer import Renewer
 from ..duplicates.fates import report_skip, store_skip
-from ..duplicates.gate import Outcome, abandon, call_of, decide, take
+from ..duplicates.gate import Outcome, abandon, decide, take, worker_call
 from ..duplicates.policy import RUN, Action, Fate, Parts
 from ..errors import SingletonKeyError
 from ..run.completion import dropped, report_drop
@@ -141,7 +141,7 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
         )
         first = FirstTry(uuid, keys, generation, outcome, renewer)
         if type(outcome) is not Acquired:  # the lock taken: the common case goes on
-            action = decide(outcome, call_of(request), opts, parts.policy)
+            action = decide(outcome, worker_call(uuid, generation, request), opts, parts.policy)
             if action.fate is Fate.POLICY and parts.policy.ends_in_front:
                 assert isinstance(outcome, Contended)
                 action = parts.policy.carry_out(task, action, keys, outcome, request)
@@ -174,10 +174,9 @@ def trace_run(  # noqa: PLR0917 - Celery's tracer signature, after the two bound
 
 def _keys(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LockKeys | None:
     try:
-        keys: LockKeys = task.singleton_keys(args, kwargs)
+        return task.singleton_keys(args, kwargs)  # type: ignore[no-any-return]
     except (SingletonKeyError, TypeError):  # before_start raises it, in Celery's tracer
         return None
-    return keys
 
 
 @contextmanager

@@ -53,6 +53,7 @@ from typing import Any
 from celery import signals as celery_signals
 from celery import states
 from celery.exceptions import TaskRevokedError, TimeLimitExceeded, WorkerLostError
+from celery.local import Proxy
 from celery.worker.request import Request
 from kombu.utils.imports import symbol_by_name
 
@@ -100,6 +101,8 @@ def _release_after_run(
     task: Any = None, state: str | None = None, retval: Any = None, **_: Any
 ) -> None:
     if isinstance(task, SingletonTask):
+        if isinstance(task, Proxy):  # a task proxy (an app's decorator result): the task, once
+            task = task._get_current_object()
         after_run(task, state or "", retval)
 
 

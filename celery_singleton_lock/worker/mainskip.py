@@ -43,8 +43,8 @@ from ..beat.claims import CLAIM_HEADER
 from ..core.connection import prober_for
 from ..core.hotkeys import HotKeys
 from ..core.probe import probe
-from ..duplicates.gate import decide
-from ..duplicates.policy import Call, Fate
+from ..duplicates.gate import decide, worker_call
+from ..duplicates.policy import Fate
 from ..duplicates.skips import SKIP_MARKER
 from ..errors import LockUnavailableError
 from ..run.log import about, logger
@@ -189,7 +189,7 @@ class _MainSkip:
                 extra=about(task.name, task_id),
             )
             return False
-        call = Call(task_id, headers.get("parent_id"), generation)
+        call = worker_call(task_id, generation, headers)
         action = None if held is None else decide(held, call, opts, task._singleton_parts().policy)
         if held is None or action is None or action.fate is not Fate.SKIP:
             hot.forget(keys.lock)  # free, or this message's own delivery or parent: not a skip

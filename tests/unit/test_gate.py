@@ -137,3 +137,20 @@ def test_a_call_is_read_off_a_context_or_a_tracer_dict() -> None:
     assert call_of(Context(id=ME, is_eager=True)) == Call(ME, None, 0, True)
     stale = {**fields, "singleton_waiting_since": [1.0, 2]}  # a later retry carried it along
     assert call_of(stale).requeued is False
+
+
+def test_a_workers_call_is_read_off_its_request_dict() -> None:
+    """In front of Celery's tracer and in the worker's main process the id and retries are
+    read already; the library's headers are fields of the dict itself."""
+    from celery_singleton_lock.duplicates.gate import worker_call
+
+    fields = {
+        "retries": 3,
+        "parent_id": PARENT,
+        "singleton_follow_up": True,
+        "singleton_waiting_since": [1.0, 3],
+    }
+    assert worker_call(ME, 3, fields) == Call(ME, PARENT, 3, False, True, True)
+    assert worker_call(ME, 0, {"retries": 0}) == Call(ME)
+    stale = {"retries": 2, "singleton_waiting_since": [1.0, 0]}  # a later retry carried it
+    assert worker_call(ME, 2, stale).requeued is False
