@@ -406,8 +406,9 @@ _PXE: dict[tuple[str, str], tuple[str, dict[str, frozenset[str]]]] = {
     # "cancel": an older call waits first, and makes way for the one that meets the event; the
     # holder's body ends cancelled once asked, unless it fails first or is killed
     ("cancel", "revoke"): (
-        "works: the holder, asked already, ends cancelled; the revoked call is passed over",
-        _e(H=CANCELLED, W=OVERTAKEN, D=REVOKED),
+        "works: the revoked call's stop request is withdrawn, the holder ends as it would have; "
+        "the revoked call is passed over",
+        _e(H=RAN, W=OVERTAKEN, D=REVOKED),
     ),
     ("cancel", "expires"): (
         "works: the holder, asked already, ends cancelled; the expired call is passed over, "
