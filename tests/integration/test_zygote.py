@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery
 
 from celery_singleton_lock._dev.process import children_of
+from tests.support import zygote as zygote_module
 from tests.support.basic_app import SINGLETON_APP
 from tests.support.workers import REPO_ROOT, WorkerFactory
 from tests.support.zygote import ForkedProcess, forkable, import_environment, zygote_for
@@ -69,6 +71,18 @@ def test_only_starts_a_new_interpreter_would_run_the_same_are_forked() -> None:
         assert not forkable([*celery[:-1], pool], REPO_ROOT)
 
 
+@pytest.fixture
+def own_zygotes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This test's zygotes apart from the ones its xdist worker started before (those count
+    against the cap), closed after it."""
+    mine: dict[frozenset[tuple[str, str]], zygote_module.Zygote] = {}
+    monkeypatch.setattr(zygote_module, "_ZYGOTES", mine)
+    yield
+    for zygote in list(mine.values()):
+        zygote.close()
+
+
+@pytest.mark.usefixtures("own_zygotes")
 def test_each_import_environment_has_its_own_zygote() -> None:
     """The test apps' settings differ between the forks of one zygote; any other variable
     (celery.platforms reads C_FORCE_ROOT at import) gets a zygote started with it."""
@@ -84,6 +98,7 @@ def test_each_import_environment_has_its_own_zygote() -> None:
     assert import_environment(other.env) == import_environment({**env, "C_FORCE_ROOT": "1"})
 
 
+@pytest.mark.usefixtures("own_zygotes")
 def test_a_dead_zygotes_children_end_and_it_is_started_again() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SINGLETON_TEST_ZYGOTE_CASE": "dead"}
     zygote = zygote_for(env)
@@ -96,3 +111,11 @@ def test_a_dead_zygotes_children_end_and_it_is_started_again() -> None:
     assert again is not None
     assert again is not zygote
     assert again.alive()
+
+
+@pytest.mark.usefixtures("own_zygotes")
+def test_past_the_cap_a_start_is_a_new_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zygote_module, "MAX_ZYGOTES", 1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SINGLETON_TEST_ZYGOTE_CASE": "cap"}
+    assert zygote_for(env) is not None
+    assert zygote_for({**env, "C_FORCE_ROOT": "1"}) is None
