@@ -21,6 +21,7 @@ pipeline, or one per node on a cluster (a beat tick claims every run due at once
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -31,16 +32,23 @@ from ..core._wire import Script, as_text, evalsha, script
 from ..core.backend import REDIS_ERRORS, Client
 from ..core.cluster import script_calls
 from ..core.compare_delete import delete_if_equal
+from ..core.keys import beside_run
 from ..errors import LockUnavailableError
 
 __all__ = [
     "CLAIM_HEADER",
     "KEEP_HEADER",
+    "NOT_RECORDED",
     "RUN_HEADER",
     "Claim",
     "Claims",
+    "EntryRecord",
     "RunClaims",
+    "RunNote",
+    "merge_records",
     "only",
+    "pause_key",
+    "record_key",
     "witness_key",
 ]
 
@@ -68,14 +76,53 @@ def witness_key(claim_key: str) -> str:
     return f"{claim_key}:seen"
 
 
+def record_key(claim_key: str) -> str:
+    """The record of the entry whose run is claimed at ``claim_key`` (a hash: see claim.lua)."""
+    return beside_run(claim_key, "record")
+
+
+def pause_key(claim_key: str) -> str:
+    """The pause of the entry whose run is claimed at ``claim_key``."""
+    return beside_run(claim_key, "paused")
+
+
 @dataclass(frozen=True)
 class Claim:
-    """The outcome of a claim: ``won``, or who holds it and in which state."""
+    """The outcome of a claim: ``won``, or who holds it and in which state; or the entry is
+    ``paused`` (``holder``: who paused it)."""
 
     won: bool
     holder: str | None = None
     published: bool = False
     pttl_ms: int = 0
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class RunNote:
+    """What a run's claim and confirm note in its entry's record: the run's nominal time (epoch
+    ms; None for a run at no nominal time, which is not recorded), how long to keep the record,
+    and whether the entry's pause passes the run over (an operator's run-now is not)."""
+
+    nominal_ms: int | None = None
+    record_ms: int = 1
+    pausable: bool = True
+
+
+#: A run that notes nothing in its entry's record (and that a pause passes over).
+NOT_RECORDED = RunNote()
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    """An entry's record: its runs up to ``through_ms`` (epoch ms) are accounted for; the last
+    published nominal run (``nominal_ms``, by ``by`` at ``at_ms`` as ``task_id``), if any."""
+
+    through_ms: int | None
+    nominal_ms: int | None = None
+    by: str | None = None
+    at_ms: int | None = None
+    task_id: str | None = None
 
 
 class Claims(Protocol):
@@ -95,14 +142,20 @@ class Claims(Protocol):
     def unclaim(self, key: str) -> bool: ...
 
     def claim_many(
-        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+        self,
+        keys: Sequence[str],
+        lease_ms: int,
+        keep_ms: Sequence[int],
+        notes: Sequence[RunNote] | None = None,
     ) -> list[Claim | LockUnavailableError]: ...
 
     def confirm_many(
-        self, items: Sequence[tuple[str, str, int]]
+        self, items: Sequence[tuple[str, str, int]], notes: Sequence[RunNote] | None = None
     ) -> list[bool | LockUnavailableError]: ...
 
     def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]: ...
+
+    def records(self, keys: Sequence[str]) -> list[EntryRecord | None]: ...
 
 
 class RunClaims:
@@ -170,44 +223,78 @@ class RunClaims:
         return claims
 
     def claim_many(
-        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+        self,
+        keys: Sequence[str],
+        lease_ms: int,
+        keep_ms: Sequence[int],
+        notes: Sequence[RunNote] | None = None,
     ) -> list[Claim | LockUnavailableError]:
         """:meth:`claim` the runs at ``keys`` (each kept its ``keep_ms``) in one round trip.
 
         Each run gets its claim, or the error that kept it from being claimed (try it again).
+        A run whose entry is paused is not claimed (``Claim.paused``) unless its note says
+        so; it counts as accounted for in the entry's record, as does a run a worker received.
         """
         if lease_ms <= 0 or any(keep <= 0 for keep in keep_ms):
             raise ValueError(f"lease_ms and keep_ms must be positive, got {lease_ms!r}")
+        notes = _notes(notes, len(keys))
 
-        def call(chunk: Sequence[tuple[str, int]]) -> list[Any]:
-            keys_ = [k for key, _keep in chunk for k in (key, witness_key(key))]
-            return [len(keys_), *keys_, self.claimer, lease_ms, *(keep for _k, keep in chunk)]
+        def call(chunk: Sequence[tuple[str, int, RunNote]]) -> list[Any]:
+            keys_: list[str] = []
+            argv: list[Any] = [self.claimer, lease_ms]
+            for key, keep, note in chunk:
+                keys_ += (key, witness_key(key), pause_key(key), record_key(key))
+                argv += (keep, *_note_args(note), int(note.pausable))
+            return [len(keys_), *keys_, *argv]
 
-        replies = self._many("claim", CLAIM, list(zip(keys, keep_ms, strict=True)), call)
+        items = list(zip(keys, keep_ms, notes, strict=True))
+        replies = self._many("claim", CLAIM, items, call)
         return [
             r
             if isinstance(r, LockUnavailableError)
             else Claim(True, self.claimer)
             if r[0] == 1
+            else _paused(r[1])
+            if r[0] == 2
             else _seen(r[1], r[2])
             for r in replies
         ]
 
     def confirm_many(
-        self, items: Sequence[tuple[str, str, int]]
+        self, items: Sequence[tuple[str, str, int]], notes: Sequence[RunNote] | None = None
     ) -> list[bool | LockUnavailableError]:
-        """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``, in one round trip."""
+        """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``, in one round trip; each
+        noted in its entry's record as its ``notes`` say."""
         if any(keep <= 0 for _key, _task, keep in items):
             raise ValueError("keep_ms must be positive")
+        notes = _notes(notes, len(items))
 
-        def call(chunk: Sequence[tuple[str, str, int]]) -> list[Any]:
-            args: list[Any] = [len(chunk), *(key for key, _t, _k in chunk), self.claimer]
-            for _key, task_id, keep in chunk:
-                args += (task_id or "-", keep)
-            return args
+        def call(chunk: Sequence[tuple[str, str, int, RunNote]]) -> list[Any]:
+            keys_: list[str] = []
+            argv: list[Any] = [self.claimer]
+            for key, task_id, keep, note in chunk:
+                keys_ += (key, record_key(key))
+                argv += (task_id or "-", keep, *_note_args(note))
+            return [len(keys_), *keys_, *argv]
 
-        replies = self._many("confirm", CONFIRM, list(items), call)
+        both = [(*item, note) for item, note in zip(items, notes, strict=True)]
+        replies = self._many("confirm", CONFIRM, both, call)
         return [r if isinstance(r, LockUnavailableError) else bool(r) for r in replies]
+
+    def records(self, keys: Sequence[str]) -> list[EntryRecord | None]:
+        """The entry records at ``keys`` (from :func:`record_key`; None: none), one round trip."""
+        if not keys:
+            return []
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+            replies: list[Any] = pipe.execute()
+        except REDIS_ERRORS as exc:
+            raise LockUnavailableError(
+                f"could not read the record {keys[0]} and others: {exc}", key=keys[0]
+            ) from exc
+        return [_record(reply) for reply in replies]
 
     def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]:
         """Give up our pending claims at ``keys`` (``unclaim.lua``), in one round trip."""
@@ -270,6 +357,58 @@ def only(outcomes: Sequence[T | LockUnavailableError]) -> T:
     if isinstance(outcome, LockUnavailableError):
         raise outcome
     return outcome
+
+
+def _notes(notes: Sequence[RunNote] | None, count: int) -> Sequence[RunNote]:
+    if notes is None:
+        return [NOT_RECORDED] * count
+    if len(notes) != count:
+        raise ValueError(f"need one note per run: {len(notes)} for {count}")
+    return notes
+
+
+def _note_args(note: RunNote) -> tuple[str, int]:
+    """A note's nominal time ("" for none) and record keep, as claim.lua and confirm.lua read
+    them."""
+    if note.record_ms <= 0:
+        raise ValueError(f"record_ms must be positive, got {note.record_ms!r}")
+    return ("" if note.nominal_ms is None else str(note.nominal_ms)), note.record_ms
+
+
+def _paused(value: bytes | str) -> Claim:
+    """The claim refused for a paused entry; the pause reads "<by> <at ms>"."""
+    by = as_text(value).rpartition(" ")[0] or as_text(value)
+    return Claim(False, by, paused=True)
+
+
+def _record(fields: dict[Any, Any]) -> EntryRecord | None:
+    """An entry record read with HGETALL (empty: none)."""
+    if not fields:
+        return None
+    text = {as_text(k): as_text(v) for k, v in fields.items()}
+
+    def number(name: str) -> int | None:
+        value = text.get(name)
+        return int(value) if value and value.lstrip("-").isdigit() else None
+
+    return EntryRecord(
+        through_ms=number("through"),
+        nominal_ms=number("nominal"),
+        by=text.get("by"),
+        at_ms=number("at"),
+        task_id=text.get("task"),
+    )
+
+
+def merge_records(seen: Sequence[EntryRecord | None]) -> EntryRecord | None:
+    """One entry's records as several servers hold them, as one: the latest ``through``, and
+    the latest published run."""
+    found = [r for r in seen if r is not None]
+    if not found:
+        return None
+    throughs = [r.through_ms for r in found if r.through_ms is not None]
+    latest = max(found, key=lambda r: -1 if r.nominal_ms is None else r.nominal_ms)
+    return dataclasses.replace(latest, through_ms=max(throughs) if throughs else None)
 
 
 def _seen(value: bytes | str, pttl_ms: int) -> Claim:

@@ -147,8 +147,9 @@ def _claim_many(state: BeatState, runs: list[Run]) -> list[Claim | LockUnavailab
     """Claim ``runs`` for the publish lease, in one round trip; each its claim or error."""
     lease_ms = round(PUBLISH_LEASE_S * 1000)
     keeps = [run.keep_ms for run in runs]
+    notes = [run.note for run in runs]
     keys = [run.key for run in runs]
-    return _many(lambda items: state.claims.claim_many(items, lease_ms, keeps), keys)
+    return _many(lambda items: state.claims.claim_many(items, lease_ms, keeps, notes), keys)
 
 
 def _is_won(claim: Claim | LockUnavailableError) -> bool:
@@ -168,6 +169,14 @@ def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavaila
         return False
     if claim.won:
         return True
+    if claim.paused:
+        logger.info(
+            "beat: entry paused, run not published: entry=%s run=%s paused_by=%s",
+            entry.name,
+            run.run,
+            claim.holder,
+        )
+        return False
     logger.info(
         "beat: run already claimed: entry=%s run=%s by=%s published=%s",
         entry.name,
@@ -192,9 +201,9 @@ def _end_claims(state: BeatState, give_up: list[Run], published: list[tuple[Run,
     if not published:
         return
     items = [(run.key, task_id, run.keep_ms) for run, task_id in published]
-    for (run, task_id), confirmed in zip(
-        published, _many(state.claims.confirm_many, items), strict=True
-    ):
+    notes = [run.note for run, _task in published]
+    confirmed_all = _many(lambda items_: state.claims.confirm_many(items_, notes), items)
+    for (run, task_id), confirmed in zip(published, confirmed_all, strict=True):
         if isinstance(confirmed, LockUnavailableError):  # the pending claim still blocks others
             logger.warning(
                 "beat: could not confirm run: entry=%s run=%s: %s",

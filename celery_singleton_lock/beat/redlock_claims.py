@@ -27,7 +27,7 @@ from ..core.backend import LockBackend
 from ..core.connection import lock_url, master_timeout, new_store, redlock_clients
 from ..core.redlock import RedlockStore
 from ..errors import LockUnavailableError
-from .claims import Claim, Claims, RunClaims, only
+from .claims import Claim, Claims, EntryRecord, RunClaims, RunNote, merge_records, only
 
 __all__ = ["RedlockClaims", "claims_and_store"]
 
@@ -77,13 +77,17 @@ class RedlockClaims:
         return only(self.claim_many([key], lease_ms, [lease_ms if keep_ms is None else keep_ms]))
 
     def claim_many(
-        self, keys: Sequence[str], lease_ms: int, keep_ms: Sequence[int]
+        self,
+        keys: Sequence[str],
+        lease_ms: int,
+        keep_ms: Sequence[int],
+        notes: Sequence[RunNote] | None = None,
     ) -> list[Claim | LockUnavailableError]:
         """:meth:`claim` the runs at ``keys``: one round trip per master, in parallel. The
-        claims this instance must give up (no majority, or already published) are given up in
-        one more."""
+        claims this instance must give up (no majority, already published, or the entry paused
+        on a master that answered) are given up in one more."""
         start = self.clock()
-        replies = self._run(lambda c: c.claim_many(keys, lease_ms, keep_ms))
+        replies = self._run(lambda c: c.claim_many(keys, lease_ms, keep_ms, notes))
         elapsed_ms = (self.clock() - start) * 1000
         validity_ms = lease_ms - elapsed_ms - (lease_ms * self.drift_factor + self.drift_floor_ms)
         outcomes: list[Claim | LockUnavailableError] = []
@@ -105,11 +109,11 @@ class RedlockClaims:
         instance must give up what it was granted."""
         answers = {i: r for i, r in replies.items() if isinstance(r, Claim)}
         won = [i for i, r in answers.items() if r.won]
-        published = [r for r in answers.values() if r.published]
+        published = [r for r in answers.values() if r.published or r.paused]
         if len(won) >= self.quorum and validity_ms > 0 and not published:
             return Claim(won=True, holder=self.claimer), False
         give_up = bool(won) or len(answers) < len(self.members)  # a silent one may have granted
-        if published:  # even a majority for us: the run went out once already
+        if published:  # even a majority for us: the run went out once already, or is paused
             return published[0], give_up
         if len(answers) < self.quorum:
             return LockUnavailableError(
@@ -133,11 +137,11 @@ class RedlockClaims:
         return only(self.confirm_many([(key, task_id, keep_ms)]))
 
     def confirm_many(
-        self, items: Sequence[tuple[str, str, int]]
+        self, items: Sequence[tuple[str, str, int]], notes: Sequence[RunNote] | None = None
     ) -> list[bool | LockUnavailableError]:
         """:meth:`confirm` runs given as ``(key, task_id, keep_ms)``: one round trip per
         master, in parallel."""
-        replies = self._run(lambda c: c.confirm_many(items))
+        replies = self._run(lambda c: c.confirm_many(items, notes))
         outcomes: list[bool | LockUnavailableError] = []
         for index, (key, _task, _keep) in enumerate(items):
             per_master = {i: _item(r, index) for i, r in replies.items()}
@@ -196,6 +200,20 @@ class RedlockClaims:
             pending = sorted(found, key=lambda c: c.pttl_ms, reverse=True)
             merged.append(done[0] if done else pending[0] if pending else None)
         return merged
+
+    def records(self, keys: Sequence[str]) -> list[EntryRecord | None]:
+        """The entry records at ``keys``, read on every master: the latest ``through`` any
+        answering master has, and the latest published run. Raises when fewer than a majority
+        answered."""
+        replies = self._run(lambda c: c.records(keys))
+        answers = [r for r in replies.values() if not isinstance(r, Failed)]
+        if len(answers) < self.quorum:
+            raise LockUnavailableError(
+                f"could not read records: {len(answers)} of {len(self.members)} masters "
+                f"answered{self._why(replies)}",
+                key=keys[0] if keys else None,
+            )
+        return [merge_records(seen) for seen in zip(*answers, strict=True)]
 
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
         """Witness a scheduled run's message on every master (see :meth:`RunClaims.witness`).

@@ -46,7 +46,10 @@ __all__ = [
     "KeyDeriver",
     "LockKeys",
     "argument_digest",
+    "beat_entry_key",
+    "beat_group_key",
     "beside",
+    "beside_run",
     "check_prefix",
     "derive_keys",
     "keys_of",
@@ -221,8 +224,30 @@ def run_claim_key(prefix: str, entry_name: str, run_id: str) -> str:
     """Claim key of one scheduled run: ``{prefix}{beat.<entry>:<digest>}:run:<run id>``.
 
     All runs of one entry share a hash tag, so they live in one Redis Cluster slot."""
+    return f"{beat_entry_key(prefix, entry_name)}:run:{run_id}"
+
+
+def beat_entry_key(prefix: str, entry_name: str, name: str | None = None) -> str:
+    """A beat entry's key ``{prefix}{beat.<entry>:<digest>}:<name>`` (its record of runs,
+    its pause, an operator's run-now request), in its runs' Redis Cluster slot; without
+    ``name``, the part its keys share."""
     tag = f"{{beat.{safe_name(entry_name)}:{argument_digest('beat', entry_name.encode())}}}"
-    return f"{prefix}{tag}:run:{run_id}"
+    return f"{prefix}{tag}" if name is None else f"{prefix}{tag}:{name}"
+
+
+def beside_run(claim_key: str, name: str) -> str:
+    """The key ``name`` of the entry whose run is claimed at ``claim_key`` (see
+    :func:`beat_entry_key`): the same slot. Beside a key of another shape: ``<key>:<name>``."""
+    base, found, _run = claim_key.rpartition(":run:")
+    return f"{base}:{name}" if found else f"{claim_key}:{name}"
+
+
+def beat_group_key(prefix: str, group: str, name: str) -> str:
+    """A key of the beat instances of ``group`` (the app's main name) as a whole:
+    ``{prefix}{beat-group.<group>:<digest>}:<name>`` (the entries they run, the run-now
+    requests)."""
+    tag = f"{{beat-group.{safe_name(group)}:{argument_digest('beat-group', group.encode())}}}"
+    return f"{prefix}{tag}:{name}"
 
 
 def leader_keys(prefix: str, group: str) -> LockKeys:

@@ -75,13 +75,15 @@ class BeatOptions:
     #: ``singleton_beat_lock_at_least``: the least time a run's claim is kept
     lock_at_least: float
     lease: float
+    #: ``singleton_beat_catch_up``: "none", "latest" or a window in seconds
+    catch_up: str | float = "latest"
 
 
 def read_beat_options(conf: ConfLike) -> BeatOptions:
     """Check the settings SingletonScheduler uses."""
     values = {
         name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
-        for name in ("key_prefix", "beat_mode", "beat_skew", "beat_lease")
+        for name in ("key_prefix", "beat_mode", "beat_skew", "beat_lease", "beat_catch_up")
     }
     return BeatOptions(
         redis_url=resolve_redis_url(conf),
@@ -90,6 +92,7 @@ def read_beat_options(conf: ConfLike) -> BeatOptions:
         skew=values["beat_skew"],
         lock_at_least=_beat_lock_at_least(conf),
         lease=values["beat_lease"],
+        catch_up=values["beat_catch_up"],
     )
 
 

@@ -51,6 +51,8 @@ LOCK_ON = ("execute", "publish")
 LOCK_ON_RENAMED = {"both": "publish"}
 REDIS_ERROR_POLICIES = ("fail", "run")
 BEAT_MODES = ("active", "leader")
+#: The named choices of ``singleton_beat_catch_up`` (else a number of seconds).
+CATCH_UP_CHOICES = ("none", "latest")
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: ``singleton_permits``: no limit on runs at once (a rate alone); read as 0 permits
 UNLIMITED = "unlimited"
@@ -114,6 +116,17 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         return str(value)
 
     return check
+
+
+def catch_up(name: str, value: Any) -> str | float:
+    """One of :data:`CATCH_UP_CHOICES`, or a window: a finite number of seconds > 0."""
+    if isinstance(value, str):
+        return _choice(CATCH_UP_CHOICES)(name, value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _positive(name, value)
+    raise SingletonConfigError(
+        f'{name} must be "none", "latest" or a number of seconds > 0, got {_shown(value)}'
+    )
 
 
 def _lock_on(name: str, value: Any) -> str:
@@ -479,6 +492,18 @@ SETTINGS: dict[str, Setting] = {
             "(the claim is otherwise kept for two schedule periods + 2 x beat_skew + 60 s). "
             "Formerly the app-wide `singleton_lock_at_least`, still read as this with a "
             "DeprecationWarning.",
+            task_option=False,
+        ),
+        Setting(
+            "beat_catch_up",
+            "latest",
+            catch_up,
+            "What a beat publishes for an entry's runs whose time passed while no beat "
+            'published (every beat down, or none could reach Redis): "none" (they are '
+            'dropped; the next run comes on time), "latest" (one run at once, the latest '
+            "of them) or a number of seconds (each of them within that long before now, "
+            "oldest first). An entry overrides it with the message header "
+            "`singleton_beat_catch_up` in its options.",
             task_option=False,
         ),
         Setting(
