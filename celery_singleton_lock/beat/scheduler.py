@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, SupportsIndex
 
 from celery.beat import PersistentScheduler, ScheduleEntry
@@ -35,16 +35,14 @@ from celery.schedules import schedstate
 
 from ..core._pid import current_pid
 from ..core.backend import REDIS_ERRORS
-from ..core.keys import beat_entry_key
 from ..core.urls import redact_url
-from ..errors import LockUnavailableError, SingletonConfigError
+from ..errors import SingletonConfigError
 from ..settings.options import BeatOptions, read_beat_options
-from .catch_up import catch_up_of, grace, runs_on_sight
 from .leader import ERROR_RETRY_S, BeatState
-from .publishing import NOT_PUBLISHED, PUBLISH_LEASE_S, NotPublished, claim_and_publish
+from .publishing import NOT_PUBLISHED, NotPublished, claim_and_publish
 from .redlock_claims import claims_and_store
-from .runs import Run, aware, bucket_run, is_interval, is_placed, once_run, run_at
-from .schedules import interval_slot, nominal_run, recent_runs, run_id, slot_start
+from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
+from .schedules import interval_slot, nominal_run, slot_start
 from .ticks import (
     ScheduleWatch,
     base_tick_is_celerys,
@@ -53,13 +51,11 @@ from .ticks import (
     push_next,
     tracked_schedule,
 )
+from .watching import Watching
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
 logger = logging.getLogger(__name__)
-
-#: At start-up, how many recent runs of each entry are checked for a claim left pending.
-RECENT_RUNS_MAX = 32
 
 
 class SingletonSchedulerMixin:
@@ -80,12 +76,8 @@ class SingletonSchedulerMixin:
         self._due_slot: dict[str, int] = {}
         #: runs to claim again at a monotonic time: their claimer may have died, or Redis failed
         self._rechecks: dict[Run, float] = {}
-        #: entries whose recent runs this instance checked for claims left pending
-        self._watched: set[str] = set()
-        #: entries this instance watches (catch_up.py): it published their missed runs, and
-        #: publishes through their due state only the runs after their floor (epoch ms)
-        self._sighted: set[str] = set()
-        self._floor_ms: dict[str, int] = {}
+        #: the entries this instance watches, since when (watching.py)
+        self._singleton_watching = Watching()
         #: calls of the schedule's own editing methods (ticks.py notices a change by them)
         self._singleton_edits = 0
         self._singleton_watch = ScheduleWatch()
@@ -219,8 +211,7 @@ class SingletonSchedulerMixin:
             delay = self._batched_tick(state)
         else:
             schedule = self.schedule
-            self._sight(state, schedule)
-            self._watch_recent_runs(state, schedule)
+            self._singleton_watching.sight(self, state, schedule)
             self._publish_many(state, self._due_rechecks(schedule))
             delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
         if self._rechecks:
@@ -233,15 +224,14 @@ class SingletonSchedulerMixin:
         to retry) claimed in one round trip and published."""
         schedule = self.schedule  # read once: the database scheduler looks for changes here
         tracked = self.singleton_schedule_tracked or tracked_schedule(type(self))
-        if self._sight(state, schedule):
+        if self._singleton_watching.sight(self, state, schedule):
             self._heap = None  # placed again from the due state the sight set
         self._singleton_watch.refresh(self, schedule, self._singleton_edits, tracked)
-        self._watch_recent_runs(state, schedule)
         runs = self._due_rechecks(schedule)
         for due in pop_due(self):
             entry = due[1]
             run = self._run(entry, state.opts)  # as it was due, before reserve
-            if not self._sighted_before(run):
+            if not self._singleton_watching.before(run):
                 runs.append((entry, run))
             push_next(self, due, self.reserve(entry))  # type: ignore[attr-defined]
         if runs:
@@ -265,7 +255,7 @@ class SingletonSchedulerMixin:
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
             return None
-        if self._sighted_before(run):
+        if self._singleton_watching.before(run):
             return None
 
         def publish(labelled: ScheduleEntry) -> Any:
@@ -285,7 +275,7 @@ class SingletonSchedulerMixin:
             return
         state = self._singleton_state()
         run = self._run(entry, state.opts)
-        if not self._sighted_before(run):
+        if not self._singleton_watching.before(run):
             self._publish_many(state, [(entry, run)], producer)
 
     # -- the schedule's own editing methods: counted, so a tick notices the change (ticks.py)
@@ -367,116 +357,11 @@ class SingletonSchedulerMixin:
         return due
 
     def singleton_watch_again(self) -> None:
-        """Start to watch every entry again at the next tick, as at start-up (catch_up.py):
+        """Start to watch every entry again at the next tick, as at start-up (watching.py):
         the runs that came due since are published as each entry's catch-up choice says,
         not each on its own. Called when this instance takes the lead, and when Redis answers
         again after an outage."""
-        self._sighted.clear()
-        self._watched.clear()
-
-    def _sight(self, state: BeatState, schedule: Any) -> bool:
-        """Start to watch the entries new to this instance (catch_up.py); True if any were.
-
-        The runs each missed while no beat published, as its catch-up choice picks them, and
-        the run due now are published at this tick (as rechecks, oldest first). From then on
-        the entry's own due state publishes only the runs after this instant (its floor): a
-        local schedule file's old ``last_run_at`` makes no run due that catch-up passed over.
-        An interval entry's next run is its next slot, whatever the file said.
-        """
-        new = [(name, entry) for name, entry in list(schedule.items()) if name not in self._sighted]
-        if not new:
-            return False
-        prefix = state.opts.key_prefix
-        try:
-            records = state.claims.records([beat_entry_key(prefix, n, "record") for n, _e in new])
-        except LockUnavailableError as exc:
-            logger.warning("beat: could not read the entries' records, catch-up waits: %s", exc)
-            return False
-        now_s = self.singleton_clock()
-        now = datetime.fromtimestamp(now_s, timezone.utc)
-        floor_ms, at = int(now_s * 1000), self.singleton_monotonic()
-        for (name, entry), record in zip(new, records, strict=True):
-            self._sighted.add(name)
-            sched = entry.schedule
-            if not is_placed(sched) or self.singleton_once(entry) is not None:
-                continue
-            self._floor_ms[name] = floor_ms
-            for run in [r for r in self._rechecks if self._sighted_before(r)]:
-                del self._rechecks[run]  # a retry or a look again: catch-up decides now
-            catch_up, problem = catch_up_of(entry.options, state.opts.catch_up)
-            if problem:
-                logger.error(
-                    "beat: invalid catch-up header, the app's choice applies: entry=%s: %s",
-                    name,
-                    problem,
-                )
-            through = None if record is None else record.through_ms
-            sight = runs_on_sight(sched, catch_up, through, now, grace(state.opts.skew))
-            if sight.missed:
-                logger.info(
-                    "beat: catching up missed runs: entry=%s catch_up=%s runs=%d first=%s",
-                    name,
-                    catch_up,
-                    len(sight.missed),
-                    run_id(sight.missed[0]),
-                )
-            if sight.capped:
-                logger.warning(
-                    "beat: catch-up capped, older missed runs not published: entry=%s runs=%d",
-                    name,
-                    len(sight.missed),
-                )
-            for nominal in [*sight.missed, *sight.due]:
-                self._rechecks[run_at(name, sched, state.opts, nominal, catch_up.reach_s)] = at
-            if is_interval(sched):  # its next run is the next slot
-                interval = sched.run_every.total_seconds()
-                entry.last_run_at = slot_start(interval, interval_slot(interval, now_s))
-        return True
-
-    def _sighted_before(self, run: Run) -> bool:
-        """Whether ``run`` came due before this instance started to watch its entry: catch-up
-        decided about it then (logged at debug level)."""
-        floor = self._floor_ms.get(run.entry_name)
-        nominal = run.note.nominal_ms
-        if floor is None or nominal is None or nominal > floor:
-            return False
-        logger.debug("beat: run left to catch-up: entry=%s run=%s", run.entry_name, run.run)
-        return True
-
-    def _watch_recent_runs(self, state: BeatState, schedule: Any) -> None:
-        """Look once at the recent runs of entries new to this instance for pending claims.
-
-        An instance fires only the runs that come due while it runs: one started after a
-        run's nominal time never claims that run, so it would not notice that the run's
-        claimer died before publishing. Runs whose claim may still be pending (within the
-        publish lease and the skew bound) are looked at once, and those found pending are
-        claimed again when their lease ends, like the runs this instance fired.
-        """
-        if len(self._watched) >= len(schedule) and self._watched.issuperset(schedule):
-            return
-        now = datetime.fromtimestamp(self.singleton_clock(), timezone.utc)
-        since = now - timedelta(seconds=PUBLISH_LEASE_S + 2 * state.opts.skew + 1)
-        runs: list[Run] = []
-        for name, entry in list(schedule.items()):
-            if name in self._watched:
-                continue
-            self._watched.add(name)
-            for nominal in recent_runs(entry.schedule, now, since, RECENT_RUNS_MAX):
-                runs.append(run_at(entry.name, entry.schedule, state.opts, nominal))
-        try:
-            claims = state.claims.peek([run.key for run in runs])
-        except LockUnavailableError as exc:
-            logger.warning("beat: could not look at recent runs' claims: %s", exc)
-            return
-        for run, claim in zip(runs, claims, strict=True):
-            if claim is not None and not claim.published:
-                logger.info(
-                    "beat: watching a run claimed by another instance: entry=%s run=%s by=%s",
-                    run.entry_name,
-                    run.run,
-                    claim.holder,
-                )
-                self._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
+        self._singleton_watching.again()
 
     def singleton_once(self, entry: ScheduleEntry) -> datetime | None:
         """For an entry that runs only once: an instant naming that one run, else None.

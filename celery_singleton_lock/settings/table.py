@@ -12,24 +12,31 @@ Knows nothing of Celery's classes.
 
 from __future__ import annotations
 
-import inspect
-import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.backend import FENCE_MARGIN_MS
-from ..core.keys import MAX_PERMITS, check_prefix
-from ..core.rates import parse_rate
+from ..core.keys import MAX_PERMITS
 from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
-    URL_KINDS,
-    parse_lock_url,
-    redact_url,
-    url_scheme,
 )
 from ..errors import SingletonConfigError
+from .checks import (
+    choice,
+    key_args,
+    key_fn,
+    non_negative,
+    non_negative_int,
+    optional_non_negative,
+    optional_positive,
+    positive,
+    prefix,
+    rate,
+    scope,
+    shown,
+    url,
+)
 from .legacy import renamed
 
 __all__ = [
@@ -65,67 +72,14 @@ COMPLETION_MARGIN_S = 300.0
 DEFAULT_COMPLETION_TTL_S = 3600.0
 
 
-def _seconds(name: str, value: Any, *, zero: bool) -> float:
-    """A finite number of seconds, > 0 (>= 0 with ``zero``): never a bool, a string, NaN or an
-    infinity (a lock's ttl in milliseconds, a completion record's expiry, must be a number)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int too large for a float
-            seconds = math.inf
-        if math.isfinite(seconds) and (seconds >= 0 if zero else seconds > 0):
-            return seconds
-    bound = ">= 0" if zero else "> 0"
-    raise SingletonConfigError(
-        f"{name} must be a finite number of seconds {bound}, got {_shown(value)}"
-    )
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, cut short: an int of thousands of digits has no repr (ValueError)."""
-    try:
-        text = repr(value)
-    except ValueError:
-        return f"an integer of {value.bit_length()} bits"
-    return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def _positive(name: str, value: Any) -> float:
-    return _seconds(name, value, zero=False)
-
-
-def _non_negative(name: str, value: Any) -> float:
-    return _seconds(name, value, zero=True)
-
-
-def _optional_positive(name: str, value: Any) -> float | None:
-    return None if value is None else _positive(name, value)
-
-
-def _optional_non_negative(name: str, value: Any) -> float | None:
-    return None if value is None else _non_negative(name, value)
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    """A check that accepts one of ``choices``."""
-
-    def check(name: str, value: Any) -> str:
-        if value not in choices:
-            listed = ", ".join(repr(c) for c in choices)
-            raise SingletonConfigError(f"{name} must be one of {listed}, got {value!r}")
-        return str(value)
-
-    return check
-
-
 def catch_up(name: str, value: Any) -> str | float:
     """One of :data:`CATCH_UP_CHOICES`, or a window: a finite number of seconds > 0."""
     if isinstance(value, str):
-        return _choice(CATCH_UP_CHOICES)(name, value)
+        return choice(CATCH_UP_CHOICES)(name, value)
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return _positive(name, value)
+        return positive(name, value)
     raise SingletonConfigError(
-        f'{name} must be "none", "latest" or a number of seconds > 0, got {_shown(value)}'
+        f'{name} must be "none", "latest" or a number of seconds > 0, got {shown(value)}'
     )
 
 
@@ -134,67 +88,7 @@ def _lock_on(name: str, value: Any) -> str:
     if isinstance(value, str) and value in LOCK_ON_RENAMED:
         renamed(name, repr(value), repr(LOCK_ON_RENAMED[value]))
         value = LOCK_ON_RENAMED[value]
-    return _choice(LOCK_ON)(name, value)
-
-
-def _prefix(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise SingletonConfigError(f"{name} must be a string, got {value!r}")
-    try:
-        check_prefix(value)
-    except SingletonConfigError as exc:
-        raise SingletonConfigError(f"{name}: {exc}") from exc
-    return value
-
-
-def _key_args(name: str, value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        raise SingletonConfigError(f"{name} must be a sequence of argument names, got {value!r}")
-    return tuple(value)
-
-
-def _scope(name: str, value: Any) -> str | None:
-    """A scope name: what the keys of its tasks show in place of the task name."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not _SCOPE.fullmatch(value):
-        raise SingletonConfigError(
-            f"{name} must be a name of letters, digits, '_', '.' or '-' (at most 64), got {value!r}"
-        )
-    return value
-
-
-_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _key_fn(name: str, value: Any) -> Callable[..., str] | None:
-    """A callable that can be called as ``key(args, kwargs)`` (checked on its signature)."""
-    if value is None:
-        return None
-    if not callable(value):
-        raise SingletonConfigError(f"{name} must be a callable(args, kwargs) -> str, got {value!r}")
-    try:
-        signature = inspect.signature(value)
-    except (TypeError, ValueError):  # a builtin without a signature: called as it is
-        return value  # type: ignore[no-any-return]
-    try:
-        signature.bind(None, None)
-    except TypeError as exc:
-        raise SingletonConfigError(
-            f"{name} must be a callable(args, kwargs) -> str; "
-            f"{getattr(value, '__qualname__', value)!s}{signature} cannot be called so: {exc}"
-        ) from None
-    return value  # type: ignore[no-any-return]
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SingletonConfigError(f"{name} must be an integer >= 0, got {_shown(value)}")
-    return value
+    return choice(LOCK_ON)(name, value)
 
 
 #: The largest ``singleton_queue_max``.
@@ -204,7 +98,7 @@ MAX_QUEUE = 1_000_000
 def _queue_max(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUEUE:
         raise SingletonConfigError(
-            f"{name} must be an integer from 1 to {MAX_QUEUE:,}, got {_shown(value)}"
+            f"{name} must be an integer from 1 to {MAX_QUEUE:,}, got {shown(value)}"
         )
     return value
 
@@ -216,7 +110,7 @@ def _permits(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERMITS:
         raise SingletonConfigError(
             f"{name} must be an integer from 1 to {MAX_PERMITS} or {UNLIMITED!r}, "
-            f"got {_shown(value)}"
+            f"got {shown(value)}"
         )
     return value
 
@@ -224,34 +118,6 @@ def _permits(name: str, value: Any) -> int:
 def permits_text(permits: int) -> str:
     """A checked ``permits`` as the settings spell it: 0 is :data:`UNLIMITED`."""
     return UNLIMITED if permits == 0 else str(permits)
-
-
-def _rate(name: str, value: Any) -> tuple[int, int] | None:
-    """A rate as Celery spells ``rate_limit`` (``"N/s"``, ``"N/m"``, ``"N/h"``), or None."""
-    if value is None:
-        return None
-    try:
-        return parse_rate(value)
-    except ValueError as exc:
-        raise SingletonConfigError(f"{name}: {exc}, got {_shown(value)}") from None
-
-
-def _url(name: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or url_scheme(value) not in URL_KINDS:
-        shown = redact_url(value) if isinstance(value, str) else repr(value)
-        raise SingletonConfigError(
-            f"{name} must be a redis://, rediss:// or unix:// URL, or a redis+sentinel://, "
-            f"redis+cluster:// or redis+redlock:// one (rediss+... for TLS), got {shown}"
-        )
-    try:  # what redis-py would refuse at the first task: the port, the db, query options
-        parse_lock_url(value)
-    except ValueError as exc:
-        raise SingletonConfigError(
-            f"{name} is not a usable Redis URL ({exc}), got {redact_url(value)}"
-        ) from None
-    return value
 
 
 @dataclass(frozen=True)
@@ -278,7 +144,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "redis_url",
             None,
-            _url,
+            url,
             "Redis holding the locks: redis://, rediss://, unix://, redis+sentinel://, "
             "redis+cluster:// or redis+redlock:// (several independent masters). Default: "
             "the broker's URL as Celery resolves it (CELERY_BROKER_URL in the environment, else "
@@ -289,7 +155,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "wait_replicas",
             0,
-            _non_negative_int,
+            non_negative_int,
             "After each acquire, wait (WAIT) until this many replicas have the lock, at most "
             "`wait_timeout` seconds. 0: do not wait. Narrows the window in which a failover "
             "loses a lock just taken; does not close it.",
@@ -298,14 +164,14 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "wait_timeout",
             DEFAULT_WAIT_TIMEOUT_S,
-            _positive,
+            positive,
             "The longest an acquire waits for `wait_replicas` replicas, in seconds.",
             task_option=False,
         ),
         Setting(
             "fence_margin",
             FENCE_MARGIN_MS / 1000,
-            _non_negative,
+            non_negative,
             "Seconds a lock's fencing counter outlives the lock's ttl: the counter, the last "
             "key a finished run leaves, expires ttl + this after the acquire. Fencing tokens "
             "stay increasing through a backward step of the Redis server's clock of up to ttl "
@@ -315,14 +181,14 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "key_prefix",
             "singleton:",
-            _prefix,
+            prefix,
             "Prefix of every key the library writes.",
             task_option=False,
         ),
         Setting(
             "on_duplicate",
             "skip",
-            _choice(POLICIES),
+            choice(POLICIES),
             'What a duplicate run does: "skip" (finish at once, result marked skipped), '
             '"retry" (requeue every `retry_countdown` seconds until it can run), '
             '"raise" (fail with DuplicateTaskError), "coalesce" (finish at once like a skip; '
@@ -344,7 +210,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "cancel_grace",
             None,
-            _optional_positive,
+            optional_positive,
             'Under "cancel": seconds after a holder was asked to stop until it is ended with '
             "Celery's revoke(terminate=True), if it has not stopped (prefork, gevent and eventlet "
             "pools; a solo or threads worker refuses it at start). None: the holder is only "
@@ -353,7 +219,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "on_redis_error",
             "fail",
-            _choice(REDIS_ERROR_POLICIES),
+            choice(REDIS_ERROR_POLICIES),
             'What a run does when Redis cannot be asked at acquire: "fail" (it does not run; it '
             "is requeued after `retry_countdown` seconds, and fails if even that cannot be "
             'published) or "run" (it runs without the lock, and logs so).',
@@ -361,19 +227,19 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "key_args",
             None,
-            _key_args,
+            key_args,
             "Names of the arguments that make up the key; None means all of them.",
         ),
         Setting(
             "key",
             None,
-            _key_fn,
+            key_fn,
             "A callable(args, kwargs) -> str giving the key's identity instead of the arguments.",
         ),
         Setting(
             "scope",
             None,
-            _scope,
+            scope,
             "A lock shared by several tasks: tasks naming the same scope and the same key "
             "arguments exclude each other (their keys carry the scope instead of the task "
             "name). Tasks sharing a scope must key on the same argument names, or all on a "
@@ -393,30 +259,30 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "rate_limit",
             None,
-            _rate,
+            rate,
             'At most N runs of one key start within any window of a second, minute or hour ("N/s", '
             '"N/m", "N/h"; a sliding window, counted across the whole cluster); a run over it '
             "meets `on_duplicate`. None: no rate limit. Not with redis+redlock:// URLs, nor with "
             'lock_on "publish".',
         ),
-        Setting("ttl", 30, _positive, "Lock time-to-live in seconds; renewed every ttl/3."),
+        Setting("ttl", 30, positive, "Lock time-to-live in seconds; renewed every ttl/3."),
         Setting(
             "retry_countdown",
             5,
-            _non_negative,
+            non_negative,
             'Seconds between tries of a duplicate under "retry", and after a Redis error.',
         ),
         Setting(
             "max_hold",
             None,
-            _optional_positive,
+            optional_positive,
             "Stop renewing a lock this many seconds after it was taken (a hung task then "
             "loses it after one more ttl). None: renew for as long as the task runs.",
         ),
         Setting(
             "completion_ttl",
             None,
-            _optional_non_negative,
+            optional_non_negative,
             "Seconds a finished run's completion is kept beside its lock: a redelivered copy "
             "of its message (same task id and retries count) is then dropped, not run again. "
             "0: record nothing. None: for tasks acked late, the broker's visibility_timeout + "
@@ -427,7 +293,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "lock_at_least",
             0,
-            _non_negative,
+            non_negative,
             "Keep the task's key blocked until this many seconds after each run took its lock, "
             "on the Redis server's clock. A task option read from the task only: the app-wide "
             "`singleton_lock_at_least` is beat's old spelling of `beat_lock_at_least`.",
@@ -446,7 +312,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "publish_ttl",
             300,
-            _positive,
+            positive,
             'Under lock_on "publish": seconds a queued marker lives (after its '
             "countdown or eta) if its message never starts (purged, lost). Past it a new "
             "call is published again; the lock on the worker still guards the run.",
@@ -454,7 +320,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "debounce",
             None,
-            _optional_positive,
+            optional_positive,
             "Seconds: calls of one key made within this long of each other form a burst, "
             "which runs once, this long after its last call, with that call's arguments; the "
             "earlier calls end as skipped duplicates. The calls wait as countdown messages, "
@@ -463,14 +329,14 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "debounce_max",
             None,
-            _optional_positive,
+            optional_positive,
             "Seconds: under `debounce`, a burst that keeps going runs at the latest this long "
             "after its first call (>= `debounce`). None: no cap.",
         ),
         Setting(
             "beat_mode",
             "active",
-            _choice(BEAT_MODES),
+            choice(BEAT_MODES),
             'How SingletonScheduler instances share the schedule: "active" (every instance '
             'runs and claims each run before publishing it) or "leader" (one instance '
             "publishes under a renewed lease, the others stand by).",
@@ -479,7 +345,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "beat_skew",
             1.0,
-            _non_negative,
+            non_negative,
             "The largest clock difference between beat instances, in seconds. Claims are "
             "kept long enough that an instance this far behind still finds them.",
             task_option=False,
@@ -487,7 +353,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "beat_lock_at_least",
             0,
-            _non_negative,
+            non_negative,
             "Keep each scheduled run's claim at least this many seconds after it was published "
             "(the claim is otherwise kept for two schedule periods + 2 x beat_skew + 60 s). "
             "Formerly the app-wide `singleton_lock_at_least`, still read as this with a "
@@ -509,7 +375,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "beat_lease",
             10,
-            _positive,
+            positive,
             'Leader lease ttl in seconds under beat_mode "leader": a standby takes over at '
             "most this long after the leader's last renewal.",
             task_option=False,

@@ -13,12 +13,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,10 +23,12 @@ from celery import Celery
 from celery.schedules import crontab
 
 from celery_singleton_lock.beat.claims import BATCH, CLAIM, CONFIRM, RUN_HEADER
-from celery_singleton_lock.beat.scheduler import SingletonScheduler
 from tests.support.recording_schedulers import (
     Guarded,
     Monotonic,
+    RecordingPersistent,
+    clock_at,
+    driven,
     recording_scheduler,
 )
 from tests.support.servers import RedisServer
@@ -51,21 +50,6 @@ def many_app(url: str, key_prefix: str, entries: int, mode: str = "active") -> C
         },
     )
     return app
-
-
-def driven(scheduler: Any, clock: Monotonic) -> Any:
-    """``scheduler`` (and its app) reading ``clock``."""
-    app = scheduler.app
-    app.now = lambda: datetime.fromtimestamp(clock(), timezone.utc).astimezone(app.timezone)
-    scheduler.singleton_clock = clock
-    return scheduler
-
-
-def clock_at(now: float) -> Monotonic:
-    """A clock the test moves, reading ``now`` (epoch seconds)."""
-    clock = Monotonic()
-    clock.now = now
-    return clock
 
 
 def sent_runs(*schedulers: Any) -> Counter[str]:
@@ -180,18 +164,6 @@ def test_two_schedulers_ticking_together_publish_each_run_of_a_crowded_minute_on
         app.close()
 
 
-class Recording(SingletonScheduler):  # type: ignore[misc]
-    """SingletonScheduler (PersistentScheduler) recording what it would publish."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.sent: list[dict[str, Any]] = []
-        super().__init__(*args, **kwargs)
-
-    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        self.sent.append({"args": list(args or ()), "headers": options.get("headers", {})})
-        return SimpleNamespace(id=str(uuid.uuid4()))
-
-
 def test_persistent_scheduler_notices_entries_added_changed_and_removed(
     redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -201,7 +173,7 @@ def test_persistent_scheduler_notices_entries_added_changed_and_removed(
     app.set_current()  # the shelve's entries come back from a sync with the current app
     minute = minute_ahead()
     clock = clock_at(minute - 1)
-    scheduler = driven(Recording(app=app, schedule_filename=str(tmp_path / "s")), clock)
+    scheduler = driven(RecordingPersistent(app=app, schedule_filename=str(tmp_path / "s")), clock)
 
     def at(when: float) -> dict[str, list[Any]]:
         clock.now = when

@@ -77,11 +77,13 @@ class BeatProcess(CeleryProcess):
         max_interval: float = 1.0,
         loglevel: str = "INFO",
         extra_args: Iterable[str] = (),
+        schedule_file: str | None = None,
     ) -> None:
         self.app_module = app_module
         name = name or f"beat-{uuid.uuid4().hex[:8]}"
         work_dir = Path(work_dir)
-        self.schedule_path = work_dir / f"schedule-{name}"
+        #: its schedule file: its own, or another's it starts on (``schedule_file``)
+        self.schedule_path = work_dir / f"schedule-{schedule_file or name}"
         args = [
             sys.executable,
             "-m",

@@ -20,6 +20,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,7 +30,11 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab
 
 from celery_singleton_lock.beat.claims import RUN_HEADER
-from celery_singleton_lock.beat.scheduler import ERROR_RETRY_S, SingletonSchedulerMixin
+from celery_singleton_lock.beat.scheduler import (
+    ERROR_RETRY_S,
+    SingletonScheduler,
+    SingletonSchedulerMixin,
+)
 from celery_singleton_lock.core.keys import leader_keys
 
 __test__ = False
@@ -62,6 +67,35 @@ class Guarded(SingletonSchedulerMixin, MemoryScheduler):
         """Record the message beat would send for a task it does not know."""
         self.sent.append({"task": name, "args": args, "headers": options.get("headers", {})})
         return SimpleNamespace(id=str(uuid.uuid4()))
+
+
+class RecordingPersistent(SingletonScheduler):  # type: ignore[misc]
+    """SingletonScheduler (PersistentScheduler, its shelve file) recording what it would
+    publish."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[dict[str, Any]] = []
+        super().__init__(*args, **kwargs)
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        self.sent.append({"args": list(args or ()), "headers": options.get("headers", {})})
+        return SimpleNamespace(id=str(uuid.uuid4()))
+
+
+def driven(scheduler: Any, clock: Monotonic) -> Any:
+    """``scheduler`` (and its app) reading ``clock``: ``app.now`` (Celery's side: the heap,
+    ``crontab.is_due``) and ``singleton_clock`` (the nominal runs)."""
+    app = scheduler.app
+    app.now = lambda: datetime.fromtimestamp(clock(), timezone.utc).astimezone(app.timezone)
+    scheduler.singleton_clock = clock
+    return scheduler
+
+
+def clock_at(now: float) -> Monotonic:
+    """A clock the test moves, reading ``now`` (epoch seconds)."""
+    clock = Monotonic()
+    clock.now = now
+    return clock
 
 
 def make_beat_app(redis_url: str, key_prefix: str, mode: str = "active") -> Celery:

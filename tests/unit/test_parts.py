@@ -148,16 +148,16 @@ def test_every_modifier_names_its_setting_and_every_hook_is_documented() -> None
 
 
 NEW_POLICY = '''
-"""``singleton_on_duplicate="latest"``: a test's policy, planted in a copy of the package."""
+"""``singleton_on_duplicate="oldest"``: a test's policy, planted in a copy of the package."""
 
 from .policy import Action, Fate, Policy, Why
 
 
-class LatestPolicy(Policy):
-    name = "latest"
+class OldestPolicy(Policy):
+    name = "oldest"
 
     def on_contended(self, call, held, opts):
-        return Action(Fate.SKIP, Why.DUPLICATE, holder="latest:" + held.holder, policy=self.name)
+        return Action(Fate.SKIP, Why.DUPLICATE, holder="oldest:" + held.holder, policy=self.name)
 '''
 
 
@@ -166,13 +166,13 @@ def test_a_new_policy_is_its_module_and_its_name_in_the_table(
 ) -> None:
     copy = tmp_path / PKG
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "duplicates" / "latest.py").write_text(NEW_POLICY, encoding="utf-8")
+    (copy / "duplicates" / "oldest.py").write_text(NEW_POLICY, encoding="utf-8")
     table = copy / TABLE
     text = table.read_text(encoding="utf-8")
     old = "POLICIES = (" + ", ".join(f'"{name}"' for name in POLICIES) + ")"
     assert old in text
-    table.write_text(text.replace(old, old[:-1] + ', "latest")'), encoding="utf-8")
-    assert misplaced_comparisons(copy, frozenset((*POLICIES, "latest"))) == []
+    table.write_text(text.replace(old, old[:-1] + ', "oldest")'), encoding="utf-8")
+    assert misplaced_comparisons(copy, frozenset((*POLICIES, "oldest"))) == []
     code = f"""
 import sys
 sys.path.insert(0, {str(tmp_path)!r})
@@ -186,7 +186,7 @@ app = Celery("t", broker="memory://", backend="cache+memory://")
 app.conf.update(singleton_redis_url={redis_url!r}, singleton_key_prefix={key_prefix!r},
                 task_always_eager=True, task_store_eager_result=True)
 
-@app.task(base=SingletonTask, singleton_on_duplicate="latest")
+@app.task(base=SingletonTask, singleton_on_duplicate="oldest")
 def work(key):
     return "ran"
 
@@ -194,7 +194,7 @@ keys = work.singleton_keys(("k",), {{}})
 store_for(work.singleton_options().redis_url).acquire(keys, "other-run", 0, 10_000)
 info = skip_info(work.delay("k"))
 store_for(work.singleton_options().redis_url).release(keys.lock, "other-run", 0)
-assert info is not None and info.holder == "latest:other-run", info
+assert info is not None and info.holder == "oldest:other-run", info
 assert work.delay("k").get() == "ran"
 print("ok")
 """
