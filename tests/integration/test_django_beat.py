@@ -26,8 +26,10 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_singleton_lock.beat.catch_up import CATCH_UP_HEADER
 from tests.support.basic_app import close_app
 from tests.support.beats import BeatFactory
+from tests.support.catch_up_checks import check_after_restart, published_twice_then_stop
 from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -386,3 +388,32 @@ def test_the_django_beats_banner_and_log_never_show_the_redis_password(
     beat.wait_for_log(r"Connection error: .*Trying again")  # Celery's, to the broker
     beat.kill()
     assert password not in beat.log_text(), beat.log_text()
+
+
+#: Django entries every 2 s, each with its catch-up choice in its headers (None: the app's)
+CATCH_UP_ENTRIES: dict[str, str | float | None] = {"dj-default": None, "dj-none": "none"}
+
+
+@pytest.mark.slow(seconds=30)
+def test_a_django_beat_back_after_downtime_catches_up_as_each_entry_says(
+    beat_factory: BeatFactory, example_env: dict[str, str]
+) -> None:
+    """The database keeps each entry's last run, as a schedule file does: catch-up reads the
+    beats' record in Redis instead, and an entry's choice comes from its headers."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every_2s, _ = IntervalSchedule.objects.get_or_create(every=2, period="seconds")
+    for name, choice in CATCH_UP_ENTRIES.items():
+        headers = {} if choice is None else {CATCH_UP_HEADER: choice}
+        PeriodicTask.objects.create(
+            name=name,
+            task="example.record",
+            kwargs=json.dumps({"entry": name}),
+            interval=every_2s,
+            headers=json.dumps(headers),
+        )
+    first = beat_factory.start(APP, env=example_env, scheduler=SCHEDULERS[0], name="first")
+    before = published_twice_then_stop(first, list(CATCH_UP_ENTRIES))
+    time.sleep(9.0)  # every beat down for several slots
+    again = beat_factory.start(APP, env=example_env, scheduler=SCHEDULERS[0], name="again")
+    check_after_restart(beat_factory, CATCH_UP_ENTRIES, before, [again])
