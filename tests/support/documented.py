@@ -15,3 +15,10 @@ def documented_acl_commands() -> list[str]:
     rules = [word for word in example.split() if word.startswith("+")]
     assert "+evalsha" in rules
     return rules
+
+
+def documented_python(page: str, section: str) -> str:
+    """The first ``python`` block of ``section`` (a heading's text) in ``docs/<page>``."""
+    text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
+    after = text.split(f"\n{section}\n", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]

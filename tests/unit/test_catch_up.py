@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from celery import Celery
 from celery.schedules import crontab, schedule
 
 from celery_singleton_lock.beat.catch_up import (
@@ -16,6 +17,8 @@ from celery_singleton_lock.beat.catch_up import (
     grace,
     runs_on_sight,
 )
+from celery_singleton_lock.settings.options import read_beat_options
+from tests.support.documented import documented_python
 
 UTC = timezone.utc
 #: a slot boundary of a 10 s interval and a whole minute
@@ -116,3 +119,18 @@ def test_an_entry_header_overrides_the_app_choice_and_a_bad_one_is_reported() ->
 def test_the_grace_is_the_skew_and_at_least_a_second() -> None:
     assert grace(0.0) == 1.0
     assert grace(2.5) == 2.5
+
+
+def test_the_documented_schedule_gives_each_entry_the_choice_the_page_says() -> None:
+    app = Celery("docs", broker="memory://", set_as_current=False)
+    exec(documented_python("beat.md", "## When no beat ran"), {"app": app, "crontab": crontab})
+    default = read_beat_options(app.conf).catch_up
+    choices = {
+        name: catch_up_of(entry.get("options"), default)
+        for name, entry in app.conf.beat_schedule.items()
+    }
+    assert choices == {
+        "nightly-report": (CatchUp(21600), ""),
+        "refresh-cache": (CatchUp("none"), ""),
+    }
+    assert default == "latest"
