@@ -97,6 +97,10 @@ def catch_up_of(options: Mapping[str, Any] | None, default: str | float) -> tupl
         return CatchUp(default), str(exc)
 
 
+def _s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
 def grace(skew_s: float) -> float:
     """How long after its nominal time a run is still due, not missed, when a beat starts to
     watch its entry: the clock difference allowed between beats, at least a second."""
@@ -104,14 +108,22 @@ def grace(skew_s: float) -> float:
 
 
 def runs_on_sight(
-    sched: Any, catch_up: CatchUp, through_ms: int | None, now: datetime, grace_s: float
+    sched: Any,
+    catch_up: CatchUp,
+    through_ms: int | None,
+    now: datetime,
+    grace_s: float,
+    *,
+    deadline_s: float | None = None,
 ) -> OnSight:
     """The runs of ``sched`` a beat publishes as it starts to watch the entry at ``now``.
 
     ``through_ms``: the entry's record's ``through`` (its runs up to that nominal time, epoch
     ms, are accounted for); None for an entry without a record, which missed nothing. A run
     not after ``through_ms`` is never published again. The run due is the one whose nominal
-    time lies within ``grace_s`` before ``now``; the missed ones lie before it.
+    time lies within ``grace_s`` before ``now``; the missed ones lie before it, and no more
+    than ``deadline_s`` before ``now`` if given (Celery's ``beat_cron_starting_deadline``, for
+    a crontab).
     """
     due_since = now - timedelta(seconds=grace_s)
     if through_ms is None:
@@ -122,11 +134,9 @@ def runs_on_sight(
     if catch_up.choice == "none":
         return OnSight([], due)
     until = now - timedelta(seconds=grace_s) - _MS
-    reach = (
-        since
-        if catch_up.choice == "latest"
-        else max(since, now - timedelta(seconds=catch_up.reach_s))
-    )
+    reach = since if catch_up.choice == "latest" else max(since, now - _s(catch_up.reach_s))
+    if deadline_s is not None:
+        reach = max(reach, now - _s(deadline_s))
     if until < reach:
         return OnSight([], due)
     limit = 1 if catch_up.choice == "latest" else CATCH_UP_MAX

@@ -26,6 +26,8 @@ import logging
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from celery.schedules import crontab
+
 from ..core.keys import beat_entry_key
 from ..errors import LockUnavailableError
 from .catch_up import catch_up_of, grace, runs_on_sight
@@ -108,7 +110,12 @@ class Watching:
                     problem,
                 )
             through = None if record is None else record.through_ms
-            sight = runs_on_sight(schedule, catch_up, through, now, grace(state.opts.skew))
+            deadline = sched.app.conf.beat_cron_starting_deadline
+            if not isinstance(schedule, crontab):
+                deadline = None  # Celery's deadline is a crontab's only
+            sight = runs_on_sight(
+                schedule, catch_up, through, now, grace(state.opts.skew), deadline_s=deadline
+            )
             if sight.missed:
                 logger.info(
                     "beat: catching up missed runs: entry=%s catch_up=%s runs=%d first=%s",

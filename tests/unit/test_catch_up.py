@@ -103,6 +103,17 @@ def test_crontab_runs_are_the_minutes_it_matched() -> None:
     assert (sight.missed, sight.due) == ([at(7 * 3600)], []), "5 s late: missed, not due"
 
 
+def test_celerys_cron_starting_deadline_bounds_how_far_back_a_crontab_catches_up() -> None:
+    """beat_cron_starting_deadline: a crontab run older than that is not published."""
+    sight = runs_on_sight(EVERY_MINUTE, CatchUp(150), ms(at(0)), at(320), 1.0, deadline_s=100.0)
+    assert sight.missed == [at(240), at(300)]
+    hourly = crontab(minute=0)
+    sight = runs_on_sight(
+        hourly, CatchUp("latest"), ms(at(-86400)), at(7 * 3600 + 200), 1.0, deadline_s=60
+    )
+    assert sight.missed == []
+
+
 def test_an_entry_header_overrides_the_app_choice_and_a_bad_one_is_reported() -> None:
     assert catch_up_of(None, "latest") == (CatchUp("latest"), "")
     assert catch_up_of({"queue": "q"}, 60) == (CatchUp(60), "")
