@@ -39,6 +39,7 @@ from ..core.urls import redact_url
 from ..errors import LockUnavailableError, SingletonConfigError
 from ..settings.options import BeatOptions, read_beat_options
 from .leader import ERROR_RETRY_S, BeatState
+from .outage import Outage
 from .publishing import NOT_PUBLISHED, PUBLISH_LEASE_S, NotPublished, claim_and_publish
 from .redlock_claims import claims_and_store
 from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
@@ -87,6 +88,8 @@ class SingletonSchedulerMixin:
         self._singleton_claimed: dict[int, Any] = {}
         #: the DeprecationWarnings of the settings this scheduler logged
         self._singleton_deprecations: set[str] = set()
+        #: whether Redis answers this instance: an outage is logged once (outage.py)
+        self._singleton_outage = Outage()
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
@@ -115,7 +118,12 @@ class SingletonSchedulerMixin:
             claimer = f"{socket.gethostname()}:{current_pid()}:{uuid.uuid4().hex[:8]}"
             claims, store = claims_and_store(opts.redis_url, claimer)
             state = self._singleton = BeatState(
-                opts=opts, pid=current_pid(), claimer=claimer, claims=claims, store=store
+                opts=opts,
+                pid=current_pid(),
+                claimer=claimer,
+                claims=claims,
+                store=store,
+                outage=self._singleton_outage,
             )
             logger.info(
                 "beat: singleton scheduler started: mode=%s redis=%s prefix=%s instance=%s",
@@ -201,9 +209,10 @@ class SingletonSchedulerMixin:
         try:
             state = self._singleton_state()
         except REDIS_ERRORS as exc:  # a cluster client reads the slot map when it is built
-            logger.error("beat: redis error, standing by: %s", exc)
+            self._singleton_outage.failed(exc, self.singleton_monotonic())
             return ERROR_RETRY_S
-        if state.opts.mode == "leader" and not self._singleton_lead(state):
+        leader = state.opts.mode == "leader"
+        if leader and not self._singleton_lead(state):
             return min(self.max_interval, state.opts.lease / 10)
         if base_tick_is_celerys(type(self), SingletonSchedulerMixin):
             delay = self._batched_tick(state)
@@ -215,6 +224,8 @@ class SingletonSchedulerMixin:
         if self._rechecks:
             first = min(self._rechecks.values())
             delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
+        if leader and state.leading:  # wake up to renew the lease, not at the next due run
+            delay = min(delay, max(state.renew_at - self.singleton_monotonic(), 0.0))
         return delay
 
     def _batched_tick(self, state: BeatState) -> float:
@@ -301,7 +312,7 @@ class SingletonSchedulerMixin:
 
     def _singleton_lead(self, state: BeatState) -> bool:
         """True if this instance holds the leader lease (taken or renewed as it falls due)."""
-        return state.lead(self._group(), self.singleton_monotonic())
+        return state.lead(self._group(), self.singleton_monotonic)
 
     # -- claims ------------------------------------------------------------------------------
 
