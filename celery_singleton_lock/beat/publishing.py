@@ -91,7 +91,7 @@ def claim_and_publish(
                             again = _claim_many(sched, state, [runs[j][1] for j in rest])
                             for j, claim in zip(rest, again, strict=True):
                                 claims[j] = claim
-                        if not _won(sched, entry, run, claims[index]):
+                        if not _won(sched, state, entry, run, claims[index]):
                             continue
                         try:
                             results[index] = _publish(publish, entry, run, crons, check_ins)
@@ -162,12 +162,21 @@ def _is_won(claim: Claim | LockUnavailableError) -> bool:
     return isinstance(claim, Claim) and claim.won
 
 
-def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavailableError) -> bool:
-    """Whether ``claim`` won ``run``; else logged, and looked at again when it may end."""
+def _won(
+    sched: Any,
+    state: BeatState,
+    entry: ScheduleEntry,
+    run: Run,
+    claim: Claim | LockUnavailableError,
+) -> bool:
+    """Whether ``claim`` won ``run``; else logged, and looked at again when it may end (a
+    claim of another instance's is watched: outage.py)."""
     if isinstance(claim, LockUnavailableError):  # the outage is logged once (_heard)
         logger.debug("beat: run not claimed, retrying: entry=%s run=%s", entry.name, run.run)
         sched._recheck_later(run, ERROR_RETRY_S)
         return False
+    if claim.won or claim.published:
+        state.outage.settled(run)
     if claim.won:
         return True
     logger.info(
@@ -178,6 +187,7 @@ def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavaila
         claim.published,
     )
     if not claim.published:  # its claimer may die before publishing: look again
+        state.outage.watch(run)
         sched._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
     return False
 

@@ -346,13 +346,16 @@ class SingletonSchedulerMixin:
         self._rechecks[run] = self.singleton_monotonic() + delay
 
     def _due_rechecks(self, schedule: Any) -> list[tuple[ScheduleEntry, Run]]:
-        """The runs whose recheck is due, with their entries (taken off the rechecks)."""
+        """The runs whose recheck is due, with their entries (taken off the rechecks); not
+        those seen claimed by another instance before a Redis outage (outage.py)."""
         now = self.singleton_monotonic()
         due: list[tuple[ScheduleEntry, Run]] = []
         for run, when in list(self._rechecks.items()):
             if when > now:
                 continue
             del self._rechecks[run]
+            if self._singleton_outage.stale(run):
+                continue
             entry = schedule.get(run.entry_name)
             if entry is not None:
                 due.append((entry, run))

@@ -5,13 +5,14 @@ the test moves: no Redis, no processes."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
 from celery_singleton_lock.beat.leader import BeatState
 from celery_singleton_lock.beat.outage import Outage
+from celery_singleton_lock.beat.runs import Run
 from celery_singleton_lock.core.backend import Acquired, RenewItem, RenewStatus
 from celery_singleton_lock.errors import LockUnavailableError
 from celery_singleton_lock.settings.options import BeatOptions
@@ -172,3 +173,42 @@ def test_an_outage_is_logged_once_and_its_end_with_its_length(
         ),
         ("WARNING", "beat: redis answers again after 4.5s"),
     ]
+
+
+def run(n: int) -> Run:
+    return Run("every-second", str(n), f"p:{{beat.every-second:x}}:run:{n}", 60_000)
+
+
+@pytest.mark.parametrize(
+    ("steps", "stale"),
+    [
+        ([], False),  # seen pending, looked at again: claimed again (its claimer may be dead)
+        (["outage"], True),  # an outage since: Redis may have lost the claim, not claimed
+        (["outage", "settled"], False),  # found published meanwhile: nothing to decide
+        (["outage", "watch"], False),  # seen pending again after the outage
+    ],
+)
+def test_a_run_seen_pending_before_an_outage_is_not_claimed_again(
+    caplog_info: pytest.LogCaptureFixture, steps: list[str], stale: bool
+) -> None:
+    outage = Outage()
+    outage.watch(run(1))
+    do: dict[str, Callable[[], object]] = {
+        "outage": lambda: (outage.failed(OSError("down"), 1.0), outage.answered(2.0)),
+        "settled": lambda: outage.settled(run(1)),
+        "watch": lambda: outage.watch(run(1)),
+    }
+    for step in steps:
+        do[step]()
+    assert outage.stale(run(1)) is stale
+    assert outage.stale(run(1)) is False  # decided once
+    assert outage.stale(run(2)) is False  # never watched
+    dropped = messages(caplog_info, "not claimed again")
+    assert dropped == (
+        [
+            "beat: run claimed by another instance before a redis outage, not claimed again: "
+            "entry=every-second run=1"
+        ]
+        if stale
+        else []
+    )
