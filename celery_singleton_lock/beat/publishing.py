@@ -60,7 +60,9 @@ def claim_and_publish(
     if not runs:
         return results
     claimed_at = sched.singleton_monotonic()
-    claims = _claim_many(state, [run for _e, run in runs])
+    claims = _claim_many(sched, state, [run for _e, run in runs])
+    if state.opts.mode == "leader" and _deposed(sched, state, runs, claims):
+        return results
     crons = beat_crons(sched.app)  # Sentry Crons' check-ins, sent once a chunk went out
     give_up: list[Run] = []
     published: list[tuple[Run, str]] = []
@@ -86,10 +88,10 @@ def claim_and_publish(
                             published = []
                             rest = [j for j in range(index, len(runs)) if _is_won(claims[j])]
                             claimed_at = sched.singleton_monotonic()
-                            again = _claim_many(state, [runs[j][1] for j in rest])
+                            again = _claim_many(sched, state, [runs[j][1] for j in rest])
                             for j, claim in zip(rest, again, strict=True):
                                 claims[j] = claim
-                        if not _won(sched, entry, run, claims[index]):
+                        if not _won(sched, state, entry, run, claims[index]):
                             continue
                         try:
                             results[index] = _publish(publish, entry, run, crons, check_ins)
@@ -143,30 +145,40 @@ def _publish(
     return result
 
 
-def _claim_many(state: BeatState, runs: list[Run]) -> list[Claim | LockUnavailableError]:
-    """Claim ``runs`` for the publish lease, in one round trip; each its claim or error."""
+def _claim_many(
+    sched: Any, state: BeatState, runs: list[Run]
+) -> list[Claim | LockUnavailableError]:
+    """Claim ``runs`` for the publish lease, in one round trip; each its claim or error. What
+    the round trip says of Redis goes to the instance's outage (logged once)."""
     lease_ms = round(PUBLISH_LEASE_S * 1000)
     keeps = [run.keep_ms for run in runs]
     notes = [run.note for run in runs]
     keys = [run.key for run in runs]
-    return _many(lambda items: state.claims.claim_many(items, lease_ms, keeps, notes), keys)
+    claims = _many(lambda items: state.claims.claim_many(items, lease_ms, keeps, notes), keys)
+    _heard(sched, state, claims)
+    return claims
 
 
 def _is_won(claim: Claim | LockUnavailableError) -> bool:
     return isinstance(claim, Claim) and claim.won
 
 
-def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavailableError) -> bool:
-    """Whether ``claim`` won ``run``; else logged, and looked at again when it may end."""
-    if isinstance(claim, LockUnavailableError):
-        logger.error(
-            "beat: redis error, run not published yet, retrying: entry=%s run=%s: %s",
-            entry.name,
-            run.run,
-            claim,
-        )
+def _won(
+    sched: Any,
+    state: BeatState,
+    entry: ScheduleEntry,
+    run: Run,
+    claim: Claim | LockUnavailableError,
+) -> bool:
+    """Whether ``claim`` won ``run``; else logged, and looked at again when it may end (a
+    claim of another instance's is watched: outage.py)."""
+    if isinstance(claim, LockUnavailableError):  # the outage is logged once (_heard)
+        logger.debug("beat: run not claimed, retrying: entry=%s run=%s", entry.name, run.run)
         sched._recheck_later(run, ERROR_RETRY_S)
         return False
+    if claim.won or claim.published:
+        state.outage.settled(run)
+    sched._singleton_watching.saw(run)  # won, or another's: not caught up again
     if claim.won:
         return True
     if claim.paused:
@@ -185,8 +197,35 @@ def _won(sched: Any, entry: ScheduleEntry, run: Run, claim: Claim | LockUnavaila
         claim.published,
     )
     if not claim.published:  # its claimer may die before publishing: look again
+        state.outage.watch(run)
         sched._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
     return False
+
+
+def _heard(sched: Any, state: BeatState, claims: list[Claim | LockUnavailableError]) -> None:
+    """What a round trip of claims says of Redis: an outage starts, or one ends (logged once)."""
+    error = next((c for c in claims if isinstance(c, LockUnavailableError)), None)
+    if error is not None:
+        state.outage.failed(error, sched.singleton_monotonic())
+    elif claims:
+        state.outage.answered(sched.singleton_monotonic())
+
+
+def _deposed(
+    sched: Any,
+    state: BeatState,
+    runs: list[tuple[ScheduleEntry, Run]],
+    claims: list[Claim | LockUnavailableError],
+) -> bool:
+    """Leader mode: whether this instance stopped leading while its claims were out (a call
+    that waited for its timeouts can outlive the lease); if so, the runs it won are given up."""
+    won = [j for j, claim in enumerate(claims) if _is_won(claim)]
+    if not won or sched._singleton_lead(state):
+        return False
+    for j in won:
+        logger.warning("beat: not the leader, run not published: entry=%s", runs[j][0].name)
+    _end_claims(state, [runs[j][1] for j in won], [])
+    return True
 
 
 def _end_claims(state: BeatState, give_up: list[Run], published: list[tuple[Run, str]]) -> None:

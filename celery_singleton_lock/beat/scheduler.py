@@ -39,6 +39,7 @@ from ..core.urls import redact_url
 from ..errors import SingletonConfigError
 from ..settings.options import BeatOptions, read_beat_options
 from .leader import ERROR_RETRY_S, BeatState
+from .outage import Outage
 from .publishing import NOT_PUBLISHED, NotPublished, claim_and_publish
 from .redlock_claims import claims_and_store
 from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
@@ -85,6 +86,8 @@ class SingletonSchedulerMixin:
         self._singleton_claimed: dict[int, Any] = {}
         #: the DeprecationWarnings of the settings this scheduler logged
         self._singleton_deprecations: set[str] = set()
+        #: whether Redis answers this instance: an outage is logged once (outage.py)
+        self._singleton_outage = Outage(on_start=self.singleton_watch_again)
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
@@ -113,7 +116,12 @@ class SingletonSchedulerMixin:
             claimer = f"{socket.gethostname()}:{current_pid()}:{uuid.uuid4().hex[:8]}"
             claims, store = claims_and_store(opts.redis_url, claimer)
             state = self._singleton = BeatState(
-                opts=opts, pid=current_pid(), claimer=claimer, claims=claims, store=store
+                opts=opts,
+                pid=current_pid(),
+                claimer=claimer,
+                claims=claims,
+                store=store,
+                outage=self._singleton_outage,
             )
             logger.info(
                 "beat: singleton scheduler started: mode=%s redis=%s prefix=%s instance=%s",
@@ -199,9 +207,10 @@ class SingletonSchedulerMixin:
         try:
             state = self._singleton_state()
         except REDIS_ERRORS as exc:  # a cluster client reads the slot map when it is built
-            logger.error("beat: redis error, standing by: %s", exc)
+            self._singleton_outage.failed(exc, self.singleton_monotonic())
             return ERROR_RETRY_S
-        if state.opts.mode == "leader":
+        leader = state.opts.mode == "leader"
+        if leader:
             was_leading = state.leading
             if not self._singleton_lead(state):
                 return min(self.max_interval, state.opts.lease / 10)
@@ -217,6 +226,8 @@ class SingletonSchedulerMixin:
         if self._rechecks:
             first = min(self._rechecks.values())
             delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
+        if leader and state.leading:  # wake up to renew the lease, not at the next due run
+            delay = min(delay, max(state.renew_at - self.singleton_monotonic(), 0.0))
         return delay
 
     def _batched_tick(self, state: BeatState) -> float:
@@ -231,7 +242,10 @@ class SingletonSchedulerMixin:
         for due in pop_due(self):
             entry = due[1]
             run = self._run(entry, state.opts)  # as it was due, before reserve
-            if not self._singleton_watching.before(run):
+            # an entry not watched yet: Redis did not answer its sight, and catch-up decides
+            # about this run once it does, from a record no run published meanwhile has moved
+            watching = self._singleton_watching
+            if watching.watches(entry.name) and not watching.passes_over(run):
                 runs.append((entry, run))
             push_next(self, due, self.reserve(entry))  # type: ignore[attr-defined]
         if runs:
@@ -255,7 +269,7 @@ class SingletonSchedulerMixin:
         if state.opts.mode == "leader" and not self._singleton_lead(state):
             logger.warning("beat: not the leader, run not published: entry=%s", entry.name)
             return None
-        if self._singleton_watching.before(run):
+        if self._singleton_watching.passes_over(run):
             return None
 
         def publish(labelled: ScheduleEntry) -> Any:
@@ -275,7 +289,7 @@ class SingletonSchedulerMixin:
             return
         state = self._singleton_state()
         run = self._run(entry, state.opts)
-        if not self._singleton_watching.before(run):
+        if not self._singleton_watching.passes_over(run):
             self._publish_many(state, [(entry, run)], producer)
 
     # -- the schedule's own editing methods: counted, so a tick notices the change (ticks.py)
@@ -310,7 +324,7 @@ class SingletonSchedulerMixin:
 
     def _singleton_lead(self, state: BeatState) -> bool:
         """True if this instance holds the leader lease (taken or renewed as it falls due)."""
-        return state.lead(self._group(), self.singleton_monotonic())
+        return state.lead(self._group(), self.singleton_monotonic)
 
     # -- claims ------------------------------------------------------------------------------
 
@@ -344,13 +358,19 @@ class SingletonSchedulerMixin:
         self._rechecks[run] = self.singleton_monotonic() + delay
 
     def _due_rechecks(self, schedule: Any) -> list[tuple[ScheduleEntry, Run]]:
-        """The runs whose recheck is due, with their entries (taken off the rechecks)."""
+        """The runs whose recheck is due, with their entries (taken off the rechecks); not
+        those seen claimed by another instance before a Redis outage (outage.py), nor those of
+        an entry this instance does not watch yet (catch-up decides about them: watching.py)."""
         now = self.singleton_monotonic()
         due: list[tuple[ScheduleEntry, Run]] = []
         for run, when in list(self._rechecks.items()):
             if when > now:
                 continue
             del self._rechecks[run]
+            if self._singleton_outage.stale(run):
+                continue
+            if not self._singleton_watching.watches(run.entry_name):
+                continue
             entry = schedule.get(run.entry_name)
             if entry is not None:
                 due.append((entry, run))

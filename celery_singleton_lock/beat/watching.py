@@ -57,21 +57,36 @@ class Watching:
         self._floor_ms: dict[str, int] = {}
         #: entries whose recent runs' claims it looked at
         self._looked: set[str] = set()
+        #: per entry, the latest nominal run (epoch ms) this instance claimed or saw claimed:
+        #: what it knows of the entry's record, should Redis come back without its data
+        self._seen_ms: dict[str, int] = {}
 
     def again(self) -> None:
         """Start to watch every entry again at the next :meth:`sight`."""
         self._sighted.clear()
         self._looked.clear()
 
-    def before(self, run: Run) -> bool:
+    def saw(self, run: Run) -> None:
+        """``run`` was claimed, by this instance or another (published, or being published)."""
+        nominal = run.note.nominal_ms
+        if nominal is not None and nominal > self._seen_ms.get(run.entry_name, nominal - 1):
+            self._seen_ms[run.entry_name] = nominal
+
+    def watches(self, entry_name: str) -> bool:
+        """Whether this instance started to watch entry ``entry_name``."""
+        return entry_name in self._sighted
+
+    def passes_over(self, run: Run) -> bool:
         """Whether ``run`` came due before this instance started to watch its entry: catch-up
         decided about it then (logged at debug level)."""
-        floor = self._floor_ms.get(run.entry_name)
-        nominal = run.note.nominal_ms
-        if floor is None or nominal is None or nominal > floor:
+        if not self._before_floor(run):
             return False
         logger.debug("beat: run left to catch-up: entry=%s run=%s", run.entry_name, run.run)
         return True
+
+    def _before_floor(self, run: Run) -> bool:
+        floor, nominal = self._floor_ms.get(run.entry_name), run.note.nominal_ms
+        return floor is not None and nominal is not None and nominal <= floor
 
     def sight(self, sched: Any, state: BeatState, schedule: Any) -> bool:
         """Start to watch the entries of ``schedule`` new to scheduler ``sched``; True if any
@@ -86,9 +101,10 @@ class Watching:
         prefix = state.opts.key_prefix
         try:
             records = state.claims.records([beat_entry_key(prefix, n, "record") for n, _e in new])
-        except LockUnavailableError as exc:
-            logger.warning("beat: could not read the entries' records, catch-up waits: %s", exc)
+        except LockUnavailableError as exc:  # logged once per outage; catch-up waits for it
+            state.outage.failed(exc, sched.singleton_monotonic())
             return False
+        state.outage.answered(sched.singleton_monotonic())
         now_s = sched.singleton_clock()
         now = datetime.fromtimestamp(now_s, timezone.utc)
         floor_ms, at = int(now_s * 1000), sched.singleton_monotonic()
@@ -100,7 +116,7 @@ class Watching:
                 continue
             self._floor_ms[name] = floor_ms
             for run in [r for r in sched._rechecks if r.entry_name == name]:
-                if self.before(run):  # a retry, a look again: catch-up decides now
+                if self._before_floor(run):  # a retry, a look again: catch-up decides now
                     del sched._rechecks[run]
             catch_up, problem = catch_up_of(entry.options, state.opts.catch_up)
             if problem:
@@ -109,7 +125,9 @@ class Watching:
                     name,
                     problem,
                 )
-            through = None if record is None else record.through_ms
+            through = _latest(
+                None if record is None else record.through_ms, self._seen_ms.get(name)
+            )
             deadline = sched.app.conf.beat_cron_starting_deadline
             if not isinstance(schedule, crontab):
                 deadline = None  # Celery's deadline is a crontab's only
@@ -154,8 +172,8 @@ class Watching:
                 runs.append(run_at(entry.name, entry.schedule, state.opts, nominal))
         try:
             claims = state.claims.peek([run.key for run in runs])
-        except LockUnavailableError as exc:
-            logger.warning("beat: could not look at recent runs' claims: %s", exc)
+        except LockUnavailableError as exc:  # logged once per outage; looked at again after
+            state.outage.failed(exc, sched.singleton_monotonic())
             return
         for run, claim in zip(runs, claims, strict=True):
             if claim is not None and not claim.published:
@@ -166,3 +184,11 @@ class Watching:
                     claim.holder,
                 )
                 sched._recheck_later(run, claim.pttl_ms / 1000 + 0.05)
+
+
+def _latest(recorded: int | None, seen: int | None) -> int | None:
+    """An entry's runs are accounted for up to the later of its record's ``through`` and the
+    latest run this instance saw claimed: a Redis that came back without its data has no
+    record, and the runs before the outage must not go out again."""
+    known = [ms for ms in (recorded, seen) if ms is not None]
+    return max(known) if known else None

@@ -17,7 +17,9 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
+from ..core.connection import SOCKET_TIMEOUT_S
 from ..core.urls import (
     DEFAULT_WAIT_TIMEOUT_S,
     URL_KINDS,
@@ -85,8 +87,11 @@ def read_beat_options(conf: ConfLike) -> BeatOptions:
         name: SETTINGS[name].check(SETTINGS[name].conf_key, _conf_value(conf, name))
         for name in ("key_prefix", "beat_mode", "beat_skew", "beat_lease", "beat_catch_up")
     }
+    url = resolve_redis_url(conf)
+    if values["beat_mode"] == "leader":
+        url = _lease_timeouts(url, values["beat_lease"])
     return BeatOptions(
-        redis_url=resolve_redis_url(conf),
+        redis_url=url,
         key_prefix=values["key_prefix"],
         mode=values["beat_mode"],
         skew=values["beat_skew"],
@@ -94,6 +99,42 @@ def read_beat_options(conf: ConfLike) -> BeatOptions:
         lease=values["beat_lease"],
         catch_up=values["beat_catch_up"],
     )
+
+
+#: Leader mode: the longest a Redis call of a beat may wait (each socket timeout), as a part of
+#: the lease. A renewal starts a third of the lease after the last one; one that hangs must
+#: fail (connecting and reading: half the lease) before the leader stops trusting its lease
+#: (beat/leader.py, 0.9 of it).
+LEASE_TIMEOUT_PART = 0.25
+_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
+
+
+def _lease_timeouts(url: str, lease: float) -> str:
+    """Leader mode's lock URL: socket timeouts of a quarter of the lease (at most the usual
+    5 s) unless it sets its own, which may not be longer (refused). Not for Redlock, whose
+    calls end after its ``master_timeout`` whatever the sockets do."""
+    if URL_KINDS.get(url_scheme(url)) == "redlock":
+        return url
+    bound = lease * LEASE_TIMEOUT_PART
+    query = parse_qs(url.partition("?")[2].partition("#")[0])
+    for name in _TIMEOUTS:
+        given = _seconds_or_none(query.get(name, [None])[0])
+        if given is not None and given > bound:
+            raise SingletonConfigError(
+                f"app settings: singleton_beat_lease={lease:g} needs the lock URL's {name} at "
+                f"most {bound:g}s (a quarter of the lease), got {given:g}: a renewal that hangs "
+                "must fail while the leader can still trust its lease"
+            )
+    default = min(SOCKET_TIMEOUT_S, bound)
+    extra = [f"{name}={default:g}" for name in _TIMEOUTS if name not in query]
+    return f"{url}{'&' if '?' in url else '?'}{'&'.join(extra)}" if extra else url
+
+
+def _seconds_or_none(value: str | None) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:  # the URL's own check names it
+        return None
 
 
 def _beat_lock_at_least(conf: ConfLike) -> float:

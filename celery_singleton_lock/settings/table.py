@@ -377,7 +377,9 @@ SETTINGS: dict[str, Setting] = {
             10,
             positive,
             'Leader lease ttl in seconds under beat_mode "leader": a standby takes over at '
-            "most this long after the leader's last renewal.",
+            "most this long after the leader's last renewal. Beat's Redis calls time out after "
+            "a quarter of it (at most 5 s) unless the lock URL sets socket_timeout and "
+            "socket_connect_timeout, which may not be longer.",
             task_option=False,
         ),
     )

@@ -133,7 +133,56 @@ def test_beat_refuses_to_start_with_bad_url(beat_factory: BeatFactory) -> None:
     _assert_refused(beat.log_text(), code, "singleton_redis_url", "redis://:***@127.0.0.1:99999/0")
 
 
+def test_beat_refuses_a_lock_socket_timeout_longer_than_a_quarter_of_the_lease(
+    beat_factory: BeatFactory,
+) -> None:
+    """Leader mode, a 3 s lease, a lock URL whose socket_timeout is 1 s: a renewal that hangs
+    would fail too late for the leader to trust its lease meanwhile. Refused at start-up."""
+    env = {
+        "SINGLETON_TEST_BEAT_MODE": "leader",
+        "SINGLETON_TEST_BEAT_LEASE": "3",
+        "SINGLETON_TEST_LOCK_URL": f"redis://:{PASSWORD}@127.0.0.1:1/0?socket_timeout=1",
+    }
+    beat = beat_factory.start(env=env)
+    code = beat.wait(timeout=30)
+    log = beat.log_text()
+    _assert_refused(log, code, "singleton_beat_lease=3", "socket_timeout at most 0.75s")
+    assert "Traceback" not in log
+
+
 # -- the checks behind it, without processes --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "url", "lease", "read"),
+    [  # leader mode: socket timeouts of a quarter of the lease, at most 5 s, unless given
+        ("leader", "redis://h/0", 3, "redis://h/0?socket_timeout=0.75&socket_connect_timeout=0.75"),
+        ("leader", "redis://h/0", 40, "redis://h/0?socket_timeout=5&socket_connect_timeout=5"),
+        (
+            "leader",
+            "redis://h/0?socket_timeout=0.2",
+            10,
+            "redis://h/0?socket_timeout=0.2&socket_connect_timeout=2.5",
+        ),
+        ("leader", "redis+redlock://a,b,c/0", 3, "redis+redlock://a,b,c/0"),  # master_timeout
+        ("active", "redis://h/0", 3, "redis://h/0"),
+    ],
+)
+def test_beat_lock_url_socket_timeouts(mode: str, url: str, lease: int, read: str) -> None:
+    conf = {"singleton_redis_url": url, "singleton_beat_mode": mode, "singleton_beat_lease": lease}
+    assert read_beat_options(conf).redis_url == read
+
+
+@pytest.mark.parametrize("name", ["socket_timeout", "socket_connect_timeout"])
+def test_beat_lease_refuses_longer_socket_timeouts(name: str) -> None:
+    conf = {
+        "singleton_redis_url": f"redis://:{PASSWORD}@h/0?{name}=2.6",
+        "singleton_beat_mode": "leader",
+        "singleton_beat_lease": 10,
+    }
+    with pytest.raises(SingletonConfigError, match=f"{name} at most 2.5s") as info:
+        read_beat_options(conf)
+    assert PASSWORD not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -463,7 +463,7 @@ def test_banner_shows_mode_redis_without_password_and_prefix(
     ), secret.log_tail()
     # the first tick logs the settings again, then fails to reach that server: still hidden
     secret.wait_for_log(r"singleton scheduler started: mode=active redis=redis://:\*\*\*@")
-    secret.wait_for_log(r"redis error")
+    secret.wait_for_log(r"beat: redis unreachable, publishing nothing until it answers")
     plain.kill()
     secret.kill()
     assert "s3cret" not in secret.log_text(), secret.log_text()

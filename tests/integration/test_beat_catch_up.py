@@ -32,6 +32,7 @@ from tests.support.recording_schedulers import (
     clock_at,
     driven,
 )
+from tests.support.servers import RedisServer
 
 #: entry -> (schedule, catch-up header or None for the app's "latest")
 ENTRIES: dict[str, tuple[Any, Any]] = {
@@ -80,7 +81,12 @@ class Beats:
         return scheduler
 
     def stop(self, name: str) -> None:
-        self.running.pop(name).close()  # syncs its schedule file, as beat's shutdown does
+        scheduler = self.running.pop(name)
+        scheduler.close()  # syncs its schedule file, as beat's shutdown does
+        state = scheduler._singleton
+        if state is not None:  # the claims share these clients
+            for client in getattr(state.store, "clients", None) or (state.store.client,):
+                client.close()
 
     def tick_at(self, now: float) -> dict[str, list[int]]:
         """Move the clock to ``now``; tick every running beat; the runs they published, by
@@ -239,3 +245,41 @@ def test_a_standby_that_takes_the_lead_catches_up_the_runs_no_leader_published(
     }
     assert beats.tick_at(t + 50.1) == {name: [int(t) + 50] for name in ENTRIES if name[0] == "i"}
     assert max(beats.published.values()) == 1
+
+
+@pytest.mark.parametrize("outage", ["paused", "restarted-empty"])
+def test_runs_due_while_no_beat_reached_redis_are_caught_up_as_each_entry_says(
+    private_redis: RedisServer, key_prefix: str, tmp_path: Path, outage: str
+) -> None:
+    """The beat runs on while Redis is paused (calls time out), or killed and back without its
+    data (the records gone: the beat goes by the runs it saw claimed)."""
+    app = catch_up_app(f"{private_redis.url}?socket_timeout=0.3", f"{key_prefix}lock:", outage)
+    app.set_current()
+    t = (math.floor(time.time() / 60) + 1) * 60.0
+    beats = Beats(app, tmp_path, t)
+    try:
+        beats.start("a")
+        assert beats.tick_at(t + 0.2) == {name: [int(t)] for name in ENTRIES}
+        assert beats.tick_at(t + 10.2) == {n: [int(t) + 10] for n in ENTRIES if n[0] == "i"}
+        if outage == "paused":
+            private_redis.pause()
+        else:
+            private_redis.kill()
+        try:
+            for second in (20, 30, 40):
+                assert beats.tick_at(t + second + 0.2) == {}
+        finally:
+            if outage == "paused":
+                private_redis.resume()
+            else:
+                private_redis.restart()
+        assert beats.tick_at(t + 45.5) == {
+            "i-latest": [int(t) + 40],
+            "i-window": [int(t) + 30, int(t) + 40],  # within 25 s of t+45.5
+        }
+        after = beats.tick_at(t + 50.1)
+        assert after == {name: [int(t) + 50] for name in ENTRIES if name[0] == "i"}
+        assert max(beats.published.values()) == 1
+    finally:
+        beats.close()
+        app.close()

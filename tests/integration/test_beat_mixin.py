@@ -35,6 +35,7 @@ from tests.support.recording_schedulers import (
     INTERVAL,
     RENEWAL_FAILS,
     STANDBY_DELAY_S,
+    Guarded,
     check_leader_hand_over,
     check_leadership_kept_after_a_failed_renewal,
     claimer,
@@ -158,6 +159,29 @@ def test_leader_mode_mixin_only_the_leader_publishes(
         app.close()
 
 
+def test_leader_wakes_up_to_renew_its_lease_not_only_for_its_next_run(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beat's default max interval is 300 s: a tick returns the time to the next due run. A
+    leader's tick returns by the time its lease needs renewing (a third of the 5 s lease), not
+    when the next run is due (up to 10 s away): asleep that long, its lease would end and a
+    standby take it at every run."""
+    app = make_beat_app(redis_url, key_prefix, mode="leader")
+    scheduler = Guarded(app=app, max_interval=300)
+    try:
+        set_clock(scheduler, monkeypatch, math.floor(time.time() / 10) * 10 + 1.0)
+        for _ in range(3):
+            delay = scheduler.tick()
+            assert lease_owner(scheduler) == claimer(scheduler)
+            assert 0 < delay <= 5.0 / 3
+    finally:
+        scheduler.close()
+        state = scheduler._singleton
+        assert state is not None
+        state.store.client.close()  # type: ignore[attr-defined]
+        app.close()
+
+
 # -- leader mode after a Redis error ------------------------------------------------------------
 
 
@@ -215,7 +239,7 @@ def test_leader_whose_acquire_reply_was_lost_takes_its_lease(
             busy.send_command("EVAL", BUSY_SCRIPT, 0, 1500)
             wait_for(lambda: server_busy(private_redis.url), 5, "the server to be busy")
             assert a.tick() == STANDBY_DELAY_S, "a's acquire timed out: a stands by"
-            assert "beat: redis error, standing by" in caplog.text
+            assert "beat: redis unreachable, publishing nothing until it answers" in caplog.text
             assert busy.read_response() == 1  # the server is answering again
             wait_for(lambda: lease_owner(a) == claimer(a), 5, "a's acquire to have run")
 

@@ -384,7 +384,7 @@ def test_the_django_beats_banner_and_log_never_show_the_redis_password(
     shown = beat.wait_for_log(r"\. singleton -> mode=(\S+) redis=(\S+) ")
     assert shown.groups() == ("active", f"redis://:***@127.0.0.1:{port}/0"), beat.log_tail()
     beat.wait_for_log(r"singleton scheduler started: mode=active redis=redis://:\*\*\*@")
-    beat.wait_for_log(r"could not look at recent runs' claims: ")
+    beat.wait_for_log(r"beat: redis unreachable, publishing nothing until it answers: ")
     beat.wait_for_log(r"Connection error: .*Trying again")  # Celery's, to the broker
     beat.kill()
     assert password not in beat.log_text(), beat.log_text()

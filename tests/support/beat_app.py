@@ -7,7 +7,8 @@ for a task the beat process does not know (``SINGLETON_TEST_ROLE=beat`` leaves i
 unregistered, so beat publishes it through ``send_task``).
 
 ``SINGLETON_TEST_BEAT_MODE`` selects "active" (default) or "leader";
-``SINGLETON_TEST_BEAT_LEASE`` the leader lease.
+``SINGLETON_TEST_BEAT_LEASE`` the leader lease; ``SINGLETON_TEST_BEAT_CATCH_UP`` a catch-up
+window in seconds (the default is "latest").
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ app.conf.singleton_redis_url = app.conf.singleton_test_redis_url
 app.conf.singleton_key_prefix = app.conf.singleton_test_prefix + "lock:"
 app.conf.singleton_beat_mode = os.environ.get("SINGLETON_TEST_BEAT_MODE", "active")
 app.conf.singleton_beat_lease = float(os.environ.get("SINGLETON_TEST_BEAT_LEASE", "3"))
+if os.environ.get("SINGLETON_TEST_BEAT_CATCH_UP"):  # a window, in seconds
+    app.conf.singleton_beat_catch_up = float(os.environ["SINGLETON_TEST_BEAT_CATCH_UP"])
 app.conf.beat_scheduler = "celery_singleton_lock.SingletonScheduler"
 app.conf.beat_schedule = {
     "every-second": {"task": "b.record", "schedule": 1.0, "args": ("every-second",)},
