@@ -176,7 +176,9 @@ class Watching:
             state.outage.failed(exc, sched.singleton_monotonic())
             return
         for run, claim in zip(runs, claims, strict=True):
-            if claim is not None and not claim.published:
+            # a claim of this instance's own (sent before an outage, run by the server after
+            # it, its reply lost) is taken again at its next try, not after its lease
+            if claim is not None and not claim.published and claim.holder != state.claimer:
                 logger.info(
                     "beat: watching a run claimed by another instance: entry=%s run=%s by=%s",
                     run.entry_name,

@@ -855,7 +855,8 @@ def _outcome(run: CellRun, call: Call) -> str:
         holder = next((c for c in run.calls.values() if c.sent_id == call.id), None)
         return NOT_PUBLISHED if holder is not None else f"the result of an unknown {call.id}"
     meta = call.first
-    assert meta is not None
+    if meta is None:  # a cell that failed midway (its report says why)
+        return "never ready"
     status, result = meta["status"], meta["result"]
     ran = len(run.bed.starts.get(call.sent_id, []))
     if status == states.REVOKED:
