@@ -44,6 +44,7 @@ from .publishing import NOT_PUBLISHED, NotPublished, claim_and_publish
 from .redlock_claims import claims_and_store
 from .runs import Run, aware, bucket_run, is_interval, once_run, run_at
 from .schedules import interval_slot, nominal_run, slot_start
+from .steered import Steered
 from .ticks import (
     ScheduleWatch,
     base_tick_is_celerys,
@@ -88,6 +89,8 @@ class SingletonSchedulerMixin:
         self._singleton_deprecations: set[str] = set()
         #: whether Redis answers this instance: an outage is logged once (outage.py)
         self._singleton_outage = Outage(on_start=self.singleton_watch_again)
+        #: its schedule registered for operators, the runs they asked for (steered.py)
+        self._singleton_steered = Steered()
         super().__init__(*args, **kwargs)
 
     # -- settings and connections ----------------------------------------------------------
@@ -166,12 +169,30 @@ class SingletonSchedulerMixin:
         if not is_interval(sched):
             state: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
             return state
-        entry.schedule = _AlignedInterval(self, entry, sched)
+
+        def aligned(last_run_at: datetime | None) -> tuple[bool, float]:
+            return self._interval_due(entry, sched, last_run_at)
+
+        return self._is_due_with(entry, aligned)
+
+    def singleton_may_run(self, entry: ScheduleEntry) -> bool:
+        """Whether what ``entry`` checks besides its schedule lets it run now (always, for
+        Celery's entries; django-celery-beat's ``ModelEntry`` checks enabled, ``start_time``,
+        ``expires`` and ``one_off``). Catch-up publishes no run of an entry that may not."""
+        return self._is_due_with(entry, lambda _last_run_at: (True, 0.0))[0]
+
+    def _is_due_with(
+        self, entry: ScheduleEntry, answer: Callable[[datetime | None], tuple[bool, float]]
+    ) -> tuple[bool, float]:
+        """The entry's own ``is_due``, its schedule stood in for, for that call only, by one
+        whose ``is_due`` is ``answer``."""
+        sched = entry.schedule
+        entry.schedule = _StandIn(sched, answer)
         try:
-            aligned: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
+            state: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
         finally:
             entry.schedule = sched
-        return aligned
+        return state
 
     def singleton_not_before(self, entry: ScheduleEntry) -> datetime | None:
         """The first instant a run of ``entry`` may be due at (an interval run's slot may not
@@ -216,29 +237,36 @@ class SingletonSchedulerMixin:
                 return min(self.max_interval, state.opts.lease / 10)
             if not was_leading:  # the runs due while no leader published: catch-up's
                 self.singleton_watch_again()
+        schedule = self.schedule  # read once: the database scheduler looks for changes here
+        asked = self._singleton_steered.asked_runs(
+            self, state, schedule, self._group(), self._singleton_edits
+        )
         if base_tick_is_celerys(type(self), SingletonSchedulerMixin):
-            delay = self._batched_tick(state)
+            delay = self._batched_tick(state, schedule, asked)
         else:
-            schedule = self.schedule
             self._singleton_watching.sight(self, state, schedule)
-            self._publish_many(state, self._due_rechecks(schedule))
+            self._publish_many(state, [*self._due_rechecks(schedule), *asked])
             delay = float(super().tick(*args, **kwargs))  # type: ignore[misc]
         if self._rechecks:
             first = min(self._rechecks.values())
             delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
+        # wake up to look for operators' asks
+        delay = min(delay, self._singleton_steered.next_poll_in(self.singleton_monotonic()))
         if leader and state.leading:  # wake up to renew the lease, not at the next due run
             delay = min(delay, max(state.renew_at - self.singleton_monotonic(), 0.0))
         return delay
 
-    def _batched_tick(self, state: BeatState) -> float:
+    def _batched_tick(
+        self, state: BeatState, schedule: Any, asked: list[tuple[ScheduleEntry, Run]]
+    ) -> float:
         """Every event due now off the heap, reserved, and their runs (with the pending claims
-        to retry) claimed in one round trip and published."""
-        schedule = self.schedule  # read once: the database scheduler looks for changes here
+        to retry and the runs operators ``asked`` for) claimed in one round trip and
+        published."""
         tracked = self.singleton_schedule_tracked or tracked_schedule(type(self))
         if self._singleton_watching.sight(self, state, schedule):
             self._heap = None  # placed again from the due state the sight set
         self._singleton_watch.refresh(self, schedule, self._singleton_edits, tracked)
-        runs = self._due_rechecks(schedule)
+        runs = [*self._due_rechecks(schedule), *asked]
         for due in pop_due(self):
             entry = due[1]
             run = self._run(entry, state.opts)  # as it was due, before reserve
@@ -313,8 +341,10 @@ class SingletonSchedulerMixin:
     def close(self) -> None:
         """Give up the leader lease (if held) so a standby takes over at once."""
         state = self._singleton
-        if state is not None and state.leading and state.pid == current_pid():
-            state.give_up(self._group())
+        if state is not None and state.pid == current_pid():
+            self._singleton_steered.gone()
+            if state.leading:
+                state.give_up(self._group())
         super().close()  # type: ignore[misc]
 
     # -- leader mode (leader.py) -------------------------------------------------------------
@@ -417,18 +447,18 @@ def _slot_of(interval: float, when: datetime) -> int:
     return interval_slot(interval, aware(when).timestamp())
 
 
-class _AlignedInterval:
-    """An interval schedule answering ``is_due`` on the epoch grid, for one entry and one call.
+class _StandIn:
+    """A schedule answering ``is_due`` with ``answer``, for one entry and one call.
 
     Stands in for the entry's schedule while the entry's own ``is_due`` runs, so what the entry
     checks besides its schedule still counts (see :meth:`SingletonSchedulerMixin.is_due`).
     """
 
-    def __init__(self, scheduler: SingletonSchedulerMixin, entry: ScheduleEntry, sched: Any):
-        self._scheduler, self._entry, self._sched = scheduler, entry, sched
+    def __init__(self, sched: Any, answer: Callable[[datetime | None], tuple[bool, float]]):
+        self._sched, self._answer = sched, answer
 
     def is_due(self, last_run_at: datetime | None) -> tuple[bool, float]:
-        return self._scheduler._interval_due(self._entry, self._sched, last_run_at)
+        return self._answer(last_run_at)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         """Pickled as the entry's own schedule. Beat's SIGTERM handler writes the schedule file

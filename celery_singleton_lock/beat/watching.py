@@ -17,7 +17,8 @@ an outage (:meth:`Watching.again`). Then, in one round trip for all the new entr
   publish lease and the skew bound) are looked at once, and those found pending are claimed
   again when their lease ends, like the runs the instance fired itself.
 
-Knows the scheduler through what it asks of it: its clocks, its rechecks and ``singleton_once``.
+Knows the scheduler through what it asks of it: its clocks, its rechecks, ``singleton_once``
+and ``singleton_may_run``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class Watching:
             self._sighted.add(name)
             schedule = entry.schedule
             if not is_placed(schedule) or sched.singleton_once(entry) is not None:
+                continue
+            if not sched.singleton_may_run(entry):  # disabled, expired, not started yet
                 continue
             self._floor_ms[name] = floor_ms
             for run in [r for r in sched._rechecks if r.entry_name == name]:

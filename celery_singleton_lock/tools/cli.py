@@ -38,6 +38,7 @@ from ..core.keys import keys_of
 from ..core.urls import redact_url, repr_without_password
 from ..errors import SingletonConfigError
 from ..settings.options import read_options
+from .beat_cli import beat
 from .columns import aligned, tab_separated
 from .waiting_calls import hand_on, orphaned_follow_ups, orphaned_queues, publish_pending
 
@@ -457,3 +458,6 @@ def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
         click.echo(f"{title}:")
         for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
             click.echo(f"  {count:>6}  {name}")
+
+
+singleton.add_command(beat)

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.schedules import crontab
+from celery.beat import ScheduleEntry
+from celery.schedules import crontab, schedstate
 
 from celery_singleton_lock.beat.catch_up import CATCH_UP_HEADER
 from celery_singleton_lock.beat.claims import RUN_HEADER
@@ -283,3 +284,24 @@ def test_runs_due_while_no_beat_reached_redis_are_caught_up_as_each_entry_says(
     finally:
         beats.close()
         app.close()
+
+
+def test_an_entry_its_own_checks_refuse_gets_no_run_on_sight(
+    beats: Beats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry whose own ``is_due`` says no whatever its schedule (django-celery-beat's
+    expired, disabled or not started entries) is published nothing as a beat starts to watch
+    it: neither its missed runs nor the run due then. The others catch up as usual."""
+    t = beats.clock.now
+    run_up_to_a_downtime(beats, t)
+    refused = {"i-latest", "c-window"}
+    real = ScheduleEntry.is_due
+
+    def is_due(entry: ScheduleEntry) -> Any:
+        return schedstate(False, 5.0) if entry.name in refused else real(entry)
+
+    monkeypatch.setattr(ScheduleEntry, "is_due", is_due)
+    beats.start("fresh")
+    expected = {k: v for k, v in expected_after_restart(int(t)).items() if k not in refused}
+    assert beats.tick_at(t + RESTART) == expected
+    assert "i-latest" not in beats.tick_at(t + 130.1)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,23 +27,15 @@ from celery_singleton_lock.core.pending import leave_pending, pending_key
 from celery_singleton_lock.core.store import LockStore
 from celery_singleton_lock.tools.cli import singleton
 from tests.support.basic_app import SINGLETON_APP
+from tests.support.cli import app_env, singleton_cli
 from tests.support.client_tasks import COALESCE, coalesce_keys
 from tests.support.waiting import wait_for
-from tests.support.workers import REPO_ROOT, WorkerFactory
+from tests.support.workers import WorkerFactory
 
 
 def _celery(redis_url: str, prefix: str, *args: str, timeout: float = 60) -> Any:
     """Run ``celery -A tests.support.singleton_app singleton <args>`` as a real process."""
-    env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", SINGLETON_APP, "singleton", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return singleton_cli(SINGLETON_APP, app_env(redis_url, prefix), *args, timeout=timeout)
 
 
 def _plant(client: redis.Redis, prefix: str, task: str, ident: bytes, host: str) -> str:

@@ -21,6 +21,7 @@ from redis.connection import SSLConnection, UnixDomainSocketConnection
 
 from celery_singleton_lock import LockUnavailableError, SingletonConfigError
 from celery_singleton_lock.beat.claims import RunClaims
+from celery_singleton_lock.beat.steering import Steering
 from celery_singleton_lock.core import connection as singleton_connection
 from celery_singleton_lock.core.backend import (
     FENCE_MARGIN_MS,
@@ -411,6 +412,18 @@ def test_acl_user_and_password(private_redis: RedisServer) -> None:
         claim = run_claim_key("cslt:acl:", "entry", "run-1")
         assert claims.claim(claim, 1000).won
         assert claims.confirm(claim, "task-1", 1000)
+        steer = Steering([store.client], "cslt:acl:", "group")  # the beat verbs
+        steer.register({"entry": "{}"})
+        assert steer.heartbeat("beat-a", 1000) == []
+        assert steer.pause("entry", "ann@host", 1000) == "ann@host 1000"
+        assert steer.pauses(["entry"]) == ["ann@host 1000"]
+        assert steer.resume("entry")
+        ask = steer.ask("entry", "ann@host", 1000, 5000)
+        assert steer.claim_of(ask) is None
+        assert steer.forget(ask)
+        assert (steer.registered(), steer.beats()) == ({"entry": "{}"}, {"beat-a": 1000})
+        assert steer.records(["entry"]) == [None]  # no run at a nominal time noted
+        steer.gone("beat-a")
         with pytest.raises(redis.exceptions.NoPermissionError):
             store.client.set("elsewhere", "1")  # the ACL is in force
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from celery_singleton_lock.beat.catch_up import CATCH_UP_HEADER
 from tests.support.basic_app import close_app
 from tests.support.beats import BeatFactory
 from tests.support.catch_up_checks import check_after_restart, published_twice_then_stop
+from tests.support.cli import singleton_cli
 from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory, WorkerProcess
@@ -252,12 +254,17 @@ def test_three_beats_of_a_django_project_publish_every_run_once(
         beat.terminate()
     published = [p.label for beat in beats for p in beat.published()]
     logs = lambda: f"{beat_factory.logs(60)}\n{example_worker.log_tail(60)}"  # noqa: E731
+
+    def not_run() -> str:
+        ran = {n.run for n in notes(redis_client, key_prefix)}
+        return f"published, not run: {sorted(set(published) - ran)}\n{logs()}"
+
     wait_for(
         lambda: len(notes(redis_client, key_prefix)) >= len(published),
         DRAIN_S,
         "the worker to run every published run",
         example_worker,
-        details=logs,
+        details=not_run,
     )
     found = notes(redis_client, key_prefix)
     summary = "\n".join(f"{n.run} v{n.version}" for n in sorted(found, key=lambda n: n.run))
@@ -417,3 +424,41 @@ def test_a_django_beat_back_after_downtime_catches_up_as_each_entry_says(
     time.sleep(9.0)  # every beat down for several slots
     again = beat_factory.start(APP, env=example_env, scheduler=SCHEDULERS[0], name="again")
     check_after_restart(beat_factory, CATCH_UP_ENTRIES, before, [again])
+
+
+@pytest.mark.slow(seconds=25)
+def test_the_verbs_steer_a_django_beats_entries(
+    beat_factory: BeatFactory, example_env: dict[str, str]
+) -> None:
+    """The entries live in the database, not in the app's ``beat_schedule``: the running beat
+    registers them, so ``status`` lists them and ``pause``, ``run`` and ``resume`` accept
+    their names (an entry added in the admin too); a paused entry is skipped, an asked run of
+    it goes out once."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every_2s, _ = IntervalSchedule.objects.get_or_create(every=2, period="seconds")
+    PeriodicTask.objects.create(
+        name="dj-steered",
+        task="example.record",
+        kwargs=json.dumps({"entry": "dj-steered"}),
+        interval=every_2s,
+    )
+    beat = beat_factory.start(APP, env=example_env, scheduler=SCHEDULERS[0])
+    beat.wait_for_log(r"beat: published run: entry=dj-steered ", 30)
+
+    def verb(*args: str) -> subprocess.CompletedProcess[str]:
+        return singleton_cli(APP, example_env, "beat", *args)
+
+    status = json.loads(verb("status", "--json").stdout)
+    row = next(r for r in status["entries"] if r["entry"] == "dj-steered")
+    assert (row["task"], row["schedule"], row["registered"]) == ("example.record", "every 2s", True)
+    assert verb("pause", "dj-steered").returncode == 0
+    offset = beat.log_size()
+    beat.wait_for_log(r"entry paused, run not published: entry=dj-steered ", 10, start=offset)
+    asked = verb("run", "dj-steered")
+    assert asked.returncode == 0, asked
+    task_id = asked.stdout.rsplit("task_id=", 1)[1].split()[0]
+    mine = [p for p in beat.published() if p.task_id == task_id]
+    assert [p.run.startswith("ask-") for p in mine] == [True], beat.log_tail()
+    assert verb("resume", "dj-steered").stdout == "resumed: entry=dj-steered\n"
+    assert verb("pause", "not-in-the-database").returncode == 1

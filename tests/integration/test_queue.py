@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -24,10 +23,11 @@ from celery_singleton_lock.core.keys import derive_keys
 from celery_singleton_lock.core.queue import queue_keys
 from tests.support.basic_app import history_key
 from tests.support.bed import Bed, new_key
+from tests.support.cli import app_env, singleton_cli
 from tests.support.history import check_history, load_history, wait_started
 from tests.support.queue_app import order_key
 from tests.support.waiting import wait_for
-from tests.support.workers import REPO_ROOT, WorkerProcess
+from tests.support.workers import WorkerProcess
 
 QUEUE_APP = "tests.support.queue_app"
 
@@ -235,16 +235,7 @@ def test_a_full_queue_refuses_the_call(bed: Bed) -> None:
 
 def _cli(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``celery -A tests.support.queue_app singleton <args>`` as a real process."""
-    env = {**os.environ, "SINGLETON_TEST_REDIS_URL": redis_url, "SINGLETON_TEST_PREFIX": prefix}
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", QUEUE_APP, "singleton", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return singleton_cli(QUEUE_APP, app_env(redis_url, prefix), *args)
 
 
 @pytest.mark.slow(seconds=10)

@@ -19,6 +19,11 @@ def documented_acl_commands() -> list[str]:
 
 def documented_python(page: str, section: str) -> str:
     """The first ``python`` block of ``section`` (a heading's text) in ``docs/<page>``."""
+    return documented_block(page, section, "python")
+
+
+def documented_block(page: str, section: str, language: str) -> str:
+    """The first ``language`` block of ``section`` (a heading's text) in ``docs/<page>``."""
     text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
     after = text.split(f"\n{section}\n", 1)[1]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+    return after.split(f"```{language}\n", 1)[1].split("```", 1)[0]
