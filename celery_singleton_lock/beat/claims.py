@@ -131,6 +131,11 @@ class Claims(Protocol):
 
     claimer: str
 
+    @property
+    def clients(self) -> list[Client]:
+        """The clients the claims go through: one, or each master's."""
+        ...
+
     def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim: ...
 
     def confirm(self, key: str, task_id: str, keep_ms: int) -> bool: ...
@@ -166,6 +171,10 @@ class RunClaims:
             raise ValueError(f"claimer must be a non-empty id without spaces, got {claimer!r}")
         self.client = client
         self.claimer = claimer
+
+    @property
+    def clients(self) -> list[Client]:
+        return [self.client]
 
     def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
         """Claim the run at ``key`` for ``lease_ms`` while it is being published.

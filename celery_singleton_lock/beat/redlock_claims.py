@@ -66,6 +66,10 @@ class RedlockClaims:
         self._fanout = Fanout(len(clients), DEFAULT_MAX_IN_FLIGHT)
         self._names = [describe(client) for client in clients]
 
+    @property
+    def clients(self) -> list[Any]:
+        return [member.client for member in self.members]
+
     def claim(self, key: str, lease_ms: int, keep_ms: int | None = None) -> Claim:
         """Claim the run at ``key`` on every master; won with a majority, within the lease.
 

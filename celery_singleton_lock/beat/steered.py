@@ -23,7 +23,7 @@ from .claims import RunNote
 from .described import describe
 from .leader import BeatState
 from .runs import Run
-from .steering import ASK_KEEP_MS, Ask, Steering, steering_clients
+from .steering import ASK_KEEP_MS, Ask, Steering
 
 __all__ = ["POLL_S", "REGISTER_S", "Steered"]
 
@@ -32,6 +32,8 @@ logger = logging.getLogger(f"{__package__}.scheduler")
 
 #: How often a beat instance looks for asks, at most (seconds).
 POLL_S: Final = 1.0
+#: How often a beat instance looks for asks while Redis does not answer it (seconds).
+OUTAGE_POLL_S: Final = 5.0
 #: How often a beat instance registers its schedule again, unchanged (seconds).
 REGISTER_S: Final = 600.0
 
@@ -54,9 +56,9 @@ class Steered:
         self._taken: set[str] = set()
 
     def steering(self, state: BeatState, group: str) -> Steering:
-        if self._steering is None or self._state is not state:
-            clients = steering_clients(state.opts.redis_url)
-            self._steering, self._state = Steering(clients, state.opts.key_prefix, group), state
+        if self._steering is None or self._state is not state:  # on the claims' clients
+            steering = Steering(state.claims.clients, state.opts.key_prefix, group)
+            self._steering, self._state = steering, state
         return self._steering
 
     def asked_runs(
@@ -65,7 +67,7 @@ class Steered:
         """The runs operators asked for that this instance should claim now (at most once a
         second); the schedule registered if it changed."""
         now = sched.singleton_monotonic()
-        if now - self._polled_at < POLL_S:
+        if now < self._polled_at + self._poll_every(state):
             return []
         self._polled_at = now
         steering = self.steering(state, group)
@@ -96,9 +98,19 @@ class Steered:
             runs.append((entry, Run(ask.entry, ask.run, key, ASK_KEEP_MS, ASKED)))
         return runs
 
+    @staticmethod
+    def _poll_every(state: BeatState) -> float:
+        """How often it looks for asks: :data:`POLL_S`; while Redis does not answer, every
+        :data:`OUTAGE_POLL_S` (each try may take a socket timeout); never while a leader's
+        lease is in doubt (judging it comes first)."""
+        if state.opts.mode == "leader" and (state.lease_unsure or state.trusting):
+            return float("inf")
+        return OUTAGE_POLL_S if state.outage.down else POLL_S
+
     def next_poll_in(self, now: float) -> float:
-        """How long from monotonic time ``now`` until it looks for asks again."""
-        return max(self._polled_at + POLL_S - now, 0.0)
+        """How long from monotonic time ``now`` until it looks for asks again (at most
+        :data:`POLL_S`: woken up then, it decides)."""
+        return min(max(self._polled_at + POLL_S - now, 0.0), POLL_S)
 
     def _register(
         self, steering: Steering, state: BeatState, schedule: Any, edits: int, now: float
