@@ -29,8 +29,11 @@ from celery import Celery
 
 from celery_singleton_lock.beat.claims import RUN_HEADER
 from celery_singleton_lock.beat.scheduler import SingletonSchedulerMixin
+from tests.support.recording_schedulers import close_clients
 
 ENTRY = "remote-every-10s"
+#: the schedulers a test made: their clients closed after it
+_MADE: list[Any] = []
 
 
 @pytest.fixture
@@ -46,6 +49,8 @@ def app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
         beat_schedule={ENTRY: {"task": "remote.interval", "schedule": 10.0}},
     )
     yield app
+    close_clients(*_MADE)
+    _MADE.clear()
     redbeat_client = getattr(app, "redbeat_redis", None)
     if redbeat_client is not None:
         redbeat_client.close()
@@ -63,6 +68,7 @@ def guarded(app: Celery, now: float) -> Any:
             return SimpleNamespace(id=str(uuid.uuid4()))
 
     scheduler = GuardedRedBeat(app=app, max_interval=1)
+    _MADE.append(scheduler)
     scheduler.sent = []
     scheduler.singleton_clock = lambda: now
     return scheduler

@@ -152,6 +152,16 @@ def check_leader_hand_over(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None
     fire(b, INTERVAL)
     assert labels(b) == [f"{INTERVAL}@{(slot + 10) * 1000}"]
     b.close()
+    close_clients(a, b)
+
+
+def close_clients(*schedulers: Guarded) -> None:
+    """Close the Redis clients of ``schedulers`` (their claims share them with the store)."""
+    for scheduler in schedulers:
+        state = scheduler._singleton
+        if state is not None:
+            for client in getattr(state.store, "clients", None) or (state.store.client,):
+                client.close()
 
 
 #: The lease of the Redis-error tests. Their injected monotonic clock moves up to 0.95 of it
@@ -207,10 +217,7 @@ def two_instances(
     finally:
         for scheduler in pair:
             scheduler.close()
-            state = scheduler._singleton
-            if state is not None:  # the claims share these clients
-                for client in getattr(state.store, "clients", None) or (state.store.client,):
-                    client.close()
+        close_clients(*pair)
 
 
 def interval_labels(scheduler: Guarded) -> list[str]:
