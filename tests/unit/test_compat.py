@@ -24,14 +24,21 @@ class _Task:
 
 
 def test_celery_singleton_spellings_map_with_warnings() -> None:
-    """unique_on, lock_expiry and raise_on_duplicate become key_args, ttl and on_duplicate."""
+    """unique_on, lock_expiry and raise_on_duplicate become key_args, ttl and publish_ttl (the
+    expiry bounded celery-singleton's publish-time lock), and on_duplicate."""
     task = _Task(unique_on=["account_id"], lock_expiry=60, raise_on_duplicate=True)
     with pytest.warns(DeprecationWarning, match="is deprecated, use singleton_") as caught:
         opts = read_options({}, task)
-    assert (opts.key_args, opts.ttl, opts.on_duplicate) == (("account_id",), 60.0, "raise")
+    assert (opts.key_args, opts.ttl, opts.publish_ttl, opts.on_duplicate) == (
+        ("account_id",),
+        60.0,
+        60.0,
+        "raise",
+    )
     messages = sorted(str(w.message) for w in caught)
     assert messages == [
-        "task t.legacy: lock_expiry is deprecated, use singleton_ttl=60",
+        "task t.legacy: lock_expiry is deprecated, use singleton_ttl=60 and "
+        "singleton_publish_ttl=60",
         "task t.legacy: raise_on_duplicate is deprecated, use singleton_on_duplicate='raise'",
         "task t.legacy: unique_on is deprecated, use singleton_key_args=['account_id']",
     ]
@@ -39,12 +46,44 @@ def test_celery_singleton_spellings_map_with_warnings() -> None:
 
 @pytest.mark.parametrize(("graceful", "policy"), [(True, "skip"), (False, "raise")])
 def test_celery_once_spelling_maps_with_warnings(graceful: bool, policy: str) -> None:
-    """once={"keys", "timeout", "graceful"} becomes key_args, ttl and on_duplicate."""
+    """once={"keys", "timeout", "graceful"} becomes key_args, ttl and publish_ttl, and
+    on_duplicate."""
     task = _Task(once={"keys": ["a", "b"], "timeout": 90, "graceful": graceful})
     with pytest.warns(DeprecationWarning, match="is deprecated, use singleton_") as caught:
         opts = read_options({}, task)
     assert len(caught) == 3
-    assert (opts.key_args, opts.ttl, opts.on_duplicate) == (("a", "b"), 90.0, policy)
+    assert (opts.key_args, opts.ttl, opts.publish_ttl, opts.on_duplicate) == (
+        ("a", "b"),
+        90.0,
+        90.0,
+        policy,
+    )
+
+
+@pytest.mark.parametrize(
+    ("attrs", "policy"),
+    [
+        ({}, "raise"),  # celery-once's default
+        ({"singleton_on_duplicate": "skip"}, "skip"),  # the task's own policy wins
+        ({"raise_on_duplicate": False}, "skip"),
+    ],
+)
+def test_once_without_graceful_raises(attrs: dict[str, Any], policy: str) -> None:
+    """once= without "graceful" reads as celery-once's default, graceful=False: "raise",
+    over the app-wide policy, unless the task gives a policy of its own."""
+    task = _Task(once={"keys": ["a"]}, **attrs)
+    with pytest.warns(DeprecationWarning, match="is deprecated, use singleton_") as caught:
+        opts = read_options({"singleton_on_duplicate": "skip"}, task)
+    assert opts.on_duplicate == policy
+    implied = [str(w.message) for w in caught if "not given" in str(w.message)]
+    assert implied == (
+        [
+            "task t.legacy: once['graceful'] (not given: False) is deprecated, "
+            "use singleton_on_duplicate='raise'"
+        ]
+        if policy == "raise"
+        else []
+    )
 
 
 def test_legacy_option_on_a_real_task_warns_at_first_use() -> None:
@@ -67,6 +106,7 @@ def test_legacy_option_on_a_real_task_warns_at_first_use() -> None:
         ({"raise_on_duplicate": "yes"}, "True or False"),
         ({"once": {"timeout": 5}, "lock_expiry": 6}, "keep one"),
         ({"unique_on": ["a"], "singleton_key_args": ("a",)}, "keep the new one"),
+        ({"lock_expiry": 60, "singleton_publish_ttl": 30}, "keep the new one"),
     ],
 )
 def test_bad_legacy_options_are_rejected(attrs: dict[str, Any], match: str) -> None:
@@ -110,6 +150,6 @@ def test_worker_start_logs_old_spellings(caplog: pytest.LogCaptureFixture) -> No
     _check_and_announce(instance=worker)
     assert (
         "singleton: deprecated option: task t.old: lock_expiry is deprecated, use "
-        "singleton_ttl=60" in caplog.text
+        "singleton_ttl=60 and singleton_publish_ttl=60" in caplog.text
     )
     assert "lock_on:" in worker.extra_info()
