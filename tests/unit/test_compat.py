@@ -11,6 +11,7 @@ from celery import Celery
 from celery_singleton_lock import SingletonConfigError, SingletonTask
 from celery_singleton_lock.settings.options import describe, read_options
 from celery_singleton_lock.worker.hooks import _check_and_announce
+from tests.support.documented import documented_python
 
 
 class _Task:
@@ -153,3 +154,13 @@ def test_worker_start_logs_old_spellings(caplog: pytest.LogCaptureFixture) -> No
         "singleton_ttl=60 and singleton_publish_ttl=60" in caplog.text
     )
     assert "lock_on:" in worker.extra_info()
+
+
+def test_locks_of_a_rabbitmq_app_follow_the_documented_setting() -> None:
+    """A RabbitMQ broker and a Redis result backend: the locks go to localhost (celery-singleton
+    used the backend's Redis) until singleton_redis_url names it, as docs/migrating.md shows."""
+    app = Celery("compat", broker="amqp://guest@rabbit//", set_as_current=False)
+    app.conf.result_backend = "redis://backend:6379/2"
+    assert read_options(app.conf).redis_url == "redis://localhost:6379/0"
+    exec(documented_python("migrating.md", "## Where the locks live"), {"app": app})
+    assert read_options(app.conf).redis_url == "redis://cache.internal:6379/2"
