@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.documented import documented_python
 from tests.support.workers import REPO_ROOT
 
 pytest.importorskip("pytest_celery", reason="pytest-celery is in the test extra")
@@ -172,6 +173,17 @@ def test_a_duplicate_on_the_session_worker_is_skipped(
         time.sleep(0.02)
 """
 
+#: the Redis URL line of docs/testing.md's example, which the run points at the test's Redis
+DOCUMENTED_URL = 'REDIS_URL = "redis://localhost:6379/0"'
+
+
+def documented_test(redis_url: str) -> str:
+    """docs/testing.md's pytest-celery example as written, its Redis the test's."""
+    text = documented_python("testing.md", "## With pytest-celery")
+    assert DOCUMENTED_URL in text
+    return text.replace(DOCUMENTED_URL, f"REDIS_URL = {redis_url!r}")
+
+
 #: A project's own ini file (this repository's pyproject.toml must not apply). Not
 #: ``filterwarnings = error``: Celery's in-thread worker then never answers its start-up ping
 #: (measured with Celery 5.7, without this library too).
@@ -186,13 +198,15 @@ def test_our_plugin_and_pytest_celery_in_one_run(
 ) -> None:
     """A project's pytest run with both plugins: our fixtures are defined once, on
     ``celery.contrib.pytest``'s ``celery_app`` (eager) and ``celery_session_app`` (its
-    in-thread worker) a duplicate is skipped, and no lock is left behind."""
+    in-thread worker) a duplicate is skipped, and no lock is left behind; docs/testing.md's
+    example runs as written."""
     project = tmp_path / "project"
     project.mkdir()
     for name, text in (
         ("conftest.py", CONFTEST),
         ("test_eager.py", TEST_EAGER),
         ("test_worker.py", TEST_WORKER),
+        ("test_documented.py", documented_test(redis_url)),
         ("pytest.ini", PYTEST_INI),
     ):
         (project / name).write_text(textwrap.dedent(text), encoding="utf-8")
@@ -216,4 +230,4 @@ def test_our_plugin_and_pytest_celery_in_one_run(
         check=False,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "3 passed" in run.stdout, run.stdout
+    assert "4 passed" in run.stdout, run.stdout
