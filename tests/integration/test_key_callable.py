@@ -13,7 +13,9 @@ from celery import Celery
 
 from celery_singleton_lock import SingletonTask, skip_info
 from celery_singleton_lock.core.keys import derive_keys
+from celery_singleton_lock.testing import held_locks
 from tests.support.basic_app import SINGLETON_APP, close_app, history_key, make_app
+from tests.support.documented import documented_python
 from tests.support.history import load_history
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerFactory
@@ -91,6 +93,40 @@ def test_a_callable_that_cannot_take_args_and_kwargs_is_refused_when_read() -> N
         bad.singleton_options()
     assert "args, kwargs" in str(caught.value)
     app.close()
+
+
+class _Unshared:
+    """An app whose ``task`` decorator declares tasks for it alone (``shared=False``): a
+    documented example run here leaves no shared task behind for the suite's later apps."""
+
+    def __init__(self, app: Celery) -> None:
+        self._app = app
+
+    def task(self, *args: Any, **options: Any) -> Any:
+        return self._app.task(*args, shared=False, **options)
+
+
+def test_documented_task_options_in_code_run_as_written(redis_url: str, key_prefix: str) -> None:
+    """docs/configuration.md, "Task options in code": its tasks run (eagerly, their locks on a
+    real Redis), and nightly_report keys on the tenant however it is passed."""
+    app = Celery("docs", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.singleton_redis_url = redis_url
+    app.conf.singleton_key_prefix = f"{key_prefix}lock:"
+    names: dict[str, Any] = {"app": _Unshared(app), "__name__": "docs_configuration"}
+    exec(documented_python("configuration.md", "## Task options in code"), names)
+    nightly_report, sync_account = names["nightly_report"], names["sync_account"]
+    try:
+        assert skip_info(nightly_report.delay("acme")) is None
+        assert skip_info(nightly_report.delay(tenant="acme", day="mon")) is None
+        assert skip_info(sync_account.delay(42)) is None
+        by_position = nightly_report.singleton_keys(("acme",), {})
+        assert by_position == nightly_report.singleton_keys((), {"tenant": "acme"})
+        assert by_position != nightly_report.singleton_keys(("globex",), {})
+        assert nightly_report.singleton_options().ttl == 120
+        assert held_locks(app, f"{key_prefix}lock:") == []
+    finally:
+        app.close()
 
 
 @pytest.mark.slow(seconds=7)
