@@ -46,6 +46,7 @@ __all__ = [
     "failure_is_final",
     "read_beat_options",
     "read_options",
+    "redis_url_defaulted",
     "refuse_with",
     "resolve_redis_url",
 ]
@@ -253,6 +254,12 @@ def resolve_redis_url(conf: ConfLike) -> str:
             "singleton_redis_url (with singleton_wait_replicas/wait_timeout/fence_margin)", url
         )
     return url
+
+
+def redis_url_defaulted(conf: ConfLike) -> bool:
+    """Whether :func:`resolve_redis_url` falls back to the local default: no
+    ``singleton_redis_url``, and a broker that is not Redis (a RabbitMQ or SQS one, or none)."""
+    return not conf.get("singleton_redis_url") and redis_broker_url(conf) is None
 
 
 def _conf_checked(conf: ConfLike, name: str) -> Any:

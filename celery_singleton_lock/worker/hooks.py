@@ -67,8 +67,8 @@ from ..run.callrepr import CONTENT_TYPE_FIELD
 from ..run.log import about
 from ..run.log import logger as task_logger
 from ..run.task_events import TASK_EVENTS_FIELD, run_sink, sends_task_events
-from ..settings.options import describe, read_options
-from ..settings.table import permits_text
+from ..settings.options import describe, read_options, redis_url_defaulted
+from ..settings.table import DEFAULT_REDIS_URL, permits_text
 from ..task.endings import after_run, end_lost, release_lost, withdraw
 from ..task.singleton_task import SingletonTask
 from .mainskip import learning
@@ -303,7 +303,8 @@ def _check_and_announce(
     instance: Any = None, options: Mapping[str, Any] | None = None, **_: Any
 ) -> None:
     """Fail start-up on a bad setting, or a green pool the library cannot run under
-    (worker/pools.py); add the lock settings to the worker banner.
+    (worker/pools.py); add the lock settings to the worker banner; warn when the locks go to
+    the local default Redis because the broker is not Redis.
 
     Also adds the ChildReaper bootstep (worker/reaper.py: a killed prefork child is noticed, and
     its lock released, at once); ``celeryd_init`` comes before the worker builds its steps.
@@ -337,6 +338,12 @@ def _check_and_announce(
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
+    if redis_url_defaulted(app.conf):
+        logger.warning(
+            "singleton: locks on the default %s: the broker is not Redis and "
+            "singleton_redis_url is not set",
+            DEFAULT_REDIS_URL,
+        )
     original = instance.extra_info
 
     def extra_info() -> str:

@@ -164,3 +164,33 @@ def test_locks_of_a_rabbitmq_app_follow_the_documented_setting() -> None:
     assert read_options(app.conf).redis_url == "redis://localhost:6379/0"
     exec(documented_python("migrating.md", "## Where the locks live"), {"app": app})
     assert read_options(app.conf).redis_url == "redis://cache.internal:6379/2"
+
+
+@pytest.mark.parametrize("lock_url", [None, "redis://backend:6379/2"])
+def test_worker_start_warns_when_the_locks_default_to_localhost(
+    caplog: pytest.LogCaptureFixture, lock_url: str | None
+) -> None:
+    """A non-Redis broker and no singleton_redis_url: the worker says at start where its locks
+    are (celery-singleton would have used the Redis result backend); none when it is set."""
+    app = Celery("compat", broker="amqp://guest@rabbit//", set_as_current=False)
+    app.conf.result_backend = "redis://backend:6379/2"
+    app.conf.singleton_redis_url = lock_url
+
+    @app.task(base=SingletonTask, shared=False, name="t.amqp")
+    def amqp_task(x: int) -> None:
+        """A task of an app whose broker is RabbitMQ."""
+
+    class Worker:
+        def __init__(self) -> None:
+            self.app = app
+
+        def extra_info(self) -> str:
+            return ""
+
+    _check_and_announce(instance=Worker())
+    warned = [r.getMessage() for r in caplog.records if "locks on the default" in r.getMessage()]
+    expected = (
+        "singleton: locks on the default redis://localhost:6379/0: the broker is not Redis "
+        "and singleton_redis_url is not set"
+    )
+    assert warned == ([expected] if lock_url is None else [])
