@@ -6,7 +6,9 @@ Knows nothing of Celery: every function takes a redis-py client (``redis.Redis``
 database: a batch costs one SCAN page and one round trip. Only lock keys of this library under
 the prefix are ever read or released (:func:`celery_singleton_lock.core.keys.lock_key_problem`):
 the SCAN glob's ``*`` also matches ``}`` and ``:``, so what it finds is checked key by key,
-and a key given by hand that is not one is refused (:func:`check_lock_key`).
+and a key given by hand that is not one is refused (:func:`check_lock_key`). The keys beside a
+lock that hold calls back (publish-time markers, pending follow-ups, joiners) are read by
+:mod:`.markers`; :func:`stats` counts them.
 
 Everything shown is read from the lock hash itself (written by ``lua/acquire.lua``) and its
 ``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it. How long

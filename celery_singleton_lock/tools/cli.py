@@ -1,10 +1,13 @@
-"""``celery -A proj singleton ...``: list, show, release and purge the locks; stats.
+"""``celery -A proj singleton ...``: list, show, release and purge the locks; stats; the
+publish-time markers, pending follow-ups and joiners beside them listed and counted, a marker
+shown and deleted.
 
 Registered through the ``celery.commands`` entry point. The Redis URL and the key prefix are
 the app's (``singleton_redis_url``, ``singleton_key_prefix``) unless ``--url``/``--prefix``
 say otherwise; the URL is only ever shown without its password. The Redis work is done by
-:mod:`celery_singleton_lock.core.admin`; this module is the click glue, the confirmations, the
-log lines and the ``lock_force_released`` signal.
+:mod:`celery_singleton_lock.core.admin` and :mod:`celery_singleton_lock.core.markers`, the
+text for people by :mod:`.shown`; this module is the click glue, the confirmations, the log
+lines and the ``lock_force_released`` signal.
 """
 
 from __future__ import annotations
