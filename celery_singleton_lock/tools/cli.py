@@ -229,7 +229,7 @@ def show(target: _Target, key: str, as_json: bool) -> None:
     KEY is neither a lock key nor a marker's key under the prefix)."""
     info = _read(target, key)
     if as_json:
-        click.echo(json.dumps(info.as_dict(), indent=2))
+        click.echo(json.dumps(json_object(info), indent=2))
     else:
         click.echo(describe(info) if isinstance(info, LockInfo) else describe_marker(info))
 

@@ -128,6 +128,8 @@ def test_a_worker_s_window_joiners_and_a_stuck_marker_are_listed_counted_and_cle
     )
     shown = _celery(redis_url, key_prefix, "show", marker)
     assert shown.returncode == 0, shown.stderr
+    as_json = json.loads(_celery(redis_url, key_prefix, "show", marker, "--json").stdout)
+    assert (as_json["kind"], as_json["call"], as_json["owner"]) == ("queued", stuck.id, None)
     assert f"the call {stuck.id} was published and has not started" in shown.stdout
     asked = CliRunner().invoke(
         singleton, ["--url", redis_url, "--prefix", lock_prefix, "release", marker], input="n\n"
