@@ -6,7 +6,9 @@ Knows nothing of Celery: every function takes a redis-py client (``redis.Redis``
 database: a batch costs one SCAN page and one round trip. Only lock keys of this library under
 the prefix are ever read or released (:func:`celery_singleton_lock.core.keys.lock_key_problem`):
 the SCAN glob's ``*`` also matches ``}`` and ``:``, so what it finds is checked key by key,
-and a key given by hand that is not one is refused (:func:`check_lock_key`).
+and a key given by hand that is not one is refused (:func:`check_lock_key`). The keys beside a
+lock that hold calls back (publish-time markers, pending follow-ups, joiners) are read by
+:mod:`.markers`; :func:`stats` counts them.
 
 Everything shown is read from the lock hash itself (written by ``lua/acquire.lua``) and its
 ``PTTL``: it lives in the lock's key, so in the lock's cluster slot, and goes with it. How long
@@ -48,6 +50,7 @@ from ._wire import as_text
 from .backend import Client
 from .completion import ENDED_FIELD
 from .keys import check_prefix, keys_of, lock_key_problem, safe_name
+from .markers import Marker
 from .pending import HOLDERS_FIELD, PENDING_SUFFIX, holders_of, lock_key_of, pending_key
 from .queue import HANDED_FIELD, QUEUE_NAME, queue_keys
 
@@ -132,8 +135,9 @@ class LockInfo:
         return "running" if self.ended_ms is None else "window"
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-friendly dict, and the ``state``."""
-        return {**asdict(self), "state": self.state}
+        """The fields as a JSON-friendly dict, the ``state``, and ``kind`` ``"lock"`` (a
+        marker's object, core/markers.py, has its own kind)."""
+        return {**asdict(self), "state": self.state, "kind": "lock"}
 
 
 def lock_pattern(prefix: str, task: str | None = None, scope: str | None = None) -> str:
@@ -415,24 +419,47 @@ def stale_reason(info: LockInfo, live_hosts: Callable[[], set[str] | None]) -> s
 
 @dataclass
 class Stats:
-    """Totals over the locks :func:`stats` found."""
+    """Totals over the locks and markers :func:`stats` found."""
 
     locks: int = 0
     by_task: dict[str, int] = field(default_factory=dict)
     by_host: dict[str, int] = field(default_factory=dict)
     without_ttl: int = 0
     oldest_age_s: float | None = None
-    #: the longest time since a lock was last renewed (the stalest lock): more than a third of
-    #: its ttl points at a holder whose renewer is starved or dead
+    #: the longest time since a running lock was last renewed (the stalest run): more than a
+    #: third of its ttl points at a holder whose renewer is starved or dead. At-least windows
+    #: and locks handed to a queued call are never renewed, so they are not counted here
     longest_since_renewal_s: float | None = None
+    #: of ``locks``: held by a run (renewed), kept as an at-least window after the run ended
+    #: (expires by itself), handed to a queued call (waits for its message)
+    running: int = 0
+    windows: int = 0
+    handed: int = 0
+    #: the longest an at-least window still blocks its key, seconds
+    longest_window_s: float | None = None
+    #: publish-time markers (``...:queued``), pending follow-ups (``...:pending``) and joiners
+    #: hashes (``...:joiners``) found (core/markers.py), and the calls those joiners hold
+    queued: int = 0
+    pending: int = 0
+    joined_keys: int = 0
+    joiners: int = 0
+    #: the longest a publish-time marker still blocks ``delay()``, seconds
+    longest_queued_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The totals as a JSON-friendly dict."""
         return asdict(self)
 
 
-def stats(locks: Iterable[LockInfo]) -> Stats:
-    """Count ``locks`` by task and host; the oldest and the longest since a renewal."""
+def _longer(current: float | None, value: float | None) -> float | None:
+    if value is None:
+        return current
+    return value if current is None or value > current else current
+
+
+def stats(locks: Iterable[LockInfo], markers: Iterable[Marker] = ()) -> Stats:
+    """Count ``locks`` by task, host and state, the oldest, the longest since a renewal of a
+    running lock; count ``markers`` by kind."""
     result = Stats()
     for info in locks:
         result.locks += 1
@@ -444,9 +471,21 @@ def stats(locks: Iterable[LockInfo]) -> Stats:
             result.without_ttl += 1
         if info.age_s is not None:
             result.oldest_age_s = max(result.oldest_age_s or 0.0, info.age_s)
-        if info.renewed_s is not None and (
-            result.longest_since_renewal_s is None
-            or info.renewed_s > result.longest_since_renewal_s
-        ):
-            result.longest_since_renewal_s = info.renewed_s
+        if info.ended_ms is not None:
+            result.windows += 1
+            result.longest_window_s = _longer(result.longest_window_s, info.ttl_s)
+        elif info.handed:
+            result.handed += 1
+        else:
+            result.running += 1
+            result.longest_since_renewal_s = _longer(result.longest_since_renewal_s, info.renewed_s)
+    for marker in markers:
+        if marker.kind == "queued":
+            result.queued += 1
+            result.longest_queued_s = _longer(result.longest_queued_s, marker.ttl_s)
+        elif marker.kind == "pending":
+            result.pending += 1
+        else:
+            result.joined_keys += 1
+            result.joiners += marker.joiners or 0
     return result

@@ -200,8 +200,9 @@ def lock_key_problem(prefix: str, key: str) -> str | None:
     leader's lease too); else why not, worded to follow "<key> is ...".
 
     Fencing counters, queued markers, beat claims and every key outside ``prefix`` are not
-    lock keys: the ``celery singleton`` command refuses them, and skips them when a SCAN glob
-    (whose ``*`` also matches ``}`` and ``:``) finds them.
+    lock keys: the ``celery singleton`` command refuses them as locks (a queued marker beside
+    a lock key is read as a marker: core/markers.py), and skips them when a SCAN glob (whose
+    ``*`` also matches ``}`` and ``:``) finds them.
     """
     if not key.startswith(prefix):
         return f"outside the prefix {prefix!r}"

@@ -1,10 +1,13 @@
-"""``celery -A proj singleton ...``: list, show, release and purge the locks; stats.
+"""``celery -A proj singleton ...``: list, show, release and purge the locks; stats; the
+publish-time markers, pending follow-ups and joiners beside them listed and counted, a marker
+shown and deleted.
 
 Registered through the ``celery.commands`` entry point. The Redis URL and the key prefix are
 the app's (``singleton_redis_url``, ``singleton_key_prefix``) unless ``--url``/``--prefix``
 say otherwise; the URL is only ever shown without its password. The Redis work is done by
-:mod:`celery_singleton_lock.core.admin`; this module is the click glue, the confirmations, the
-log lines and the ``lock_force_released`` signal.
+:mod:`celery_singleton_lock.core.admin` and :mod:`celery_singleton_lock.core.markers`, the
+text for people by :mod:`.shown`; this module is the click glue, the confirmations, the log
+lines and the ``lock_force_released`` signal.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import json
 import logging
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -35,16 +38,28 @@ from ..core.admin import (
 from ..core.backend import REDIS_ERRORS, Client
 from ..core.connection import client_for
 from ..core.keys import keys_of
+from ..core.markers import Marker, check_marker_key, iter_markers, read_marker, release_marker
 from ..core.urls import redact_url, repr_without_password
 from ..errors import SingletonConfigError
 from ..settings.options import read_options
 from .beat_cli import beat
-from .columns import aligned, tab_separated
+from .columns import aligned, cell, tab_separated
+from .shown import (
+    COLUMNS,
+    describe,
+    describe_marker,
+    json_object,
+    marker_row,
+    row,
+    stats_lines,
+    text,
+)
 from .waiting_calls import hand_on, orphaned_follow_ups, orphaned_queues, publish_pending
 
 __all__ = ["singleton"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -101,13 +116,24 @@ def singleton(ctx: click.Context, url: str | None, prefix: str | None) -> None:
     ctx.call_on_close(target.close)
 
 
-def _locks(target: _Target, task: str | None) -> Iterator[LockInfo]:
+def _read_all(target: _Target, read: Callable[[], Iterator[T]]) -> Iterator[T]:
+    """What ``read()`` yields; Redis's errors and a bad setting as the command's error."""
     try:
-        yield from iter_locks(target.client, target.prefix, task, scope=_scope_of(target, task))
+        yield from read()
     except REDIS_ERRORS as exc:
         target.fail(exc)
     except SingletonConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _locks(target: _Target, task: str | None) -> Iterator[LockInfo]:
+    scope = _scope_of(target, task)
+    return _read_all(target, lambda: iter_locks(target.client, target.prefix, task, scope=scope))
+
+
+def _markers(target: _Target, task: str | None) -> Iterator[Marker]:
+    scope = _scope_of(target, task)
+    return _read_all(target, lambda: iter_markers(target.client, target.prefix, task, scope=scope))
 
 
 def _scope_of(target: _Target, task: str | None) -> str | None:
@@ -118,167 +144,94 @@ def _scope_of(target: _Target, task: str | None) -> str | None:
     return None if options is None else options().scope
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"
-
-
-def _ago(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s ago"
-
-
-def _text(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
-_COLUMNS = (
-    "TASK",
-    "HOLDER",
-    "STATE",
-    "HOST",
-    "PID",
-    "AGE",
-    "TTL",
-    "TOKEN",
-    "RENEWED",
-    "PENDING",
-    "QUEUE",
-    "PERMIT",
-    "ARGS",
-    "KEY",
-)
-
-
-def _row(info: LockInfo) -> tuple[str, ...]:
-    return (
-        _text(info.task),
-        _text(info.owner),
-        info.state,
-        _text(info.host),
-        _text(info.pid),
-        _seconds(info.age_s),
-        _seconds(info.ttl_s),
-        _text(info.token),
-        "-" if info.ended_ms is not None else _seconds(info.renewed_s),
-        _pending(info),
-        _queue(info),
-        _permit(info),
-        _text(info.args),
-        info.key,
-    )
-
-
-def _permit(info: LockInfo) -> str:
-    """``2/3``: the slot a run holds of a key with 3 permits; ``-`` for a single lock."""
-    return "-" if info.permit is None else f"{info.permit}/{_text(info.permits)}"
-
-
-def _describe(info: LockInfo) -> str:
-    lines = [
-        f"key:       {info.key}",
-        f"task:      {_text(info.task)}",
-        f"args:      {_text(info.args)}",
-        f"holder:    {_text(info.owner)} (retries {_text(info.generation)})",
-        f"worker:    {_text(info.host)} pid {_text(info.pid)}",
-        f"age:       {_seconds(info.age_s)}",
-        f"ttl:       {_seconds(info.ttl_s)} left of {_seconds(info.lease_s)}",
-        f"token:     {_text(info.token)}",
-    ]
-    if info.permit is not None:
-        lines.append(
-            f"permit:    {info.permit} of {_text(info.permits)} (runs of this key at once)"
-        )
-    if info.handed:  # nobody renews it until the call's message comes
-        lines.append(
-            f"state:     handed to the queued call {_text(info.owner)}: waits "
-            f"{_seconds(info.ttl_s)} more for its message"
-        )
-    elif info.ended_ms is None:
-        lines.append(f"renewed:   {_ago(info.renewed_s)}")
-        lines.append("state:     running")
-    else:  # an at-least window: nobody renews it, it expires at the window's end
-        ended_s = None if info.since_ms is None else (info.ended_ms - info.since_ms) / 1000
-        lines.append(
-            f"state:     window: the run ended {_seconds(ended_s)} after it started; the key "
-            f"stays blocked for {_seconds(info.ttl_s)} more"
-        )
-    if info.pending_follow_up is not None:
-        who = "the run releases" if info.permit is None else "the first of the key's runs releases"
-        lines.append(f"pending:   {_pending(info)} (published when {who})")
-    if info.queue_length:
-        lines.append(
-            f"queue:     {info.queue_length} calls wait, next {_text(info.queue_head)} (each "
-            "release hands the key to the next)"
-        )
-    return "\n".join(lines)
-
-
-def _queue(info: LockInfo) -> str:
-    """The calls waiting in line for the key: ``<n> next=<id>``, else ``-``."""
-    if not info.queue_length:
-        return "-"
-    return f"{info.queue_length} next={_text(info.queue_head)}"
-
-
-def _pending(info: LockInfo) -> str:
-    """The coalesced follow-up waiting beside the lock: ``<id> (<n> duplicates)``, else ``-``."""
-    if info.pending_follow_up is None:
-        return "-"
-    return f"{info.pending_follow_up} ({_text(info.pending_count)} duplicates)"
-
-
 @singleton.command(name="list")
-@click.option("--task", default=None, help="Only the locks of this task name.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON array of lock objects.")
+@click.option("--task", default=None, help="Only the locks (and markers) of this task name.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of lock and marker objects.")
 @click.pass_obj
 def list_locks(target: _Target, task: str | None, as_json: bool) -> None:
-    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, last renewal.
+    """Every lock: task, arguments, holder, worker, age, TTL, fencing token, last renewal;
+    then every publish-time marker, pending follow-up and joiners (STATE queued, pending,
+    joiners), each with its TTL.
 
     Aligned columns in a terminal, tab-separated when piped."""
     if as_json:  # streamed: a big database never sits in memory
         click.echo("[", nl=False)
-        for count, info in enumerate(_locks(target, task)):
-            click.echo(("," if count else "") + "\n" + json.dumps(info.as_dict()), nl=False)
+        for count, item in enumerate(_items(target, task)):
+            click.echo(("," if count else "") + "\n" + json.dumps(json_object(item)), nl=False)
         click.echo("\n]")
         return
-    rows = (_row(info) for info in _locks(target, task))
+    rows = (row(i) if isinstance(i, LockInfo) else marker_row(i) for i in _items(target, task))
     if sys.stdout.isatty():  # columns an operator reads, previews cut
-        lines = aligned(_COLUMNS, rows, preview=_COLUMNS.index("ARGS"))
+        lines = aligned(COLUMNS, rows, preview=COLUMNS.index("ARGS"))
     else:  # piped: tab-separated, for cut -f and awk
-        lines = tab_separated(_COLUMNS, rows)
+        lines = tab_separated(COLUMNS, rows)
     for line in lines:
         click.echo(line)
 
 
-def _read(target: _Target, key: str) -> LockInfo:
+def _items(target: _Target, task: str | None) -> Iterator[LockInfo | Marker]:
+    yield from _locks(target, task)
+    yield from _markers(target, task)
+
+
+def _read(target: _Target, key: str) -> LockInfo | Marker:
     try:
-        info = read_lock(target.client, key, target.prefix)
+        if _is_lock_key(key, target.prefix):
+            info: LockInfo | Marker | None = read_lock(target.client, key, target.prefix)
+        else:
+            info = read_marker(target.client, key, target.prefix)
     except REDIS_ERRORS as exc:
         target.fail(exc)
+    except ValueError as exc:  # a key of a marker's shape holding something else
+        raise click.UsageError(str(exc)) from None
     if info is None:
-        raise click.ClickException(f"no lock at {key}")
+        raise click.ClickException(
+            f"no {'lock' if _is_lock_key(key, target.prefix) else 'marker'} at {key}"
+        )
     return info
 
 
+def _is_lock_key(key: str, prefix: str) -> bool:
+    """Whether ``key`` is a lock key (else :func:`_lock_key` found a marker's)."""
+    try:
+        check_lock_key(key, prefix)
+    except ValueError:
+        return False
+    return True
+
+
 def _lock_key(ctx: click.Context, param: click.Parameter, key: str) -> str:
-    """The KEY argument: a lock key under the prefix, else a usage error (exit code 2)."""
+    """The KEY argument: a lock key or a publish-time marker's key under the prefix, else a
+    usage error (exit code 2)."""
     target = ctx.find_object(_Target)
     assert target is not None  # the group's callback runs before a command's arguments
     try:
         check_lock_key(key, target.prefix)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
+        try:
+            check_marker_key(key, target.prefix)
+        except ValueError:
+            raise click.BadParameter(
+                f"{exc}, nor a publish-time marker of this library (<lock key> with :queued "
+                "for :lock)",
+                ctx,
+                param,
+            ) from None
     return key
 
 
 @singleton.command(name="show")
 @click.argument("key", callback=_lock_key)
-@click.option("--json", "as_json", is_flag=True, help="The lock as a JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="The lock or marker as a JSON object.")
 @click.pass_obj
 def show(target: _Target, key: str, as_json: bool) -> None:
-    """One lock, every field (exit code 1 when it is not held, 2 when KEY is not a lock key
-    under the prefix)."""
+    """One lock or publish-time marker, every field (exit code 1 when there is none, 2 when
+    KEY is neither a lock key nor a marker's key under the prefix)."""
     info = _read(target, key)
-    click.echo(json.dumps(info.as_dict(), indent=2) if as_json else _describe(info))
+    if as_json:
+        click.echo(json.dumps(json_object(info), indent=2))
+    else:
+        click.echo(describe(info) if isinstance(info, LockInfo) else describe_marker(info))
 
 
 def _operator() -> str:
@@ -333,14 +286,19 @@ def _force(target: _Target, info: LockInfo, reason: str) -> ForceStatus:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj
 def release(target: _Target, key: str, yes: bool) -> None:
-    """Force-release one lock: the one shown, only if nobody took it over meanwhile.
+    """Force-release one lock, or delete one publish-time marker: the one shown, only if
+    nobody took it over meanwhile.
 
     The running holder is not stopped: its next renewal finds the lock gone, its
-    ``self.singleton.lost`` turns true and ``lock_lost`` is sent. A KEY that is not a lock
-    key under the prefix is refused unread (exit code 2).
+    ``self.singleton.lost`` turns true and ``lock_lost`` is sent. A marker's call stays in the
+    queue and still runs; the next ``delay()`` of its arguments publishes again. A KEY that is
+    neither a lock key nor a marker's key under the prefix is refused unread (exit code 2).
     """
     info = _read(target, key)
-    click.echo(_describe(info))
+    if isinstance(info, Marker):
+        _unmark(target, info, yes)
+        return
+    click.echo(describe(info))
     if not yes:
         click.confirm("Force-release this lock? Its holder may still be running", abort=True)
     status = _force(target, info, "operator")
@@ -350,6 +308,49 @@ def release(target: _Target, key: str, yes: bool) -> None:
         raise click.ClickException(f"no lock at {key} any more")
     else:
         raise click.ClickException(f"{key} changed hands since it was shown; left alone")
+
+
+def _unmark(target: _Target, marker: Marker, yes: bool) -> None:
+    """Delete the publish-time marker shown, only if it still names the same call."""
+    click.echo(describe_marker(marker))
+    if not yes:
+        click.confirm(
+            "Delete this marker? A delay() of these arguments then publishes again", abort=True
+        )
+    try:
+        status = ForceStatus(release_marker(target.client, marker))
+    except REDIS_ERRORS as exc:
+        target.fail(exc)
+    if status is ForceStatus.RELEASED:
+        logger.warning(
+            "singleton: queued marker deleted key=%s task=%s queued=%s by=%s",
+            marker.key,
+            marker.task,
+            marker.call,
+            _operator(),
+        )
+        click.echo(f"released {marker.key}")
+    elif status is ForceStatus.GONE:
+        raise click.ClickException(f"no marker at {marker.key} any more")
+    else:
+        raise click.ClickException(
+            f"{marker.key} marks another call since it was shown; left alone"
+        )
+
+
+def _show_purged(locks: Sequence[Sequence[str]], waiting: Sequence[Sequence[str]]) -> None:
+    """What purge found: aligned under headers in a terminal, tab-separated when piped (no
+    header: each line starts with why it is purged)."""
+    if not sys.stdout.isatty():
+        for cells in (*locks, *waiting):
+            click.echo("\t".join(cell(value) for value in cells))
+        return
+    if locks:
+        for line in aligned(("REASON", *COLUMNS), locks, preview=1 + COLUMNS.index("ARGS")):
+            click.echo(line)
+    if waiting:
+        for line in aligned(("WHAT", "CALLS", "TASK", "KEY"), waiting):
+            click.echo(line)
 
 
 def _live_hosts(target: _Target, timeout: float) -> set[str] | None:
@@ -401,13 +402,13 @@ def purge(
         reason = "all" if purge_all else stale_reason(info, live)
         if reason is not None:
             chosen.append((info, reason))
-            click.echo(f"{reason}\t" + "\t".join(_row(info)))
     orphans = [o for o in orphaned_follow_ups(target) if task is None or o.task == task]
-    for orphan in orphans:
-        click.echo(f"orphaned follow-up\t{orphan.follow_up}\t{orphan.task}\t{orphan.lock_key}")
     lines = [q for q in orphaned_queues(target) if task is None or q.task == task]
-    for line in lines:
-        click.echo(f"orphaned queue\t{line.length} calls\t{line.task}\t{line.lock_key}")
+    _show_purged(
+        [(reason, *row(info)) for info, reason in chosen],
+        [("orphaned follow-up", text(o.follow_up), text(o.task), o.lock_key) for o in orphans]
+        + [("orphaned queue", f"{q.length} calls", text(q.task), q.lock_key) for q in lines],
+    )
     if not chosen and not orphans and not lines:
         click.echo("nothing to purge")
         return
@@ -438,26 +439,19 @@ def purge(
 
 
 @singleton.command(name="stats")
-@click.option("--task", default=None, help="Only the locks of this task name.")
+@click.option("--task", default=None, help="Only the locks (and markers) of this task name.")
 @click.option("--json", "as_json", is_flag=True, help="The totals as a JSON object.")
 @click.pass_obj
 def show_stats(target: _Target, task: str | None, as_json: bool) -> None:
-    """How many locks, by task and by worker; the oldest, the longest since a renewal."""
-    totals = stats(_locks(target, task))
+    """How many locks, by task, by worker and by state; the oldest, the longest since a
+    running lock's renewal; the publish-time markers, pending follow-ups and joiners."""
+    totals = stats(_locks(target, task), _markers(target, task))
     data = {"redis": redact_url(target.redis_url), "prefix": target.prefix, **totals.as_dict()}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(f"redis:                  {data['redis']}")
-    click.echo(f"prefix:                 {target.prefix}")
-    click.echo(f"locks:                  {totals.locks}")
-    click.echo(f"without ttl:            {totals.without_ttl}")
-    click.echo(f"oldest:                 {_seconds(totals.oldest_age_s)}")
-    click.echo(f"longest since renewal:  {_seconds(totals.longest_since_renewal_s)}")
-    for title, counts in (("by task", totals.by_task), ("by worker", totals.by_host)):
-        click.echo(f"{title}:")
-        for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-            click.echo(f"  {count:>6}  {name}")
+    for line in stats_lines(data["redis"], target.prefix, totals):
+        click.echo(line)
 
 
 singleton.add_command(beat)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import subprocess
 import sys
 
@@ -37,18 +38,19 @@ def _plant(client: redis.Redis, prefix: str) -> dict[str, str]:
     return keys
 
 
-def _list_command(redis_url: str, prefix: str) -> list[str]:
-    """``celery -A <the test app> singleton --url ... --prefix ... list``."""
+def _list_command(redis_url: str, prefix: str, *command: str) -> list[str]:
+    """``celery -A <the test app> singleton --url ... --prefix ... list`` (or ``command``)."""
     return [
         *(sys.executable, "-m", "celery", "-A", SINGLETON_APP, "singleton"),
-        *("--url", redis_url, "--prefix", prefix, "list"),
+        *("--url", redis_url, "--prefix", prefix, *(command or ("list",))),
     ]
 
 
-def _list_in_a_terminal(redis_url: str, prefix: str) -> str:
-    """``list``'s output with its stdout a pseudo terminal, as an operator's shell runs it."""
+def _list_in_a_terminal(redis_url: str, prefix: str, *command: str) -> str:
+    """``list``'s (or ``command``'s) output with its stdout a pseudo terminal, as an
+    operator's shell runs it."""
     master, slave = pty.openpty()
-    args = _list_command(redis_url, prefix)
+    args = _list_command(redis_url, prefix, *command)
     with subprocess.Popen(args, cwd=REPO_ROOT, stdout=slave, stderr=subprocess.PIPE) as run:
         os.close(slave)
         chunks = []
@@ -122,3 +124,49 @@ def test_list_stays_tab_separated_when_piped(
     assert rows[long_task][args_at] == "x" * 100
     assert rows["t.hostile"][args_at] == "(1,\\t2)\\n\\x1b[31mred"
     assert {task: cells[-1] for task, cells in rows.items()} == keys
+
+
+def _column_of(line: str, value: str) -> int:
+    return width(line[: line.index(value)])
+
+
+def test_show_stats_and_purge_line_up_in_a_terminal(
+    redis_client: redis.Redis, redis_url: str, key_prefix: str
+) -> None:
+    """show's values start in one column, and no control character of a preview gets through;
+    stats' values start in one column and its counts end in one; purge's rows line up under a
+    header, and its waiting calls under theirs."""
+    keys = _plant(redis_client, key_prefix)
+    shown = _list_in_a_terminal(redis_url, key_prefix, "show", keys["t.hostile"])
+    assert "\x1b" not in shown
+    assert "\t" not in shown
+    assert "(1,\\t2)\\n\\x1b[31mred" in shown
+    lines = shown.rstrip("\n").split("\n")
+    labels = [re.match(r"[a-z]+: +", line) for line in lines]
+    assert all(labels), shown
+    assert {len(label.group()) for label in labels if label} == {len("key:       ")}, shown
+
+    totals = _list_in_a_terminal(redis_url, key_prefix, "stats")
+    head, _, groups = totals.partition("by task:")
+    starts = {_column_of(line, line.split(":", 1)[1].lstrip()) for line in head.splitlines()}
+    assert len(starts) == 1, totals
+    counted = [line for line in groups.splitlines() if line.startswith("  ")]
+    assert len(counted) == len(LOCKS) + 1, totals  # every task, and the one worker
+    ends = {len(line.split()[0]) + line.index(line.split()[0]) for line in counted}
+    assert len(ends) == 1, totals
+
+    redis_client.persist(keys["t.a"])  # no ttl: stale
+    redis_client.persist(keys["t.hostile"])
+    purged = _list_in_a_terminal(redis_url, key_prefix, "purge", "--dry-run", "--timeout", "0.1")
+    assert "\x1b" not in purged
+    assert "\t" not in purged
+    lines = purged.rstrip("\n").split("\n")
+    header = lines[0]
+    assert header.startswith("REASON"), purged
+    rows = [line for line in lines[1:] if line.startswith("no ttl")]
+    assert len(rows) == 2, purged
+    key_at = _column_of(header, "KEY")
+    for task in ("t.a", "t.hostile"):
+        row = next(line for line in rows if keys[task] in line)
+        assert _column_of(row, keys[task]) == key_at, purged
+    assert redis_client.exists(keys["t.a"], keys["t.hostile"]) == 2  # a dry run
