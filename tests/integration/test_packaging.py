@@ -5,11 +5,23 @@
   its own, and the README's "Ten lines" example, taken from README.md, runs there against a
   private Redis: a real ``celery worker`` and the caller both use the fresh venv's python, and
   see neither this checkout nor the test run's virtualenv.
-- The lower bounds in pyproject.toml work: a fresh venv with every direct dependency pinned to
-  its lower bound (``celery[redis]==5.3.5`` ...; the rest resolved by pip), and one with the
-  newest of everything, each run :data:`SMOKE`, a subset of this suite, on real workers and
-  beats. Both run on every Python version the classifiers name (and fail for one that has no
-  interpreter here): the classifiers claim only what is tested.
+- The lower bounds in pyproject.toml work, and every Python version the classifiers name: a
+  fresh venv with every direct dependency pinned to its lower bound (``celery[redis]==5.3.5``
+  ...; the rest resolved by pip), or with the newest of everything, runs :data:`SMOKE`, a
+  subset of this suite, on real workers and beats, after compiling every module of the
+  installed package with that venv's Python (its syntax, whatever the smoke subset imports).
+  The classifiers claim only what is tested.
+
+Which dependencies on which Python (:func:`smoke_cells`): the suite's own Python (3.11, where
+the whole suite runs) gets both, so the lower bounds are tested on a machine with no other
+Python too; the oldest classified (3.10) gets the lower bounds, the pair most likely to break
+(the oldest Celery on the oldest Python the package claims); every other (3.12, 3.13) gets the
+newest, what a new install there resolves to. Every pair would be twice the venvs for little
+more: one costs about 45 s of an xdist worker alone (a venv 4 s, pip install 8-12 s, the smoke
+subset 29-34 s, measured on the 2-core CI machine) and 55 CPU-seconds, 70-85 s while the
+others run beside it. An interpreter is found as a contributor's machine has it
+(tests/support/pythons.py: ``python3.X`` on PATH, else pyenv's newest 3.X.Z); a classified
+version with none is skipped with a line naming it, never failed nor passed over silently.
 """
 
 from __future__ import annotations
@@ -25,12 +37,14 @@ import tempfile
 import textwrap
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import tomllib
 from packaging.requirements import Requirement
 
+from tests.support.pythons import find_python, looked_in
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_for
 from tests.support.workers import REPO_ROOT, WorkerFactory
@@ -302,18 +316,53 @@ def classified_pythons() -> list[str]:
     return versions
 
 
+#: the X.Y of this interpreter, the one the whole suite runs on
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(map(int, version.split(".")))
+
+
 def interpreter(version: str) -> str:
-    """This interpreter if it is ``version``, else ``python<version>`` on PATH (or fail)."""
-    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+    """This interpreter if it is ``version``, else one found on this machine (PATH, pyenv);
+    the test is skipped, with a line naming the version, when there is none."""
+    if version == HERE:
         return sys.executable
-    found = shutil.which(f"python{version}")
+    found = find_python(version)
     if found is None:
-        pytest.fail(f"Python {version} is classified in pyproject.toml, but no python{version}")
-    return found
+        pytest.skip(f"Python {version} is classified but not found: {looked_in(version)}")
+    return str(found)
+
+
+#: the usual wall time of each smoke run, setup included (@pytest.mark.slow): the lower bounds
+#: here cost a venv and the smoke subset, the newest here mostly a ``pip install --dry-run``
+#: (test_smoke_on_oldest_and_newest_dependencies), any on another Python a venv and the subset
+SMOKE_SECONDS = {("lowest", HERE): 60, ("newest", HERE): 20}
+OTHER_PYTHON_SECONDS = 60
+
+
+def smoke_cells() -> list[Any]:
+    """``(deps, python_version)`` of each smoke run: both ``lowest`` and ``newest`` on this
+    interpreter's version, ``lowest`` on the oldest classified version, ``newest`` on every
+    other (the module's docstring says why)."""
+    versions = classified_pythons()
+    oldest = min(versions, key=version_key)
+    cells = []
+    for version in versions:
+        if version == HERE:
+            kinds = ["lowest", "newest"]
+        else:
+            kinds = ["lowest"] if version == oldest else ["newest"]
+        for deps in kinds:
+            seconds = SMOKE_SECONDS.get((deps, version), OTHER_PYTHON_SECONDS)
+            cells.append(pytest.param(deps, version, marks=pytest.mark.slow(seconds=seconds)))
+    return cells
 
 
 def test_lower_bounds_are_read_from_pyproject() -> None:
-    """The pins name every direct dependency, and the classifiers a Python the suite can run."""
+    """The pins name every direct dependency, and the classifiers Pythons that requires-python
+    allows, its lower bound among them: the oldest Python it lets install is smoke-tested."""
     pins = lower_bounds()
     names = {Requirement(pin).name for pin in pins}
     assert names == {"celery", "kombu", "redis", "hiredis"}, pins
@@ -322,7 +371,8 @@ def test_lower_bounds_are_read_from_pyproject() -> None:
     assert low.contains("5.3.5"), pins
     required = PYPROJECT["project"]["requires-python"].removeprefix(">=")
     for version in classified_pythons():
-        assert tuple(map(int, version.split("."))) >= tuple(map(int, required.split("."))), version
+        assert version_key(version) >= version_key(required), version
+    assert min(classified_pythons(), key=version_key) == required, classified_pythons()
 
 
 DRY_RUN = (sys.executable, *PIP, "install", "--dry-run", "--ignore-installed", "-q", "--report")
@@ -357,21 +407,60 @@ def installed(python: Path, *names: str) -> dict[str, str]:
     return dict(json.loads(out.stdout))
 
 
-@pytest.mark.parametrize("python_version", classified_pythons())
-@pytest.mark.parametrize(
-    "deps",
-    [  # newest: a dry run when this suite's venv has the newest (a fresh one has)
-        pytest.param("lowest", marks=pytest.mark.slow(seconds=60)),
-        pytest.param("newest", marks=pytest.mark.slow(seconds=20)),
-    ],
-)
+#: what prints the venv's site-packages directory
+PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+
+
+def compile_every_module(python: Path, version: str) -> None:
+    """Compile every module of the package installed in the venv of ``python`` (pip installed
+    it without), with that Python: a syntax it does not know fails, in a module the smoke
+    subset imports or not."""
+    site = Path(run([str(python), "-c", PURELIB], "sysconfig", timeout=60).strip())
+    package = site / "celery_singleton_lock"
+    assert (package / "__init__.py").is_file(), f"the package is not installed in {site}"
+    run(
+        [str(python), "-m", "compileall", "-q", "-f", str(package)],
+        f"compiling every module of the package on Python {version}",
+        timeout=120,
+    )
+
+
+def test_compiling_fails_on_a_syntax_the_oldest_python_lacks(tmp_path: Path) -> None:
+    """The compile step of the smoke runs fails on a module with a syntax newer than the
+    oldest classified Python (``except*``, 3.11+), planted in a copy of the package in a venv of
+    that Python (one without pip: nothing is installed)."""
+    oldest = min(classified_pythons(), key=version_key)
+    if version_key(oldest) >= (3, 11):
+        pytest.skip(f"the oldest classified Python, {oldest}, has except*: nothing to plant")
+    venv = tmp_path / "venv"
+    run([interpreter(oldest), "-m", "venv", "--without-pip", str(venv)], "venv", timeout=60)
+    python = venv / "bin" / "python"
+    site = Path(run([str(python), "-c", PURELIB], "sysconfig", timeout=60).strip())
+    shutil.copytree(
+        REPO_ROOT / "celery_singleton_lock",
+        site / "celery_singleton_lock",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    compile_every_module(python, oldest)  # the package as it is compiles
+
+    planted = site / "celery_singleton_lock" / "planted.py"
+    planted.write_text("try:\n    pass\nexcept* ValueError:\n    pass\n")
+    expected = f"compiling every module of the package on Python {oldest} exited with 1"
+    with pytest.raises(AssertionError, match=re.escape(expected)) as failed:
+        compile_every_module(python, oldest)
+    assert "planted.py" in str(failed.value), failed.value
+    assert "SyntaxError" in str(failed.value), failed.value
+
+
+@pytest.mark.parametrize(("deps", "python_version"), smoke_cells())
 def test_smoke_on_oldest_and_newest_dependencies(
     wheel: Path, tmp_path: Path, deps: str, python_version: str
 ) -> None:
     """A fresh venv with the direct dependencies at their lower bounds (``lowest``: exactly the
     versions pyproject.toml claims) or at their newest (``newest``, whatever the registry has
-    today), the test extra (without :data:`SMOKE_LEAVES_OUT`), and :data:`SMOKE` run there on
-    real workers and beats. The run's versions are printed.
+    today), on the Python ``python_version`` (:func:`smoke_cells`), with the test extra (without
+    :data:`SMOKE_LEAVES_OUT`): every module of the installed package compiles there, and
+    :data:`SMOKE` runs there on real workers and beats. The run's versions are printed.
 
     ``newest`` on this interpreter first asks pip what a new venv would get today: when this
     suite's own venv has exactly those releases (a fresh CI machine's has), the whole suite is
@@ -381,23 +470,24 @@ def test_smoke_on_oldest_and_newest_dependencies(
     python_path = interpreter(python_version)
     if deps == "newest" and python_path == sys.executable:
         newest = newest_versions([str(wheel), *smoke_requirements()], tmp_path / "newest.json")
-        here = {name: metadata.version(name) for name in newest}
-        print(f"newest on Python {python_version}: {newest}; this suite's: {here}")
-        if here == newest:
+        ours = {name: metadata.version(name) for name in newest}
+        print(f"newest on Python {python_version}: {newest}; this suite's: {ours}")
+        if ours == newest:
             return  # this very suite runs on the newest: nothing more to build
     venv = new_venv(python_path, tmp_path / "venv", str(wheel), *smoke_requirements(), *pins)
     python = venv / "bin" / "python"
     versions = installed(python, "celery", "kombu", "redis", "hiredis", "billiard")
-    print(f"{deps} on Python {python_version}: {versions}")
+    print(f"{deps} on Python {python_version} ({python_path}): {versions}")
     for pin in pins:  # pip installed exactly the lower bounds
         requirement = Requirement(pin)
         assert requirement.specifier.contains(versions[requirement.name]), (pin, versions)
+    compile_every_module(python, python_version)
     warnings = [arg for w in SMOKE_WARNINGS for arg in ("-W", w)]
     # on 3 xdist workers, as the suite runs on 4: the smoke subset's wall time is this test's
     options = ["-n", "3", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner")]
     output = run(
         [str(python), "-m", "pytest", *options, *warnings, *SMOKE],
-        f"the smoke subset on {deps} dependencies {versions}",
+        f"the smoke subset on Python {python_version}, {deps} dependencies {versions}",
         timeout=600,
         cwd=REPO_ROOT,
     )
