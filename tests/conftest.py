@@ -31,6 +31,7 @@ from tests.support.beats import BeatFactory  # noqa: E402
 from tests.support.bed import Bed  # noqa: E402
 from tests.support.django_db import release_database, use_database  # noqa: E402
 from tests.support.prefixes import private_prefix  # noqa: E402
+from tests.support.recording_schedulers import close_made  # noqa: E402
 from tests.support.scheduling import ModuleAffineScheduling, longest_first  # noqa: E402
 from tests.support.servers import RedisServer, shared_redis_url  # noqa: E402
 from tests.support.topologies import sentinels_and_cluster  # noqa: E402
@@ -76,6 +77,14 @@ def collect_garbage_after_the_test() -> Iterator[None]:
     the collector happens to run in."""
     yield
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def close_the_schedulers_made() -> Iterator[None]:
+    """The Redis clients of the schedulers a test made in this process, closed after it (before
+    the garbage is collected above: set up after it, torn down before)."""
+    yield
+    close_made()
 
 
 @pytest.fixture(scope="session")

@@ -251,7 +251,7 @@ class SingletonSchedulerMixin:
             first = min(self._rechecks.values())
             delay = min(delay, max(first - self.singleton_monotonic(), 0.0))
         # wake up to look for operators' asks
-        delay = min(delay, self._singleton_steered.next_poll_in(self.singleton_monotonic()))
+        delay = min(delay, self._singleton_steered.next_poll_in(state, self.singleton_monotonic()))
         if leader and state.leading:  # wake up to renew the lease, not at the next due run
             delay = min(delay, max(state.renew_at - self.singleton_monotonic(), 0.0))
         return delay

@@ -107,10 +107,13 @@ class Steered:
             return float("inf")
         return OUTAGE_POLL_S if state.outage.down else POLL_S
 
-    def next_poll_in(self, now: float) -> float:
+    def next_poll_in(self, state: BeatState, now: float) -> float:
         """How long from monotonic time ``now`` until it looks for asks again (at most
-        :data:`POLL_S`: woken up then, it decides)."""
-        return min(max(self._polled_at + POLL_S - now, 0.0), POLL_S)
+        :data:`POLL_S`: woken up then, it decides again)."""
+        every = self._poll_every(state)
+        if every > POLL_S:  # less often, or not now: no need to be woken up for it
+            return POLL_S
+        return min(max(self._polled_at + every - now, 0.0), POLL_S)
 
     def _register(
         self, steering: Steering, state: BeatState, schedule: Any, edits: int, now: float

@@ -56,11 +56,22 @@ class MemoryScheduler(Scheduler):  # type: ignore[misc]
         """Nothing to persist."""
 
 
+#: The schedulers made by the test running (their Redis clients closed after it: conftest.py).
+MADE: list[Any] = []
+
+
+def close_made() -> None:
+    """Close the Redis clients of the schedulers the test made, however it ended."""
+    close_clients(*MADE)
+    MADE.clear()
+
+
 class Guarded(SingletonSchedulerMixin, MemoryScheduler):
     """The mixin in front of MemoryScheduler; records what it would publish."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.sent: list[dict[str, Any]] = []
+        MADE.append(self)
         super().__init__(*args, **kwargs)
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
@@ -75,6 +86,7 @@ class RecordingPersistent(SingletonScheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.sent: list[dict[str, Any]] = []
+        MADE.append(self)
         super().__init__(*args, **kwargs)
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
@@ -155,10 +167,10 @@ def check_leader_hand_over(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None
     close_clients(a, b)
 
 
-def close_clients(*schedulers: Guarded) -> None:
+def close_clients(*schedulers: Any) -> None:
     """Close the Redis clients of ``schedulers`` (their claims share them with the store)."""
     for scheduler in schedulers:
-        state = scheduler._singleton
+        state = getattr(scheduler, "_singleton", None)
         if state is not None:
             for client in getattr(state.store, "clients", None) or (state.store.client,):
                 client.close()
