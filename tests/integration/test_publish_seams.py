@@ -204,6 +204,9 @@ def test_a_run_clears_its_marker_when_json_changed_its_argument(
     first = task.delay((1, 2))
     wait_for(lambda: [e for e in _runs(redis_client, key_prefix) if e.finished], 20, "run", worker)
     wait_for(lambda: not _markers(redis_client, key_prefix), 10, "the marker cleared", worker)
+    # the release is written after the body: until it lands, the lock is the running holder's
+    locks = f"{key_prefix}lock:*:lock"
+    wait_for(lambda: not list(redis_client.scan_iter(match=locks)), 10, "the lock released", worker)
     second = task.delay((1, 2))
     assert second.id != first.id
     wait_for(lambda: len(_runs(redis_client, key_prefix)) == 2, 20, "a second run", worker)
