@@ -40,9 +40,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the test extra installs tomli
+    import tomli as tomllib
+
 import pytest
 import redis
-import tomllib
 from packaging.requirements import Requirement
 
 from tests.support.pythons import find_python, looked_in
