@@ -88,7 +88,9 @@ def carry_out(  # noqa: PLR0917 - the call, and what it met
     error = _error(task, action, keys, outcome, task_id)
     if fate is Fate.REQUEUE:
         _report_requeue(task, keys, action, task_id, error)
-        requeue(task, action.countdown, error)
+        # a copy of the running holder's own message: the holder's run owns the task id's
+        # result, which this delivery's RETRY could overwrite after the holder's end
+        requeue(task, action.countdown, error, store_retry=action.why is not Why.REDELIVERED)
     if isinstance(error, DuplicateTaskError | RateLimitedError) and (
         task.singleton_options().failure_is_final  # its FAILURE ends its message
     ):
@@ -220,10 +222,13 @@ def _report_raise(task: Any, keys: LockKeys, action: Action, task_id: str) -> No
     signals.duplicate_raised.send(sender=task, key=keys.lock, task_id=task_id, holder=action.holder)
 
 
-def requeue(task: Any, countdown: float, reason: Exception) -> NoReturn:
-    """Publish the current message again, retries unchanged, and end this delivery as RETRY;
-    shown as its caller had Celery show it (``argsrepr``/``kwargsrepr``: run/callrepr.py). An
-    eager or direct call cannot be requeued: it fails with ``reason``."""
+def requeue(
+    task: Any, countdown: float, reason: Exception, *, store_retry: bool = True
+) -> NoReturn:
+    """Publish the current message again, retries unchanged, and end this delivery as RETRY
+    (``store_retry``; else with nothing stored, as Celery's ``Ignore``); shown as its caller had
+    Celery show it (``argsrepr``/``kwargsrepr``: run/callrepr.py). An eager or direct call
+    cannot be requeued: it fails with ``reason``."""
     request = task.request
     if request.is_eager or request.called_directly:
         raise reason
@@ -243,6 +248,8 @@ def requeue(task: Any, countdown: float, reason: Exception) -> NoReturn:
         raise reason from exc
     requeued(request)  # Sentry Crons: the copy closes the run's check-in
     left = seconds_left(request.expires)
+    if not store_retry:
+        raise Ignore()
     if left is not None and left <= countdown:
         # the copy comes due after its message expired, and the worker that gets it ends it
         # REVOKED, as Celery ends an expired task, maybe before this delivery's RETRY would
