@@ -214,18 +214,7 @@ class RunClaims:
 
         ``won`` is always False; ``pttl_ms`` is how long the claim stays.
         """
-        if not keys:
-            return []
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-                pipe.pttl(key)
-            replies: list[Any] = pipe.execute()
-        except REDIS_ERRORS as exc:
-            raise LockUnavailableError(
-                f"could not read the claim {keys[0]} and others: {exc}", key=keys[0]
-            ) from exc
+        replies = self._read("claim", keys, lambda pipe, key: (pipe.get(key), pipe.pttl(key)))
         claims: list[Claim | None] = []
         for value, pttl in zip(replies[::2], replies[1::2], strict=True):
             claims.append(None if value is None else _seen(value, pttl))
@@ -292,18 +281,23 @@ class RunClaims:
 
     def records(self, keys: Sequence[str]) -> list[EntryRecord | None]:
         """The entry records at ``keys`` (from :func:`record_key`; None: none), one round trip."""
+        replies = self._read("record", keys, lambda pipe, key: pipe.hgetall(key))
+        return [_record(reply) for reply in replies]
+
+    def _read(self, what: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list[Any]:
+        """The replies of the reads ``add`` puts in one pipeline for each of ``keys``, in one
+        round trip; a failure as LockUnavailableError."""
         if not keys:
             return []
         try:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
-                pipe.hgetall(key)
-            replies: list[Any] = pipe.execute()
+                add(pipe, key)
+            return list(pipe.execute())
         except REDIS_ERRORS as exc:
             raise LockUnavailableError(
-                f"could not read the record {keys[0]} and others: {exc}", key=keys[0]
+                f"could not read the {what} {keys[0]} and others: {exc}", key=keys[0]
             ) from exc
-        return [_record(reply) for reply in replies]
 
     def unclaim_many(self, keys: Sequence[str]) -> list[bool | LockUnavailableError]:
         """Give up our pending claims at ``keys`` (``unclaim.lua``), in one round trip."""

@@ -189,14 +189,7 @@ class RedlockClaims:
         (with the longest time left); else unclaimed. Raises when fewer than a majority
         answered.
         """
-        replies = self._run(lambda c: c.peek(keys))
-        answers = [r for r in replies.values() if not isinstance(r, Failed)]
-        if len(answers) < self.quorum:
-            raise LockUnavailableError(
-                f"could not read claims: {len(answers)} of {len(self.members)} masters "
-                f"answered{self._why(replies)}",
-                key=keys[0] if keys else None,
-            )
+        answers = self._majority_read("claims", lambda c: c.peek(keys), keys)
         merged: list[Claim | None] = []
         for seen in zip(*answers, strict=True):
             found = [c for c in seen if c is not None]
@@ -209,15 +202,23 @@ class RedlockClaims:
         """The entry records at ``keys``, read on every master: the latest ``through`` any
         answering master has, and the latest published run. Raises when fewer than a majority
         answered."""
-        replies = self._run(lambda c: c.records(keys))
+        answers = self._majority_read("records", lambda c: c.records(keys), keys)
+        return [merge_records(seen) for seen in zip(*answers, strict=True)]
+
+    def _majority_read(
+        self, what: str, call: Callable[[RunClaims], list[T]], keys: Sequence[str]
+    ) -> list[list[T]]:
+        """``call`` on every master: the answers, or LockUnavailableError when fewer than a
+        majority answered."""
+        replies = self._run(call)
         answers = [r for r in replies.values() if not isinstance(r, Failed)]
         if len(answers) < self.quorum:
             raise LockUnavailableError(
-                f"could not read records: {len(answers)} of {len(self.members)} masters "
+                f"could not read {what}: {len(answers)} of {len(self.members)} masters "
                 f"answered{self._why(replies)}",
                 key=keys[0] if keys else None,
             )
-        return [merge_records(seen) for seen in zip(*answers, strict=True)]
+        return answers
 
     def witness(self, key: str, task_id: str, keep_ms: int) -> str | None:
         """Witness a scheduled run's message on every master (see :meth:`RunClaims.witness`).
