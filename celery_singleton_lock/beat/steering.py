@@ -27,10 +27,10 @@ from typing import Any, Final, TypeVar
 
 from ..core._wire import as_text, evalsha, script
 from ..core.backend import REDIS_ERRORS, Client
-from ..core.connection import client_for, lock_url, redlock_clients
 from ..core.keys import beat_entry_key, beat_group_key, run_claim_key
 from ..errors import LockUnavailableError
 from .claims import EntryRecord, RunClaims, merge_records
+from .redlock_claims import claims_and_store
 
 __all__ = ["ASK_KEEP_MS", "Ask", "Steering", "steering_clients"]
 
@@ -76,8 +76,10 @@ class Ask:
 
 
 def steering_clients(url: str) -> list[Client]:
-    """The clients of the beat's Redis at ``url``: one, or each master of a Redlock URL."""
-    return list(redlock_clients(url)) if lock_url(url).kind == "redlock" else [client_for(url)]
+    """The clients of the beat's Redis at ``url``, made as a beat makes its claims' (one, or
+    each master of a Redlock URL)."""
+    claims, _store = claims_and_store(url, "operator")  # the store shares these clients
+    return claims.clients
 
 
 class Steering:

@@ -24,6 +24,7 @@ import click
 
 from ..beat.described import next_due, schedule_text
 from ..beat.steering import Ask, Steering, steering_clients
+from ..core.backend import REDIS_ERRORS
 from ..errors import LockUnavailableError
 from .columns import aligned, tab_separated
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("celery_singleton_lock.tools.cli")
 
 T = TypeVar("T")
 
+_FAILURES: tuple[type[Exception], ...] = (LockUnavailableError, *REDIS_ERRORS)
 #: How often ``run`` looks whether a beat published the asked run (seconds).
 WAIT_STEP_S = 0.1
 _COLUMNS = ("ENTRY", "TASK", "SCHEDULE", "LAST RUN", "BY", "PUBLISHED", "NEXT DUE", "STATE")
@@ -56,7 +58,7 @@ class _Beat:
     def _call(self, call: Callable[[], T]) -> T:
         try:
             return call()
-        except LockUnavailableError as exc:
+        except _FAILURES as exc:  # REDIS_ERRORS: a cluster's client connects as it is made
             self.target.fail(exc)
             raise  # not reached: fail() raises
 
