@@ -31,6 +31,7 @@ from tests.support.recording_schedulers import (
     Monotonic,
     RecordingPersistent,
     clock_at,
+    close_clients,
     driven,
 )
 from tests.support.servers import RedisServer
@@ -84,10 +85,7 @@ class Beats:
     def stop(self, name: str) -> None:
         scheduler = self.running.pop(name)
         scheduler.close()  # syncs its schedule file, as beat's shutdown does
-        state = scheduler._singleton
-        if state is not None:  # the claims share these clients
-            for client in getattr(state.store, "clients", None) or (state.store.client,):
-                client.close()
+        close_clients(scheduler)
 
     def tick_at(self, now: float) -> dict[str, list[int]]:
         """Move the clock to ``now``; tick every running beat; the runs they published, by
